@@ -1,0 +1,87 @@
+"""Pure-PyTorch reference of every kernel: the specification the Triton kernels are tested against.
+
+Each function has the same signature as its Triton twin. Reference math dequantizes weights exactly
+(fp32) and computes in fp32, then casts the result to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import QWeight, stage_activation, w4a4_matmul_ref
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """y = x @ W^T for one (unstacked) weight of any format: x [..., K] -> [..., N] in x.dtype."""
+    if w.leading:
+        raise ValueError(f"linear takes one weight, got stacked leading dims {w.leading}")
+    if w.fmt == "dense" and w.weight.dtype == x.dtype:
+        return F.linear(x, w.weight)
+    return F.linear(x.float(), w.dequantize(torch.float32)).to(x.dtype)
+
+
+def linear_w4a4(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """NVFP4 W4A4 emulation (Blackwell numerics): FP4 activations with alpha = input_scale * weight_scale_2."""
+    if w.fmt != "nvfp4" or w.input_scale is None:
+        raise ValueError("W4A4 emulation needs an NVFP4 weight with an input_scale")
+    shape = x.shape
+    x_fp4, x_sf, _ = stage_activation(x.reshape(-1, shape[-1]), w.input_scale)
+    alpha = w.input_scale.float() * w.scale_2.float()
+    y = w4a4_matmul_ref(x_fp4, x_sf, w.weight, w.scale, alpha, torch.float32)
+    return y.reshape(*shape[:-1], -1).to(x.dtype)
+
+
+def _stacked_dequant(w: QWeight, index: tuple) -> torch.Tensor:
+    """Dequantize one leading index of a stacked QWeight (fp32 [N, K])."""
+    pick = lambda t: None if t is None else t[index]  # noqa: E731
+    return QWeight(w.fmt, w.weight[index], pick(w.scale), pick(w.scale_2), pick(w.input_scale)).dequantize()
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """V4's clamped SwiGLU: silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
+    gate, up = gate.float().clamp(max=limit), up.float().clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float) -> torch.Tensor:
+    """Shared expert: w13 leading (2,) (gate, up), w2 unstacked. x [T, K] -> [T, D] in x.dtype."""
+    gate = F.linear(x.float(), _stacked_dequant(w13, (0,)))
+    up = F.linear(x.float(), _stacked_dequant(w13, (1,)))
+    return linear(swiglu(gate, up, limit).to(x.dtype), w2)
+
+
+def route(
+    logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,
+    tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: logits [T, E] -> (weights fp32 [T, k], expert ids int64 [T, k]).
+
+    scores = sqrt(softplus(logits)); ids = topk(scores + bias) (bias selects only) or tid2eid[input_ids] on
+    hash layers; weights = scores[ids] normalised to sum 1, times the routed scaling factor.
+    """
+    scores = torch.sqrt(F.softplus(logits.float()))
+    if tid2eid is not None:
+        ids = tid2eid[input_ids.reshape(-1)].long()
+    else:
+        ids = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    return w / (w.sum(-1, keepdim=True) + 1e-20) * scaling, ids
+
+
+def moe(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float
+) -> torch.Tensor:
+    """Routed experts: x [T, K], ids/weights [T, k]; w13 leading (E, 2), w2 leading (E,) -> [T, D] in x.dtype.
+
+    Each token's output is sum_j weights[t, j] * W2_e swiglu(W1_e x, W3_e x) with e = ids[t, j]; the
+    routing weight multiplies after W2, as in transformers.
+    """
+    out = torch.zeros(x.shape[0], w2.out_features, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        xe = x[tok].float()
+        h = swiglu(F.linear(xe, _stacked_dequant(w13, (e, 0))), F.linear(xe, _stacked_dequant(w13, (e, 1))), limit)
+        y = F.linear(h.to(x.dtype).float(), _stacked_dequant(w2, (e,)))
+        out.index_add_(0, tok, y * weights[tok, slot, None].float())
+    return out.to(x.dtype)
