@@ -1,0 +1,23 @@
+"""dsv4: DeepSeek-V4 inference, exact on CPU, fast on Hopper.
+
+`import dsv4` stays light: public names are imported on first use.
+"""
+
+from importlib import import_module
+from types import MappingProxyType
+
+# public name -> module defining it (imported when the name is first used)
+_LAZY = MappingProxyType({
+    "load": "dsv4.checkpoint.loader",
+    "SamplingParams": "dsv4.runtime.params",
+    "RequestOutput": "dsv4.runtime.params",
+    "CompletionOutput": "dsv4.runtime.params",
+})
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dsv4' has no attribute {name!r}")

@@ -13,10 +13,11 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
-RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+RATIO_TO_LAYER_TYPE = MappingProxyType({0: SLIDING, 4: CSA, 128: HCA})
 
 
 class ConfigError(ValueError):
@@ -243,12 +244,12 @@ class ModelConfig:
         return cls(**base)
 
 
-_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
+_FIELDS = frozenset(f.name for f in dataclasses.fields(ModelConfig))
 # transformers-style keys folded by _fold_hf_keys.
-_HF_KEYS = {"layer_types", "compress_rates", "mlp_layer_types", "rope_parameters", "partial_rotary_factor",
-            "compress_rate_csa", "compress_rate_hca"}
+_HF_KEYS = frozenset({"layer_types", "compress_rates", "mlp_layer_types", "rope_parameters", "partial_rotary_factor",
+            "compress_rate_csa", "compress_rate_hca"})
 # Keys real config.json files carry that do not change the forward pass of a V4 model.
-_IGNORED_KEYS = {
+_IGNORED_KEYS = frozenset({
     "architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "auto_map", "use_cache",
     "attention_bias", "attention_dropout", "mlp_bias", "initializer_range", "pad_token_id", "output_router_logits",
     "router_aux_loss_coef", "router_jitter_noise", "aux_loss_alpha", "seq_aux", "first_k_dense_replace",
@@ -258,7 +259,7 @@ _IGNORED_KEYS = {
     "task_specific_params", "finetuning_task", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
     "intermediate_size", "num_local_experts", "scale_fmt", "moe_quant_algo", "quantized_layers", "ignore",
     "config_groups",
-}
+})
 # Speculative-decoding add-ons of later V4 releases (Flash-0731's DSpark): read elsewhere, never by the forward.
 _IGNORED_PREFIXES = ("dspark_",)
 

@@ -17,6 +17,7 @@ stacked together never share one weight_scale_2.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -26,10 +27,16 @@ from .nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
 from .scales import UE8M0_DTYPE
 
 FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
+_E4M3 = torch.float8_e4m3fn
+_WEIGHT_DTYPES = MappingProxyType({"fp8": (_E4M3,), "mxfp4": (torch.uint8,), "nvfp4": (torch.uint8,)})
+_SCALE_DTYPES = MappingProxyType({"fp8": (UE8M0_DTYPE, torch.float32), "mxfp4": (UE8M0_DTYPE,), "nvfp4": (_E4M3,)})
+_K_BLOCK = MappingProxyType({"mxfp4": MXFP4_BLOCK, "nvfp4": NVFP4_BLOCK})
 
 
 @dataclass(frozen=True)
 class QWeight:
+    """Validated at construction (dtypes and shapes; values are checked when dequantized)."""
+
     fmt: str
     weight: torch.Tensor
     scale: torch.Tensor | None = None
@@ -37,8 +44,7 @@ class QWeight:
     input_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.fmt not in FORMATS:
-            raise ValueError(f"unknown weight format {self.fmt!r}; expected one of {FORMATS}")
+        self.validate()
 
     @property
     def out_features(self) -> int:
@@ -68,7 +74,7 @@ class QWeight:
                    if t is not None)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Shapes every tensor must have for this format, from the weight's logical N and K."""
+        """Shapes every companion tensor must have for this format, from the weight's logical N and K."""
         L, n, k = self.leading, self.out_features, self.in_features
         if self.fmt == "fp8":
             return {"scale": (*L, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))}
@@ -79,20 +85,33 @@ class QWeight:
         return {}
 
     def validate(self, what: str = "weight") -> None:
-        """Raise naming `what` if dtypes or shapes disagree with the format's layout."""
+        """Raise naming `what` if the format, dtypes or shapes disagree with the layout table above."""
+        if self.fmt not in FORMATS:
+            raise ValueError(f"{what}: unknown weight format {self.fmt!r}; expected one of {FORMATS}")
         w = self.weight
-        want_dtype = {"fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8, "nvfp4": torch.uint8}.get(self.fmt)
-        if want_dtype is not None and w.dtype != want_dtype:
-            raise ValueError(f"{what}: {self.fmt} weight must be {want_dtype}, got {w.dtype}")
-        scale_dtypes = {"fp8": (UE8M0_DTYPE, torch.float32), "mxfp4": (UE8M0_DTYPE,),
-                        "nvfp4": (torch.float8_e4m3fn,)}.get(self.fmt, ())
-        if scale_dtypes and (self.scale is None or self.scale.dtype not in scale_dtypes):
+        if not isinstance(w, torch.Tensor) or w.dim() < 2:
+            raise ValueError(f"{what}: weight must be a tensor [*L, N, K], got "
+                             f"{tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__}")
+        want = _WEIGHT_DTYPES.get(self.fmt)
+        if (w.dtype not in want) if want else not w.is_floating_point():
+            raise ValueError(f"{what}: {self.fmt} weight must be {want or 'floating point'}, got {w.dtype}")
+        if self.in_features % _K_BLOCK.get(self.fmt, 1):
+            raise ValueError(f"{what}: {self.fmt} K={self.in_features} is not a multiple of {_K_BLOCK[self.fmt]}")
+        want = _SCALE_DTYPES.get(self.fmt)
+        if want and (self.scale is None or self.scale.dtype not in want):
             got = None if self.scale is None else self.scale.dtype
-            raise ValueError(f"{what}: {self.fmt} scale must be one of {scale_dtypes}, got {got}")
-        for name, shape in self.expected_shapes().items():
+            raise ValueError(f"{what}: {self.fmt} scale must be one of {want}, got {got}")
+        shapes = self.expected_shapes()
+        for name in ("scale", "scale_2", "input_scale"):
             t = getattr(self, name)
+            if name not in shapes:
+                if t is not None:
+                    raise ValueError(f"{what}: a {self.fmt} weight has no {name}, got a tensor {tuple(t.shape)}")
+                continue
             if name == "input_scale" and t is None:
                 continue  # W4A16 checkpoints ship no input_scale; only the W4A4 emulation needs it
-            if t is None or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{what}: {self.fmt} {name} must have shape {tuple(shape)}, "
+            if t is None or tuple(t.shape) != tuple(shapes[name]):
+                raise ValueError(f"{what}: {self.fmt} {name} must have shape {tuple(shapes[name])}, "
                                  f"got {None if t is None else tuple(t.shape)}")
+            if name != "scale" and t.dtype != torch.float32:
+                raise ValueError(f"{what}: {self.fmt} {name} must be float32, got {t.dtype}")

@@ -1,0 +1,158 @@
+"""`dsv4 inspect`: what a checkpoint is (dialect, formats, bytes, parameters) and what dsv4 refuses in it.
+
+Header-only by default. With `audit=True` it also loads the model and runs `dsv4.checkpoint.audit.audit`
+(all-zero and non-finite parameters, duplicate hash routes), which reads every tensor.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+from ..config import count_parameters
+from .canonical import Checkpoint, survey_checkpoint
+from .errors import CheckpointError
+from .spec import TID2EID, model_specs
+
+# Report groups: role -> label (linears by what they do; plain tensors by kind).
+GROUP_LABELS = MappingProxyType({
+    "attn_linear": "attention wq_a/wq_b/wkv/wo_a/wo_b", "indexer_wq_b": "indexer wq_b",
+    "indexer_weights": "indexer weights_proj", "compressor_linear": "compressor wkv/wgate",
+    "router": "router gate", "shared_expert": "shared experts", "routed_expert": "routed experts",
+    "mtp_proj": "MTP e_proj/h_proj", "embed": "embedding", "head": "head", "norm": "norms", "hc": "mHC",
+    "sink": "attention sinks", "ape": "compressor ape", "gate_bias": "router bias", "tid2eid": "hash tid2eid",
+})
+
+
+@dataclass
+class GroupStats:
+    tensors: int = 0
+    bytes: int = 0
+    params: int = 0
+
+
+@dataclass
+class Inspection:
+    path: Path
+    dialect: str = ""
+    summary: str = ""
+    files: int = 0
+    keys: int = 0
+    groups: dict[tuple[str, str, str], GroupStats] = field(default_factory=dict)  # (part, group, format)
+    params_present: dict[str, int] = field(default_factory=dict)   # part -> logical parameters present
+    params_config: dict[str, int] = field(default_factory=dict)    # part -> logical parameters of the config
+    missing: list[str] = field(default_factory=list)
+    refusals: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    audit: object = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.refusals
+
+    def render(self) -> str:
+        lines = [f"checkpoint {self.path}"]
+        if self.dialect:
+            lines += [f"  dialect   {self.dialect}", f"  model     {self.summary}",
+                      f"  storage   {self.keys} keys in {self.files} file(s), "
+                      f"{sum(g.bytes for g in self.groups.values()):,} bytes"]
+            lines.append(f"  {'part':5s} {'group':36s} {'format':8s} {'tensors':>8s} {'bytes':>16s} {'params':>16s}")
+            for (part, group, fmt), g in sorted(self.groups.items()):
+                lines.append(f"  {part:5s} {group:36s} {fmt:8s} {g.tensors:8d} {g.bytes:16,d} {g.params:16,d}")
+            for part in self.params_config:
+                lines.append(f"  parameters ({part}): {self.params_present.get(part, 0):,} present of "
+                             f"{self.params_config[part]:,} in the config (tid2eid excluded)")
+        lines += [f"  note: {n}" for n in self.notes]
+        if self.audit is not None:
+            lines.append(f"  audit: {self.audit}")
+        if self.refusals:
+            lines.append(f"  REFUSED ({len(self.refusals)}):")
+            lines += [f"    {r}" for r in self.refusals]
+        else:
+            lines.append("  no problems found")
+        return "\n".join(lines)
+
+
+def inspect_checkpoint(path: str | Path, audit: bool = False) -> Inspection:
+    report = Inspection(Path(path))
+    try:
+        ckpt = survey_checkpoint(path)
+    except CheckpointError as e:
+        report.refusals.append(str(e))
+        return report
+    _describe(ckpt, report)
+    if audit:
+        _run_audit(ckpt, report)
+    return report
+
+
+def _describe(ckpt: Checkpoint, report: Inspection) -> None:
+    cfg = ckpt.config
+    report.dialect = ckpt.dialect
+    codes = {0: "S", 4: "C", 128: "H"}
+    schedule = "".join(codes[r] for r in cfg.compress_ratios[:cfg.num_hidden_layers])
+    report.summary = (f"{cfg.num_hidden_layers} layers [{schedule}] + {cfg.num_nextn_predict_layers} MTP, hidden "
+                      f"{cfg.hidden_size}, {cfg.n_routed_experts} experts (top {cfg.num_experts_per_tok}), "
+                      f"{cfg.num_hash_layers} hash layers, vocab {cfg.vocab_size}")
+    report.files = len(set(ckpt.sources.values()))
+    report.keys = len(ckpt.sources)
+    report.refusals += ckpt.problems
+    specs = {s.name: s for s in model_specs(cfg)}
+    by_module = {s.module: s for s in specs.values() if s.is_linear}
+    groups: dict = defaultdict(GroupStats)
+    for name, t in ckpt.tensors.items():
+        module = name.rpartition(".")[0]
+        spec = specs.get(name) or by_module.get(module)
+        if spec is None:
+            continue  # already a refusal
+        part = "mtp" if name.startswith("mtp.") else "main"
+        fmt = ckpt.formats.get(spec.module, "dense") if spec.is_linear else "dense"
+        if fmt == "dense":  # dense linears and plain tensors: show the dtype
+            fmt = str(t.dtype).removeprefix("torch.")
+        g = groups[(part, GROUP_LABELS.get(spec.role, spec.role), fmt)]
+        g.tensors += 1
+        g.bytes += t.nbytes
+        if name == spec.name and spec.role != TID2EID:
+            n = 1
+            for d in spec.shape:
+                n *= d
+            g.params += n
+            report.params_present[part] = report.params_present.get(part, 0) + n
+    report.groups = dict(groups)
+    report.params_config["main"] = count_parameters(cfg)
+    report.params_config["mtp"] = count_parameters(cfg, include_mtp=True) - report.params_config["main"]
+    missing = ckpt.missing()
+    report.missing = missing
+    main = [n for n in missing if not n.startswith("mtp.")]
+    mtp = [n for n in missing if n.startswith("mtp.")]
+    mtp_total = sum(1 for n in specs if n.startswith("mtp."))
+    if main:
+        report.refusals.append(f"{len(main)} tensors of the model are missing, e.g. {', '.join(main[:8])}")
+    if mtp and len(mtp) == mtp_total:
+        report.notes.append("no MTP block (mtp.*): fine for generation, no speculative decoding")
+    elif mtp:
+        report.refusals.append(f"the MTP block is incomplete: {len(mtp)} of {mtp_total} tensors missing, e.g. "
+                               f"{', '.join(mtp[:8])}")
+
+
+def _run_audit(ckpt: Checkpoint, report: Inspection) -> None:
+    """Load the model (bf16 compute dtype, quantized weights as stored) and audit every parameter."""
+    try:
+        from .audit import audit
+        from .loader import load_checkpoint
+    except ImportError as e:
+        report.notes.append(f"audit requested but not available ({e})")
+        return
+    import torch
+
+    try:
+        findings = audit(load_checkpoint(ckpt, "cpu", torch.bfloat16, kernels="ref"))
+    except CheckpointError as e:
+        report.refusals.append(str(e))
+        return
+    bad = [f for f in findings if not f.legit]
+    report.audit = f"{len(findings)} finding(s), {len(bad)} refused"
+    report.notes += [str(f) for f in findings if f.legit]
+    report.refusals += [str(f) for f in bad]

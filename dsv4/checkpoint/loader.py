@@ -1,0 +1,276 @@
+"""`dsv4.load`: a checkpoint of any dialect and format into a `Transformer`, strictly.
+
+1. `open_checkpoint` renames every key into canonical names and recognises each linear's storage format.
+2. The formats of model modules are derived from the tensors present (a stacked group, e.g. all w1/w3 of
+   a layer's experts, must share one format, fp8 scale dtype and input_scale presence) and cross-checked
+   against config.json (quantization_config, expert_dtype).
+3. The model is built on the meta device; then each of its persistent buffers is matched with the
+   canonical tensors that fill it (one for a plain buffer, one per leading index for stacked experts).
+   Every checkpoint tensor must fill exactly one piece and every piece must be filled, with the right
+   shape and a dtype the buffer can take; all problems are reported together in one CheckpointError
+   naming checkpoint keys and files.
+4. Buffers are materialised one at a time from the memory-mapped shards: an unstacked tensor is used as
+   read (cast or moved only if needed), a stacked buffer is allocated once and each piece copied into it.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import product
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from ..kernels import ops_for
+from ..model import LinearFormat, QLinear, Transformer, build_model
+from ..model.moe import Gate
+from . import names
+from .canonical import FLOAT_DTYPES, INT_DTYPES, CanonicalTensor, Checkpoint, open_checkpoint
+from .errors import CheckpointError
+
+MAX_LISTED = 60
+# Canonical names of expert shards -> stacked model buffers (the only names that differ).
+_EXPERT = re.compile(r"^(?P<ffn>(?:layers|mtp)\.\d+\.ffn)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<leaf>\w+)$")
+_SHARED = re.compile(r"^(?P<ffn>(?:layers|mtp)\.\d+\.ffn)\.shared_experts\.(?P<w>w[123])\.(?P<leaf>\w+)$")
+_SHARD = MappingProxyType({"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)})
+_STACKED = re.compile(r"^(?P<ffn>(?:layers|mtp)\.\d+\.ffn)\.(?P<group>experts|shared_experts)\.(?P<w>w13|w2)$")
+
+
+def model_target(canonical: str) -> tuple[str, tuple[int, ...]]:
+    """Canonical tensor name -> (model buffer key, leading index into it)."""
+    for pattern, group in ((_EXPERT, "experts"), (_SHARED, "shared_experts")):
+        m = pattern.match(canonical)
+        if m:
+            stacked, half = _SHARD[m["w"]]
+            index = (int(m["e"]),) if group == "experts" else ()
+            index += () if half is None else (half,)
+            return f"{m['ffn']}.{group}.{stacked}.{m['leaf']}", index
+    return canonical, ()
+
+
+def canonical_name(buffer_key: str, index: tuple[int, ...]) -> str:
+    """Inverse of `model_target`: the canonical tensor filling `buffer_key[index]`."""
+    module, _, leaf = buffer_key.rpartition(".")
+    m = _STACKED.match(module)
+    if not m:
+        return buffer_key
+    w = m["w"] if m["w"] == "w2" else ("w1", "w3")[index[-1]]
+    expert = f".{index[0]}" if m["group"] == "experts" else ""
+    return f"{m['ffn']}.{m['group']}{expert}.{w}.{leaf}"
+
+
+# ------------------------------------------------------------------------------------------ formats
+def _linear_format(ckpt: Checkpoint, module: str) -> LinearFormat:
+    fmt, t = ckpt.formats[module], ckpt.tensors
+    if fmt == "fp8":
+        return LinearFormat(fmt, scale_dtype=t[f"{module}.scale"].dtype)
+    return LinearFormat(fmt, input_scale=fmt == "nvfp4" and f"{module}.input_scale" in t)
+
+
+def model_formats(ckpt: Checkpoint, problems: list[str]) -> dict[str, LinearFormat]:
+    """Format of every model linear, from the checkpoint's canonical modules; stacked groups must agree."""
+    groups: dict[str, dict[LinearFormat, list[str]]] = {}
+    for module in ckpt.formats:
+        target = model_target(f"{module}.weight")[0].rpartition(".")[0]
+        groups.setdefault(target, {}).setdefault(_linear_format(ckpt, module), []).append(module)
+    out = {}
+    for target, by_format in groups.items():
+        if len(by_format) > 1:
+            parts = []
+            for fmt, members in by_format.items():
+                t = ckpt.tensors[f"{members[0]}.weight"] if f"{members[0]}.weight" in ckpt.tensors else None
+                where = f" (e.g. {t.source!r} in {t.file})" if t else ""
+                parts.append(f"{_describe(fmt)}: {len(members)} shard(s){where}")
+            problems.append(f"stacked {target} mixes storage formats, which one buffer cannot hold: "
+                            + "; ".join(parts))
+            continue
+        out[target] = next(iter(by_format))
+    return out
+
+
+def _describe(fmt: LinearFormat) -> str:
+    if fmt.fmt == "fp8":
+        return f"fp8 with {fmt.scale_dtype} scales"
+    if fmt.fmt == "nvfp4":
+        return "nvfp4 " + ("with" if fmt.input_scale else "without") + " input_scale"
+    return fmt.fmt
+
+
+def check_config(ckpt: Checkpoint, formats: dict[str, LinearFormat], problems: list[str]) -> None:
+    """The storage found must be what config.json declares (quantization_config, expert_dtype)."""
+    cfg, qc = ckpt.config, ckpt.config.quantization_config or {}
+    first = {}
+    for module, fmt in sorted(formats.items()):
+        first.setdefault(fmt.fmt, module)
+    if "fp8" in first:
+        if qc.get("quant_method") != "fp8":
+            problems.append(f"config.json: {first['fp8']} is stored as FP8 blocks but quantization_config."
+                            f"quant_method is {qc.get('quant_method')!r}, not 'fp8'")
+        elif list(qc.get("weight_block_size", [128, 128])) != [128, 128]:
+            problems.append(f"config.json: quantization_config.weight_block_size {qc['weight_block_size']} but "
+                            f"the FP8 scales of {first['fp8']} are on a 128x128 grid")
+    if {"mxfp4", "nvfp4"} & set(first) and not qc and not (ckpt.path / "hf_quant_config.json").exists():
+        module = first.get("mxfp4") or first["nvfp4"]
+        problems.append(f"config.json has no quantization_config (and there is no hf_quant_config.json) but "
+                        f"{module} is stored in 4 bits")
+    experts = {f.fmt for m, f in formats.items() if m.endswith(".ffn.experts.w13") or m.endswith(".ffn.experts.w2")}
+    allowed = {"fp4": {"mxfp4", "nvfp4"}, "fp8": {"fp8"}, None: {"dense", "nvfp4"}}[cfg.expert_dtype]
+    if experts - allowed:
+        problems.append(f"config.json: expert_dtype is {cfg.expert_dtype!r} but routed experts are stored as "
+                        f"{sorted(experts - allowed)}")
+
+
+# ------------------------------------------------------------------------------------------ accounting
+def _pieces(module: torch.nn.Module) -> list[tuple[int, ...]]:
+    """Leading indices of a buffer: one per stacked shard of a QLinear, [()] for everything else."""
+    lead = module.leading if isinstance(module, QLinear) else ()
+    return list(product(*(range(d) for d in lead)))
+
+
+_QUANT_LEAVES = ("scale", "weight_scale", "weight_scale_2", "input_scale")
+
+
+def _accepts(module: torch.nn.Module, leaf: str, stored: torch.dtype, target: torch.dtype) -> bool:
+    """Quantized storage must match exactly; float tensors (norms, dense weights...) may be cast; ints widened."""
+    if stored == target:
+        return True
+    if isinstance(module, QLinear) and (leaf in _QUANT_LEAVES or (leaf == "weight" and module.format.fmt != "dense")):
+        return False
+    if target in FLOAT_DTYPES:
+        return stored in FLOAT_DTYPES
+    return target == torch.int64 and stored in INT_DTYPES
+
+
+def _where(ct: CanonicalTensor) -> str:
+    alias = f" (canonical {ct.name})" if ct.name != ct.source else ""
+    return f"{ct.source!r} in {ct.file}{alias}"
+
+
+def _expected_key(ckpt: Checkpoint, canonical: str) -> str:
+    try:
+        key = names.dialect_key(canonical, ckpt.dialect)
+    except ValueError:
+        return repr(canonical)
+    return repr(key) if key == canonical else f"{key!r} (canonical {canonical})"
+
+
+def plan_fill(model: Transformer, ckpt: Checkpoint, problems: list[str]) -> dict[str, list]:
+    """buffer key -> [(index, CanonicalTensor)] for every persistent buffer; problems collected, not raised."""
+    plan: dict[str, list] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    for path, module in model.named_modules():
+        for leaf, buf in module._buffers.items():
+            if leaf in module._non_persistent_buffers_set:
+                continue
+            key = f"{path}.{leaf}" if path else leaf
+            plan[key] = []
+            for index in _pieces(module):
+                name = canonical_name(key, index)
+                ct = ckpt.tensors.get(name)
+                if ct is None:
+                    missing.append(name)
+                    continue
+                used.add(name)
+                want = tuple(buf.shape[len(index):])
+                if ct.shape != want or not _accepts(module, leaf, ct.dtype, buf.dtype):
+                    problems.append(f"mismatched: {_where(ct)} is {ct.dtype} {list(ct.shape)}; the model needs "
+                                    f"{buf.dtype} {list(want)}")
+                    continue
+                plan[key].append((index, ct))
+    if missing:
+        problems.extend(_missing_summary(ckpt, missing))
+    for name in sorted(set(ckpt.tensors) - used):
+        problems.append(f"unexpected: {_where(ckpt.tensors[name])} fills nothing in the model")
+    return plan
+
+
+def _missing_summary(ckpt: Checkpoint, missing: list[str]) -> list[str]:
+    out = []
+    layers_present = {int(n.split(".")[1]) for n in ckpt.tensors if n.startswith("layers.")}
+    absent = sorted({int(n.split(".")[1]) for n in missing if n.startswith("layers.")} - layers_present)
+    if absent:
+        out.append(f"config.json: num_hidden_layers is {ckpt.config.num_hidden_layers} but the checkpoint has no "
+                   f"tensor at all for layers {absent}")
+    out += [f"missing: {_expected_key(ckpt, name)}" for name in missing]
+    return out
+
+
+def _raise(ckpt: Checkpoint, problems: list[str]) -> None:
+    if not problems:
+        return
+    shown = problems[:MAX_LISTED]
+    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    raise CheckpointError(f"cannot load {ckpt.path} ({ckpt.dialect} dialect): {len(problems)} problem(s)\n  "
+                          + "\n  ".join(shown) + more)
+
+
+# ------------------------------------------------------------------------------------------ filling
+def fill(model: Transformer, plan: dict[str, list], device: torch.device) -> None:
+    """Materialise every buffer of `model` from the planned checkpoint pieces (each read once)."""
+    modules = dict(model.named_modules())
+    for key, pieces in plan.items():
+        path, _, leaf = key.rpartition(".")
+        module = modules[path]
+        meta = module._buffers[leaf]
+        if len(pieces) == 1 and pieces[0][0] == ():
+            value = pieces[0][1].load().to(device=device, dtype=meta.dtype)
+        else:
+            value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+            for index, ct in pieces:
+                value[index].copy_(ct.load())
+        module._buffers[leaf] = value
+    for module in modules.values():
+        for leaf in module._non_persistent_buffers_set:
+            module._buffers[leaf] = module._buffers[leaf].to(device)
+
+
+def check_values(model: Transformer, plan: dict[str, list]) -> None:
+    """Values the forward would misuse silently: hash tables must name existing experts."""
+    problems = []
+    for path, module in model.named_modules():
+        if isinstance(module, Gate) and module.hash:
+            t = module.tid2eid
+            bad = (t < 0) | (t >= module.out_features)
+            if bool(bad.any()):
+                ct = plan[f"{path}.tid2eid"][0][1]
+                row, col = (int(i) for i in bad.nonzero()[0])
+                problems.append(f"{_where(ct)}: expert id {int(t[row, col])} at [{row}, {col}] is outside "
+                                f"[0, n_routed_experts={module.out_features}) ({int(bad.sum())} such entries)")
+    if problems:
+        raise CheckpointError("checkpoint refused:\n  " + "\n  ".join(problems))
+
+
+# ------------------------------------------------------------------------------------------ entry points
+def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    kernels: str = "auto", w4a4: bool = False) -> Transformer:
+    device = torch.device(device)
+    problems: list[str] = []
+    formats = model_formats(ckpt, problems)
+    can_build = not problems       # a stacked group in two formats leaves the model's layout undefined
+    check_config(ckpt, formats, problems)
+    # transformers drops the MTP block when it loads or saves a model, so a transformers-named checkpoint may
+    # lack it: it then loads without one (the audit says so). DeepSeek's own layout always has it.
+    with_mtp = ckpt.has_mtp() or ckpt.dialect == "deepseek"
+    model = plan = None
+    if can_build:
+        model = build_model(ckpt.config, formats, dtype, ops_for(device, kernels), w4a4, mtp=with_mtp)
+        plan = plan_fill(model, ckpt, problems)
+    _raise(ckpt, problems)
+    fill(model, plan, device)
+    check_values(model, plan)
+    return model
+
+
+def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         kernels: str = "auto", w4a4: bool = False) -> Transformer:
+    """Load a DeepSeek-V4 checkpoint folder (any dialect, any format) as a ready model.
+
+    `model.logits(input_ids)` maps LongTensor [B, S] to logits [B, S, vocab] (causal prefill from position 0).
+    dtype is the compute dtype (dense weights, activations); quantized weights stay as stored and are
+    dequantized exactly. kernels: "auto" (Triton on CUDA), "ref" or "triton". w4a4=True emulates NVFP4
+    W4A4 GEMMs (Blackwell numerics) for NVFP4 layers that carry an input_scale; the default is exact
+    weight-only dequantization.
+    """
+    return load_checkpoint(open_checkpoint(path), device, dtype, kernels, w4a4)

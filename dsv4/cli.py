@@ -1,0 +1,114 @@
+"""The `dsv4` command line. Each subcommand imports what it needs when it runs, so `dsv4 --help` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from types import MappingProxyType
+
+# Mirrors dsv4.checkpoint.writer.FORMATS / NAMINGS (kept literal so --help imports no torch; a test checks).
+FORMATS = ("bf16", "official", "nvfp4-experts", "nvfp4")
+NAMINGS = ("deepseek", "hf")
+FORMAT_HELP = ("bf16: every linear in bf16. official: DeepSeek's release layout (FP8 128x128 UE8M0 attention, "
+               "indexer wq_b, shared experts and MTP projections; MXFP4 routed experts; bf16 compressors, router, "
+               "embedding, head). nvfp4-experts: official with NVFP4 routed experts (NVIDIA's V4 builds) plus "
+               "hf_quant_config.json. nvfp4: every linear NVFP4 except compressor projections, router, embedding "
+               "and head (plus hf_quant_config.json).")
+NAMING_HELP = ("deepseek: DeepSeek's tensor names and config.json. hf: names and config.json transformers "
+               "reads (what save_pretrained writes for bf16; per-expert module names when quantized).")
+
+
+def _size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 4GB, 500MB or 1048576")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(unit or " "))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dsv4", description="DeepSeek-V4 checkpoints and inference.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("convert", help="convert a checkpoint to another format or naming",
+                       description="Read a V4 checkpoint in any supported dialect (DeepSeek, NVIDIA NVFP4, "
+                                   "transformers stacked / per-expert / save_pretrained) and format, and write it "
+                                   "as sharded safetensors + model.safetensors.index.json + config.json, one "
+                                   "tensor group at a time. Quantized sources are dequantized exactly and "
+                                   "re-quantized; MXFP4 -> NVFP4 is re-blocked losslessly where possible. NVFP4 "
+                                   "input scales are 1.0 (no calibration).")
+    c.add_argument("src", help="checkpoint folder (or a single .safetensors file next to its config.json)")
+    c.add_argument("dst", help="output folder (created; must not already hold a checkpoint unless --overwrite)")
+    c.add_argument("--format", required=True, choices=FORMATS, help=FORMAT_HELP)
+    c.add_argument("--naming", default="deepseek", choices=NAMINGS, help=NAMING_HELP + " Default: deepseek.")
+    c.add_argument("--shard-size", type=_size, default="4GiB", metavar="SIZE",
+                   help="largest shard data size, e.g. 4GB (default), 500MB or a byte count; units are powers of 1024")
+    c.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    t = sub.add_parser("make-tiny", help="write a small random V4 checkpoint (tests, demos)",
+                       description="Write a random ModelConfig.tiny() checkpoint: 5 layers (sliding, sliding, CSA "
+                                   "ratio 4, HCA ratio 128, CSA) + an MTP block, 2 hash-routed layers, 8 experts; "
+                                   "non-trivial values everywhere and the SwiGLU clamp hit by a fair share of "
+                                   "expert activations.")
+    t.add_argument("dst", help="output folder")
+    t.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    t.add_argument("--format", default="bf16", choices=FORMATS, help="storage format (default bf16); " + FORMAT_HELP)
+    t.add_argument("--naming", default="deepseek", choices=NAMINGS, help="default deepseek; " + NAMING_HELP)
+    t.add_argument("--shard-size", type=_size, default="4GiB", metavar="SIZE", help="largest shard data size")
+    t.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+
+    i = sub.add_parser("inspect", help="describe a checkpoint and list everything dsv4 refuses in it",
+                       description="Print the dialect, the storage format and bytes of each tensor group, "
+                                   "parameter counts against config.json, and every problem dsv4 would refuse "
+                                   "(exit status 1 if there is any). Reads headers only unless --audit.")
+    i.add_argument("path", help="checkpoint folder or .safetensors file")
+    i.add_argument("--audit", action="store_true",
+                   help="also read every tensor and report all-zero and non-finite ones (dsv4.checkpoint.audit)")
+    return p
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .checkpoint.convert import convert_checkpoint
+
+    report = convert_checkpoint(args.src, args.dst, fmt=args.format, naming=args.naming, shard_bytes=args.shard_size,
+                                progress=not args.no_progress, overwrite=args.overwrite)
+    print(report.summary())
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from .checkpoint.tiny import make_tiny
+
+    report = make_tiny(args.dst, seed=args.seed, fmt=args.format, naming=args.naming, shard_bytes=args.shard_size,
+                       overwrite=args.overwrite)
+    print(report.summary())
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .checkpoint.inspect import inspect_checkpoint
+
+    report = inspect_checkpoint(args.path, audit=args.audit)
+    print(report.render())
+    return 0 if report.ok else 1
+
+
+COMMANDS = MappingProxyType({"convert": _convert, "make-tiny": _make_tiny, "inspect": _inspect})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from .checkpoint.errors import CheckpointError
+    from .config import ConfigError
+
+    try:
+        return COMMANDS[args.command](args)
+    except (CheckpointError, ConfigError) as e:
+        print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

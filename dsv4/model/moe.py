@@ -1,0 +1,81 @@
+"""V4 MoE: a sqrt-softplus router (bias for selection only, or hash routing via tid2eid), routed experts
+stacked per layer, and one shared expert; every expert is a clamped SwiGLU.
+
+Module layout (the two places where module paths are not canonical names):
+    ffn.gate                       weight [E, d] (+ bias [E] fp32, or tid2eid [vocab, k] int64 on hash layers)
+    ffn.experts.w13                leading (E, 2): [e, 0] = experts.e.w1 (gate), [e, 1] = experts.e.w3 (up)
+    ffn.experts.w2                 leading (E,):   [e]    = experts.e.w2 (down)
+    ffn.shared_experts.w13 / .w2   leading (2,) / ()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..kernels.ref import swiglu
+from .linear import Builder, QLinear
+
+
+class Gate(QLinear):
+    def __init__(self, cfg: ModelConfig, layer: int, b: Builder):
+        super().__init__(cfg.hidden_size, cfg.n_routed_experts, b.format("gate"), b.dtype, b.ops, (), b.w4a4)
+        self.hash = cfg.is_hash_layer(layer)
+        if self.hash:
+            self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
+        else:
+            self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+
+class Experts(nn.Module):
+    """A SwiGLU expert stack: w13 [*lead, 2, I, d] (gate, up) and w2 [*lead, d, I]; lead = (E,) or () (shared)."""
+
+    def __init__(self, lead: tuple[int, ...], dim: int, inter: int, b: Builder):
+        super().__init__()
+        self.w13 = b.linear("w13", dim, inter, leading=(*lead, 2))
+        self.w2 = b.linear("w2", inter, dim, leading=lead)
+
+    @property
+    def w4a4(self) -> bool:
+        return self.w13.w4a4 or self.w2.w4a4
+
+    def one(self, x: torch.Tensor, *index: int, limit: float) -> torch.Tensor:
+        """One expert (W4A4 option): each shard with an input_scale emulates W4A4, the others run weight-only."""
+        def lin(layer: QLinear, h: torch.Tensor, *idx: int) -> torch.Tensor:
+            return (layer.ops.linear_w4a4 if layer.w4a4 else layer.ops.linear)(h, layer.piece(*idx))
+
+        h = swiglu(lin(self.w13, x, *index, 0), lin(self.w13, x, *index, 1), limit).to(x.dtype)
+        return lin(self.w2, h, *index)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, b: Builder):
+        super().__init__()
+        d, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.scaling, self.limit = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit
+        self.ops = b.ops
+        self.gate = Gate(cfg, layer, b)
+        self.experts = Experts((cfg.n_routed_experts,), d, I, b.sub("experts"))
+        self.shared_experts = Experts((), d, I, b.sub("shared_experts")) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [B, S, d] (the ffn_norm'ed block input), input_ids [B, S] (hash routing) -> [B, S, d]."""
+        flat = x.reshape(-1, x.shape[-1])
+        g = self.gate
+        weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
+                                      g.tid2eid if g.hash else None, input_ids if g.hash else None)
+        ex = self.experts
+        if ex.w4a4:
+            out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+            for e in ids.unique().tolist():
+                tok, slot = torch.where(ids == e)
+                out.index_add_(0, tok, ex.one(flat[tok], e, limit=self.limit).float() * weights[tok, slot, None])
+            out = out.to(x.dtype)
+        else:
+            out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit)
+        sh = self.shared_experts
+        if sh is not None:
+            out = out + (sh.one(flat, limit=self.limit) if sh.w4a4 else
+                         self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit))
+        return out.view(x.shape)

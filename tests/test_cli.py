@@ -1,0 +1,102 @@
+"""The `dsv4` command line: make-tiny, convert and inspect, in-process (plus one real `python -m dsv4`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt_fixtures as fx
+from dsv4 import cli
+from dsv4.checkpoint.canonical import open_checkpoint
+from dsv4.checkpoint.writer import FORMATS, NAMINGS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_choices_match_the_writer():
+    assert cli.FORMATS == FORMATS and cli.NAMINGS == NAMINGS
+
+
+@pytest.mark.parametrize("text,value", [("4GB", 4 * 1024**3), ("4GiB", 4 * 1024**3), ("500MB", 500 * 1024**2),
+                                        ("1048576", 1048576), ("1.5k", 1536), ("300KB", 300 * 1024)])
+def test_shard_size(text, value):
+    assert cli._size(text) == value
+
+
+def test_make_tiny_convert_inspect(capsys):
+    d = fx.fresh_dir("cli")
+    assert cli.main(["make-tiny", str(d / "tiny"), "--seed", "3", "--shard-size", "200KB"]) == 0
+    assert "308 tensors" in capsys.readouterr().out
+    tiny = open_checkpoint(d / "tiny")
+    assert len(set(tiny.sources.values())) > 1
+    assert not torch.equal(tiny.tensors["embed.weight"].load(), fx.reference()["embed.weight"])  # seed 3, not 0
+
+    assert cli.main(["convert", str(d / "tiny"), str(d / "nv"), "--format", "nvfp4-experts", "--naming", "hf",
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "dialect hf-experts" in out and "nvfp4 quantized" in out
+    assert (d / "nv" / "hf_quant_config.json").exists()
+
+    assert cli.main(["inspect", str(d / "nv")]) == 0
+    out = capsys.readouterr().out
+    assert "dialect   hf-experts" in out and "routed experts" in out and "nvfp4" in out
+    assert "no problems found" in out and "582,623 present of 582,623" in out
+
+
+def test_inspect_lists_refusals_and_fails(capsys):
+    out = fx.copy_checkpoint(fx.tiny(), "cli-broken")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["hidden_size"] = 32
+    (out / "config.json").write_text(json.dumps(cfg))
+    assert cli.main(["inspect", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert "REFUSED" in text and "'layers.0.attn.wq_a.weight'" in text
+    assert cli.main(["inspect", str(out / "nothing-here")]) == 1
+    assert "no such file or folder" in capsys.readouterr().out
+
+
+def test_inspect_transformers_save_notes_the_missing_mtp(capsys):
+    assert cli.main(["inspect", str(fx.hf_saved())]) == 0
+    text = capsys.readouterr().out
+    assert "dialect   hf-saved" in text and "no MTP block" in text
+
+
+def test_errors_are_one_line_not_a_traceback(capsys):
+    assert cli.main(["convert", str(fx.fresh_dir("empty")), str(fx.fresh_dir("o")), "--format", "bf16"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4 convert: error:") and "Traceback" not in err
+
+
+def test_python_dash_m_and_a_light_help():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "dsv4", "make-tiny", "--help"], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0 and "--seed" in done.stdout and "nvfp4-experts" in done.stdout
+    # --help must not pay for torch: each subcommand imports its machinery when it runs
+    probe = "import sys, dsv4.cli; dsv4.cli._parser(); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert done.stdout.strip() == "False", done.stderr
+
+
+def test_inspect_audit_runs_the_loader_audit(capsys):
+    assert cli.main(["inspect", str(fx.tiny("nvfp4-experts")), "--audit"]) == 0
+    text = capsys.readouterr().out
+    assert "audit: 0 finding(s), 0 refused" in text
+    out = fx.copy_checkpoint(fx.tiny(), "cli-zero")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shard = out / json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]["layers.1.attn.attn_sink"]
+    with safe_open(str(shard), "pt") as h:
+        tensors = {k: h.get_tensor(k) for k in h.keys()}
+    tensors["layers.1.attn.attn_sink"] = torch.zeros_like(tensors["layers.1.attn.attn_sink"])
+    save_file(tensors, shard)
+    assert cli.main(["inspect", str(out), "--audit"]) == 1
+    text = capsys.readouterr().out
+    assert "REFUSED" in text and "attn_sink" in text and "all zero" in text

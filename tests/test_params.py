@@ -1,0 +1,159 @@
+import random
+
+import pytest
+
+from dsv4.runtime.params import (CompletionOutput, IncrementalDetokenizer, Logprob, OutputTracker, RequestOutput,
+                                 SamplingParams)
+from dsv4.runtime.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_checkpoint(None)
+
+
+class PieceTokenizer:
+    """Token i is the text PIECES[i]; EOS = 99 (no text). Exact control over where tokens split strings."""
+    PIECES = ["Hel", "lo", " <", "/ans", "wer>", "!", "b>", "Hello"]
+    eos_id = 99
+
+    def bytes_of(self, i, skip_special_tokens=False):
+        return b"" if i == self.eos_id else self.PIECES[i].encode()
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.bytes_of(i).decode() for i in ids)
+
+
+def run(params, ids, tokenizer=None):
+    tracker = OutputTracker(params, tokenizer or PieceTokenizer())
+    deltas = []
+    for i in ids:
+        done = tracker.append(i)
+        deltas.append(tracker.take_delta())
+        if done:
+            break
+    return tracker, deltas
+
+
+# ------------------------------------------------------------------ SamplingParams
+def test_sampling_params_normalize_and_validate():
+    p = SamplingParams(stop="###", top_k=-1)
+    assert (p.stop, p.stop_token_ids, p.top_k, p.max_tokens, p.temperature) == (["###"], [], 0, 16, 1.0)
+    g = SamplingParams(temperature=0.0, top_p=0.5, top_k=5, min_p=0.1)
+    assert g.greedy and (g.top_p, g.top_k, g.min_p) == (1.0, 0, 0.0)   # as vLLM: irrelevant for argmax
+    for bad in [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=2.0),
+                dict(max_tokens=0), dict(logprobs=-1), dict(stop=[""]), dict(stop_token_ids=[-3])]:
+        with pytest.raises(ValueError, match="SamplingParams"):
+            SamplingParams(**bad)
+    with pytest.raises(TypeError):  # an unsupported vLLM option is an error, not silently ignored
+        SamplingParams(presence_penalty=1.0)
+
+
+def test_output_types_have_vllm_fields():
+    out = CompletionOutput(0, "hi", [1, 2], None, None, "stop", None)
+    req = RequestOutput("r0", "prompt", [0, 5], [out], finished=True)
+    assert req.outputs[0].finished() and req.prompt_token_ids == [0, 5] and req.outputs[0].token_ids == [1, 2]
+
+
+# ------------------------------------------------------------------ incremental detokenization
+def test_streaming_multibyte_utf8(tok):
+    text = "你好，世界！今天天气很好🙂🚀👩‍💻 naïve café ẞ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"
+    ids = tok.encode(text)
+    partial = [i for i in ids if not _valid_utf8(tok.token_bytes[i])]
+    assert partial, "the text must contain tokens that end inside a UTF-8 character"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text == tok.decode(ids)
+    assert "" in pieces  # some token completed no character and was held back
+
+
+def _valid_utf8(b):
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_random_token_streams_match_full_decode(tok):
+    # Oracle: the tokenizers library decoding the whole sequence (broken UTF-8 becomes U+FFFD there too).
+    rng = random.Random(0)
+    partial = [i for i in range(128000) if not _valid_utf8(tok.token_bytes[i])]
+    for _ in range(200):
+        ids = [rng.choice(partial) if rng.random() < 0.5 else rng.randrange(tok.vocab_size) for _ in range(12)]
+        for skip in (False, True):
+            detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            streamed = "".join(detok.push(i) for i in ids) + detok.flush()
+            assert streamed == tok.decode(ids, skip_special_tokens=skip), ids
+
+
+# ------------------------------------------------------------------ stop handling
+def test_eos_stops_without_text(tok):
+    ids = tok.encode("你好🙂") + [tok.eos_id, 19923]
+    tracker, deltas = run(SamplingParams(max_tokens=50), ids, tok)
+    out = tracker.output()
+    assert (out.text, out.finish_reason, out.stop_reason) == ("你好🙂", "stop", None)
+    assert out.token_ids == ids[:-1] and "".join(deltas) == out.text
+
+
+def test_ignore_eos_runs_to_max_tokens(tok):
+    tracker, _ = run(SamplingParams(max_tokens=3, ignore_eos=True), [19923, tok.eos_id, 19923, 19923], tok)
+    assert (tracker.output().text, tracker.finish_reason, len(tracker.token_ids)) == ("HelloHello", "length", 3)
+
+
+def test_stop_token_ids():
+    t, _ = run(SamplingParams(stop_token_ids=[5]), [0, 1, 5, 0])
+    assert (t.text, t.finish_reason, t.stop_reason, t.token_ids) == ("Hello", "stop", 5, [0, 1, 5])
+    t, _ = run(SamplingParams(stop_token_ids=[5], include_stop_str_in_output=True), [0, 1, 5])
+    assert t.text == "Hello!"
+
+
+def test_stop_string_across_tokens_with_holdback():
+    t, deltas = run(SamplingParams(stop=["</answer>"]), [0, 1, 2, 3, 4, 5])
+    assert (t.text, t.finish_reason, t.stop_reason, t.token_ids) == ("Hello ", "stop", "</answer>", [0, 1, 2, 3, 4])
+    assert deltas == ["Hel", "lo", " ", "", ""]   # " <" and "/ans" could start the stop string: held back
+    t, deltas = run(SamplingParams(stop=["</answer>"], include_stop_str_in_output=True), [0, 1, 2, 3, 4, 5])
+    assert t.text == "Hello </answer>" and "".join(deltas) == t.text
+
+
+def test_holdback_released_when_no_stop_follows():
+    t, deltas = run(SamplingParams(stop=["</answer>"], max_tokens=2), [2, 6])
+    assert deltas == [" ", "<b>"] and (t.text, t.finish_reason) == (" <b>", "length")
+    running, _ = run(SamplingParams(stop=["</answer>"]), [0, 1, 2])
+    assert running.output().text == "Hello " and running.text == "Hello <"   # snapshot excludes the held tail
+
+
+def test_earliest_stop_string_wins_and_beats_length():
+    t, _ = run(SamplingParams(stop=["lo", "Hel"]), [7])   # both complete in one step
+    assert (t.text, t.stop_reason) == ("", "Hel")
+    t, _ = run(SamplingParams(stop=["lo"], max_tokens=2), [0, 1])
+    assert (t.text, t.finish_reason, t.stop_reason) == ("Hel", "stop", "lo")
+
+
+def test_external_finish_and_misuse():
+    t, _ = run(SamplingParams(stop=["</answer>"]), [0, 1, 2])
+    t.finish("length")
+    assert (t.output().text, t.take_delta(), t.finish_reason) == ("Hello <", "<", "length")
+    with pytest.raises(RuntimeError, match="already finished"):
+        t.append(0)
+    with pytest.raises(ValueError, match="finish reason"):
+        OutputTracker(SamplingParams(), PieceTokenizer()).finish("bored")
+
+
+def test_truncated_character_at_length_becomes_replacement(tok):
+    ids = tok.encode("🙂")
+    assert len(ids) == 2
+    t, _ = run(SamplingParams(max_tokens=1), ids, tok)
+    assert (t.text, t.finish_reason) == ("\ufffd", "length")
+
+
+def test_logprobs_accumulate(tok):
+    t = OutputTracker(SamplingParams(logprobs=1), tok)
+    t.append(19923, {19923: Logprob(-0.5, 1), 14: Logprob(-1.5, 2)})
+    t.append(14, {14: Logprob(-0.25, 1)})
+    out = t.output()
+    assert out.cumulative_logprob == -0.75 and out.logprobs[0][19923].decoded_token == "Hello"
+    with pytest.raises(ValueError, match="logprobs were requested"):
+        t.append(3)
+    assert OutputTracker(SamplingParams(), tok).output().cumulative_logprob is None
