@@ -1,0 +1,144 @@
+"""Shared pieces of the kernel benchmarks: V4 shapes, random stored-format weights, timing, byte counts."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.formats import QWeight
+
+
+@dataclass(frozen=True)
+class Shapes:
+    name: str
+    D: int          # hidden
+    I: int          # expert intermediate
+    E: int          # routed experts
+    k: int          # experts per token
+    q_lora: int
+    heads: int
+    head_dim: int
+    o_groups: int
+    o_lora: int
+    index_heads: int = 64
+    index_dim: int = 128
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """Benchmark linears: name -> (N, K) of the logical weight."""
+        return {
+            "expert w1/w3": (self.I, self.D),
+            "expert w2": (self.D, self.I),
+            "shared w1/w3": (self.I, self.D),
+            "shared w2": (self.D, self.I),
+            "wq_b": (self.heads * self.head_dim, self.q_lora),
+            "wo_a": (self.o_groups * self.o_lora, self.heads * self.head_dim // self.o_groups),
+            "wo_b": (self.D, self.o_groups * self.o_lora),
+            "indexer wq_b": (self.index_heads * self.index_dim, self.q_lora),
+        }
+
+
+FLASH = Shapes("V4-Flash", 4096, 2048, 256, 6, 1024, 64, 512, 8, 1024)
+PRO = Shapes("V4-Pro", 7168, 3072, 384, 6, 1536, 128, 512, 16, 1024)
+TOY = Shapes("toy", 64, 32, 8, 2, 32, 4, 32, 2, 32, 4, 16)
+
+# formats of each benchmark linear: the official release, and dsv4 convert --format nvfp4
+LINEAR_FORMATS = {
+    "expert w1/w3": ("nvfp4", "mxfp4"), "expert w2": ("nvfp4", "mxfp4"),
+    "shared w1/w3": ("fp8", "nvfp4"), "shared w2": ("fp8", "nvfp4"),
+    "wq_b": ("fp8", "nvfp4"), "wo_a": ("fp8", "nvfp4"), "wo_b": ("fp8", "nvfp4"),
+    "indexer wq_b": ("fp8", "nvfp4"),
+}
+
+
+def random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Generator,
+                   scale_2: float | None = None) -> QWeight:
+    """Random valid stored bytes (weights of magnitude ~0.02): every packed byte is two E2M1 codes; block scales
+    stay in a realistic range. `scale_2` pins NVFP4's per-tensor scale (a power of two keeps bf16 exact)."""
+    shape = (*lead, n)
+
+    def rbytes(*s, lo=0, hi=256):
+        return torch.randint(lo, hi, s, dtype=torch.uint8, device=device, generator=gen)
+
+    if fmt == "nvfp4":
+        w = rbytes(*shape, k // 2)
+        sc = rbytes(*shape, k // 16, lo=0x30, hi=0x40).view(torch.float8_e4m3fn)   # 2^-3 .. 0.94
+        s2 = torch.full(lead, scale_2 if scale_2 is not None else 0.0123, dtype=torch.float32, device=device)
+        if scale_2 is None:
+            s2 = s2 * (1 + 0.1 * torch.rand(lead, device=device, generator=gen))
+        return QWeight("nvfp4", w, sc, s2, torch.full(lead, 0.011, dtype=torch.float32, device=device))
+    if fmt == "mxfp4":
+        scale = rbytes(*shape, k // 32, lo=118, hi=123).view(torch.float8_e8m0fnu)
+        return QWeight("mxfp4", rbytes(*shape, k // 2), scale)
+    if fmt == "fp8":
+        w = rbytes(*shape, k)
+        w = torch.where((w & 0x7F) == 0x7F, w ^ 0x01, w)      # no NaN codes
+        tiles = (-(-n // 128), -(-k // 128))
+        scale = rbytes(*lead, *tiles, lo=118, hi=124).view(torch.float8_e8m0fnu)
+        return QWeight("fp8", w.view(torch.float8_e4m3fn), scale)
+    if fmt == "dense":
+        return QWeight("dense", torch.randn(*shape, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.02)
+    raise ValueError(fmt)
+
+
+def nbytes(w: QWeight) -> int:
+    """Bytes a kernel must read for this weight (packed values + scales)."""
+    return sum(t.numel() * t.element_size() for t in (w.weight, w.scale, w.scale_2) if t is not None)
+
+
+def expert_bytes(w13: QWeight, w2: QWeight, experts) -> int:
+    per = (nbytes(w13) // w13.leading[0]) + (nbytes(w2) // w2.leading[0])
+    return per * len(experts)
+
+
+def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
+    y, r = y.double(), r.double()
+    return float((y - r).norm() / r.norm().clamp_min(1e-30))
+
+
+class Timer:
+    """Median time of a batch of calls. On CUDA: one CUDA graph holding all calls (each on its own rotated
+    inputs, so nothing is served from L2), replayed under triton.testing.do_bench; elsewhere: wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def per_call_ms(self, calls, graph: bool = True, rep: int = 60) -> float:
+        if self.device.type != "cuda":
+            for c in calls:
+                c()
+            t = time.perf_counter()
+            for c in calls:
+                c()
+            return (time.perf_counter() - t) * 1e3 / len(calls)
+        import triton
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for c in calls:
+                c()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        if not graph:
+            return triton.testing.do_bench(lambda: [c() for c in calls], warmup=10, rep=rep,
+                                           return_mode="median") / len(calls)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for c in calls:
+                c()
+        ms = triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median")
+        del g
+        return ms / len(calls)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 4
+    a = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    b = torch.empty_like(a)
+    t = Timer(device)
+    ms = t.per_call_ms([lambda: b.copy_(a)], graph=False, rep=200)
+    del a, b
+    return 2 * n * 4 / (ms * 1e-3) / 1e9

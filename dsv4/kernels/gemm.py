@@ -1,0 +1,451 @@
+"""One Triton GEMM family for every weight-streaming product: y = x @ W^T with W in its stored format.
+
+The same kernel serves
+* dense linears: decode (M <= 64: rows padded to a 16-row MMA) and the fused prefill tiles (bf16 wgmma after
+  in-register dequantization), used on CUDA only for fp32 activations and FP8 with fp32 scales: for bf16
+  prefill (M > 64) `linear` dequantizes once (`_dequant_kernel`) and calls cuBLAS, which measured ~1.8x faster;
+* the shared expert and MoE gate/up (GATED: two shards, clamped SwiGLU in the epilogue);
+* the MoE down projection (EPI_ROUTED: routing weight in the epilogue, fp32 rows per (token, slot));
+* the W4A4 emulation (A_FP4: NVFP4 activations, alpha applied once to the fp32 accumulator).
+
+Row modes: ROWS_DENSE (rows 0..M-1, one weight), ROWS_PAIR (program m = (token, slot) pair m, expert
+ids[m]: the decode MoE, no sorting), ROWS_SORTED (blocks of BM rows of one expert, from `moe.align`).
+Any mode can split K across programs: partials go to an fp32 workspace and the last program of each output
+tile (a self-resetting semaphore from `Scratch`) sums them in split order and runs the epilogue - one launch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import QWeight
+from .tiles import (FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves, _load_x_tile,
+                    _load_xfp4_halves, epilogue_factor)
+
+ROWS_DENSE, ROWS_PAIR, ROWS_SORTED = 0, 1, 2
+EPI_STORE, EPI_ROUTED = 0, 2
+
+
+@triton.jit(do_not_specialize=["M", "NUM_M", "X_DIV", "SPLIT_K", "GROUP_M"])
+def _qgemm_kernel(
+    x_ptr, xs_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, y_ptr, rw_ptr, rows_ptr, ids_ptr, nblk_ptr, ws_ptr, cnt_ptr,
+    M, N, K, NUM_M, X_DIV, SPLIT_K, GROUP_M, limit,
+    stride_xm, stride_xsm,
+    stride_we, stride_wg, stride_wn,
+    stride_se, stride_sg, stride_sn,
+    stride_s2e, stride_s2g,
+    stride_ym, stride_ysplit,
+    FMT: tl.constexpr, SCALE_F32: tl.constexpr, A_FP4: tl.constexpr, ROWS: tl.constexpr,
+    GATED: tl.constexpr, EPI: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_n = tl.cdiv(N, BN)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    group_rows = tl.minimum(NUM_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_rows
+    pid_n = (pid % width) // group_rows
+
+    offs_r = tl.arange(0, BM)
+    if ROWS == 0:
+        rows = pid_m * BM + offs_r
+        rmask = rows < M
+        xrow = rows
+        yrow = rows
+        e = pid_m * 0
+    elif ROWS == 1:
+        rmask = offs_r == 0
+        yrow = pid_m + offs_r * 0
+        xrow = yrow // X_DIV
+        e = tl.load(ids_ptr + pid_m).to(tl.int32)
+    else:
+        if pid_m >= tl.load(nblk_ptr):
+            return
+        pair = tl.load(rows_ptr + pid_m * BM + offs_r)
+        rmask = pair < M
+        yrow = tl.where(rmask, pair, 0)
+        xrow = yrow // X_DIV
+        e = tl.load(ids_ptr + pid_m)
+    e64 = e.to(tl.int64)
+    wbase = w_ptr + e64 * stride_we
+    sbase = s_ptr + e64 * stride_se
+    s2base = s2_ptr + e64 * stride_s2e
+
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    n_chunks = tl.cdiv(K, BK)
+    per_split = tl.cdiv(n_chunks, SPLIT_K)
+    c0 = pid_k * per_split
+    c1 = tl.minimum(c0 + per_split, n_chunks)
+
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if GATED:
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for c in range(c0, c1):
+        k0 = c * BK
+        if FMT >= 2:  # packed FP4 weights: x as even / odd K columns
+            if A_FP4:
+                xe, xo = _load_xfp4_halves(x_ptr, xs_ptr, xrow, rmask, k0, stride_xm, stride_xsm, BM, BK, DOT, ASM)
+            else:
+                xe, xo = _load_x_halves(x_ptr, xrow, rmask, k0, stride_xm, BM, BK, DOT)
+            acc = _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
+                                  FMT, BN, BK, DOT, PREC, ASM)
+            if GATED:
+                acc_u = _accumulate_fp4(acc_u, xe, xo, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0,
+                                        stride_wn, stride_sn, FMT, BN, BK, DOT, PREC, ASM)
+        else:
+            xt = _load_x_tile(x_ptr, xrow, rmask, k0, K, stride_xm, BK, EVEN_K, DOT)
+            acc = _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
+                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE)
+            if GATED:
+                acc_u = _accumulate_8(acc_u, xt, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0, K,
+                                      stride_wn, stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE)
+
+    offs_y = yrow.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    omask = rmask[:, None] & nmask[None, :]
+    if SPLIT:
+        # split-K in one launch: park the fp32 partial(s), count arrivals on this output tile's semaphore; the
+        # last program sums the partials in split order (deterministic), re-arms the semaphore for the next
+        # call and runs the epilogue. Partials are indexed by output row, so every row mode can split.
+        offs_ws = yrow.to(tl.int64)[:, None] * N + offs_n[None, :]
+        plane = M.to(tl.int64) * N
+        part = ws_ptr + pid_k.to(tl.int64) * stride_ysplit
+        tl.store(part + offs_ws, acc, mask=omask)
+        if GATED:
+            tl.store(part + plane + offs_ws, acc_u, mask=omask)
+        tl.debug_barrier()
+        tile = pid_m * num_n + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        last = arrived == SPLIT_K - 1
+        if last:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if GATED:
+                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                part = ws_ptr + s * stride_ysplit
+                acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+        omask = omask & ((tl.zeros((BM, BN), dtype=tl.int32) + arrived) == SPLIT_K - 1)  # only the last stores
+
+    f = epilogue_factor(s2base, FMT)
+    if A_FP4:  # alpha = input_scale * weight_scale_2, once; 2^18 undoes both operands' prescale
+        f = tl.load(s2base).to(tl.float32) * tl.load(a_ptr).to(tl.float32) * 262144.0
+    if GATED:
+        f_u = epilogue_factor(s2base + stride_s2g, FMT)
+        g = tl.minimum(acc * f, limit)
+        u = tl.minimum(tl.maximum(acc_u * f_u, -limit), limit)
+        e = tl.exp(-tl.abs(g))  # sigmoid without overflow for large |g|
+        h = g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * u
+        tl.store(y_ptr + offs_y, h.to(y_ptr.dtype.element_ty), mask=omask)
+    elif EPI == 0:
+        tl.store(y_ptr + offs_y, (acc * f).to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        rw = tl.load(rw_ptr + yrow, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_y, acc * f * rw[:, None], mask=omask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _sum_kernel(src_ptr, dst_ptr, R, N, S, stride_ss, stride_sr, stride_dr, BLOCK: tl.constexpr):
+    """dst[r, :] = sum_{s < S} src[s * stride_ss + r * stride_sr + :] in fp32, in s order (deterministic)."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(src_ptr + s * stride_ss + r * stride_sr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + r * stride_dr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------- launching
+
+@dataclass(frozen=True)
+class Config:
+    BM: int
+    BN: int
+    BK: int
+    split_k: int = 1
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    asm: bool | None = None  # None: ASM wherever the dot runs in bf16 on a GPU
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def dot_dtype(x: torch.Tensor):
+    """(operand dtype, input precision, asm allowed). The interpreter's bf16 tl.dot is broken, so it gets fp32."""
+    if interpreting() or x.dtype == torch.float32:
+        return tl.float32, "ieee", False
+    return tl.bfloat16, "tf32", x.device.type == "cuda"
+
+
+def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
+    return max(floor, min(cap, triton.next_power_of_2(max(1, n))))
+
+
+def k_block(fmt: str, K: int, want: int) -> int | None:
+    """Largest BK <= want that the format allows: FP4 needs BK | K and BK >= 32 (one asm pack per half-group);
+    FP8 needs BK | 128 (one block scale per K step); dense anything (masked tail)."""
+    if fmt in ("mxfp4", "nvfp4"):
+        for bk in (256, 128, 64, 32):
+            if bk <= want and K % bk == 0:
+                return bk
+        return None
+    return min(want, 128, _pow2_at_most(K, 128))
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Weight-tile shape of the decode path (M <= 64), per format family. Measured on an H200 (bench/RESULTS.md)."""
+    BN: int = 128
+    BK: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# winners of the 32-point grid of bench/run_all.py (V4-Pro wq_b and V4-Flash wo_b at M = 1, H200, 2026-11-30)
+DECODE_TILES_FP4 = DecodeTiles(128, 128, 4, 3)
+DECODE_TILES_FP8 = DecodeTiles(128, 128, 8, 3)
+
+
+def pick_config(M: int, N: int, K: int, fmt: str, device: torch.device, *, gated: bool = False,
+                a_fp4: bool = False, tiles: DecodeTiles | None = None, row_blocks: int = 1) -> Config | None:
+    """Heuristic tiles. Decode (M <= 64 rows per block; `row_blocks` blocks, e.g. MoE pairs): the measured
+    `DecodeTiles`, then split-K (reduced in the same launch, SwiGLU included) until ~2 programs per SM.
+    Prefill (fused path): 128x128 output tiles grouped for L2 reuse, split-K only when the grid would leave
+    SMs idle (M ~ 256)."""
+    sms = num_sms(device)
+    chunks_of = lambda bk: triton.cdiv(K, bk)  # noqa: E731
+    if M <= 64:
+        BM = _pow2_at_most(M, 64)
+        t = tiles or (DECODE_TILES_FP4 if fmt in ("mxfp4", "nvfp4") else DECODE_TILES_FP8)
+        BK = k_block(fmt, K, 64 if a_fp4 else t.BK)
+        if BK is None:
+            return None
+        BN = min(t.BN, _pow2_at_most(N, 128))
+        ntiles = triton.cdiv(N, BN) * row_blocks
+        split = 1 if ntiles >= 2 * sms else max(1, min(chunks_of(BK) // 2, triton.cdiv(2 * sms, ntiles)))
+        return Config(BM, BN, BK, split, 1, t.num_warps, t.num_stages)
+    BK = k_block(fmt, K, 64)
+    if BK is None:
+        return None
+    BM = 128 if M >= 128 else 64
+    BN = min(64 if gated else 128, _pow2_at_most(N, 128))  # gated: two accumulators
+    ntiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    split = 1 if ntiles >= sms else max(1, min(chunks_of(BK) // 4, triton.cdiv(sms, ntiles)))
+    return Config(BM, BN, BK, split, 8, 8 if BM == 128 else 4, 4)
+
+
+def _scale_views(w: QWeight):
+    """Stored scale tensors as the kernel reads them: FP4/FP8 UE8M0 and E4M3 bytes as uint8, FP32 as is."""
+    scale = w.scale
+    scale_f32 = scale is not None and scale.dtype == torch.float32
+    if scale is not None and not scale_f32:
+        scale = scale.view(torch.uint8)
+    s2 = w.scale_2 if w.fmt == "nvfp4" else None
+    return scale, scale_f32, s2
+
+
+def weight_supported(w: QWeight, device: torch.device) -> bool:
+    """Whether the Triton kernels read this (possibly stacked) weight; anything else runs the reference."""
+    if w.fmt not in ("fp8", "mxfp4", "nvfp4") or w.weight.device != device:
+        return False
+    if w.weight.stride(-1) != 1 or (w.scale is not None and w.scale.stride(-1) != 1):
+        return False
+    if w.fmt in ("mxfp4", "nvfp4") and k_block(w.fmt, w.in_features, 256) is None:
+        return False
+    if w.fmt == "nvfp4" and w.scale_2 is None:
+        return False
+    return device.type == "cuda" or interpreting()
+
+
+def supported(x: torch.Tensor, w: QWeight) -> bool:
+    """Whether the Triton kernels take x @ W^T (activation dtype, width and device, and the weight)."""
+    return (x.dtype in (torch.bfloat16, torch.float32) and x.shape[-1] == w.in_features
+            and weight_supported(w, x.device))
+
+
+def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gated: bool = False,
+           epi: int = EPI_STORE, x_div: int = 1, num_m: int | None = None, limit: float = 0.0,
+           ids=None, rows_idx=None, nblk=None, rw=None, x_sf=None, input_scale=None, scratch=None):
+    """Launch `_qgemm_kernel` for one (possibly stacked) QWeight into `y`. cfg.split_k > 1 (dense rows only)
+    (any row mode) reduces in-kernel through an fp32 workspace and semaphores from `scratch` (a fresh zeroed set
+    without one)."""
+    N, K = w.out_features, w.in_features
+    fmt = FMT_CODES[w.fmt]
+    scale, scale_f32, s2 = _scale_views(w)
+    wt = w.weight.view(torch.uint8) if w.fmt != "dense" else w.weight
+    lead = w.leading
+    # stacked strides: (E, 2) for MoE gate/up, (E,) for MoE down, (2,) for the shared gate/up, () otherwise
+    if len(lead) == 2:
+        swe, swg = wt.stride(0), wt.stride(1)
+    elif len(lead) == 1 and gated:
+        swe, swg = 0, wt.stride(0)
+    elif len(lead) == 1:
+        swe, swg = wt.stride(0), 0
+    else:
+        swe, swg = 0, 0
+
+    def lead_strides(t):
+        if t is None or t.dim() < len(lead):
+            return 0, 0
+        st = t.stride()
+        if len(lead) == 2:
+            return st[0], st[1]
+        if len(lead) == 1:
+            return (0, st[0]) if gated else (st[0], 0)
+        return 0, 0
+
+    sse, ssg = lead_strides(scale)
+    s2e, s2g = lead_strides(s2)
+    dot, prec, asm_ok = dot_dtype(x)
+    asm = asm_ok if cfg.asm is None else (cfg.asm and asm_ok)
+    if num_m is None:
+        num_m = triton.cdiv(M, cfg.BM)
+    tiles = num_m * triton.cdiv(N, cfg.BN)
+    grid = (tiles, cfg.split_k)
+    dummy = wt
+    ws = cnt = None
+    if cfg.split_k > 1:  # fp32 partials [split, (gate, up), rows, N]; rows are output rows (M, or pairs)
+        ws = torch.empty(cfg.split_k, 2 if gated else 1, M, N, dtype=torch.float32, device=x.device)
+        cnt = scratch.counters(x.device, tiles) if scratch is not None else \
+            torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    out = y
+    _qgemm_kernel[grid](
+        x, x_sf if x_sf is not None else dummy, wt, scale if scale is not None else dummy,
+        s2 if s2 is not None else dummy, input_scale if input_scale is not None else dummy,
+        out, rw if rw is not None else dummy, rows_idx if rows_idx is not None else dummy,
+        ids if ids is not None else dummy, nblk if nblk is not None else dummy,
+        ws if ws is not None else dummy, cnt if cnt is not None else dummy,
+        M, N, K, num_m, x_div, cfg.split_k, min(cfg.group_m, num_m), float(limit),
+        x.stride(0), x_sf.stride(0) if x_sf is not None else 0,
+        swe, swg, wt.stride(-2),
+        sse, ssg, scale.stride(-2) if scale is not None else 0,
+        s2e, s2g,
+        out.stride(-2), ws.stride(0) if ws is not None else 0,
+        FMT=fmt, SCALE_F32=scale_f32, A_FP4=x_sf is not None, ROWS=rows, GATED=gated, EPI=epi,
+        DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
+        EVEN_K=K % cfg.BK == 0, PROMOTE=scale_f32 or cfg.BM < 64, SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def sum_rows(src: torch.Tensor, dst: torch.Tensor, R: int, N: int, S: int, stride_ss: int, stride_sr: int):
+    BLOCK = min(1024, triton.next_power_of_2(N))
+    _sum_kernel[(R, triton.cdiv(N, BLOCK))](src, dst, R, N, S, stride_ss, stride_sr, dst.stride(0), BLOCK=BLOCK)
+
+
+class Scratch:
+    """Split-K semaphores, zeroed once per device and re-armed by the kernels themselves, so a split-K product
+    is one launch. Owned by the `Ops` table that hands it to its calls (one stream at a time)."""
+
+    def __init__(self):
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
+    def counters(self, device: torch.device, n: int) -> torch.Tensor:
+        buf = self._counters.get(device)
+        if buf is None or buf.numel() < n:
+            buf = torch.zeros(max(n, 8192), dtype=torch.int32, device=device)
+            self._counters[device] = buf
+        return buf
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_yn,
+                    FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    ASM: tl.constexpr):
+    """W [N, K] in its stored format -> y [N, K] (y's dtype): one rounding, of the exact fp32 value."""
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    k0 = tl.program_id(1) * BK
+    rows = offs_n.to(tl.int64)[:, None]
+    offs_k = k0 + tl.arange(0, BK)
+    if FMT >= 2:
+        if FMT == 2:
+            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, tl.bfloat16, ASM)
+        else:
+            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, tl.bfloat16, ASM)
+        w = tl.join(lo, hi).reshape(BN, BK).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
+        mask = nmask[:, None]
+    else:
+        mask = nmask[:, None] & (offs_k[None, :] < K)
+        raw = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0)
+        srow = s_ptr + (offs_n // 128).to(tl.int64) * stride_sn + k0 // 128
+        if SCALE_F32:
+            sv = tl.load(srow, mask=nmask, other=0.0)
+        else:
+            sv = (tl.load(srow, mask=nmask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        w = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sv[:, None]
+    tl.store(y_ptr + rows * stride_yn + offs_k[None, :], w.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(w: QWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Triton twin of `QWeight.dequantize` for one unstacked weight (exact in fp32; rounded once otherwise)."""
+    if w.leading or not weight_supported(w, w.weight.device):
+        return w.dequantize(dtype)
+    N, K = w.out_features, w.in_features
+    fmt = FMT_CODES[w.fmt]
+    scale, scale_f32, s2 = _scale_views(w)
+    wt = w.weight.view(torch.uint8)
+    y = torch.empty(N, K, dtype=dtype, device=w.weight.device)
+    BK = k_block(w.fmt, K, 128) or 128
+    BN = 64
+    _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
+        wt, scale, s2 if s2 is not None else wt, y, N, K, wt.stride(0), scale.stride(0), y.stride(0),
+        FMT=fmt, SCALE_F32=scale_f32, BN=BN, BK=BK, ASM=w.weight.device.type == "cuda" and not interpreting(),
+        num_warps=4)
+    return y
+
+
+def prefers_cublas(x: torch.Tensor, w: QWeight, M: int) -> bool:
+    """Prefill (M > 64) on CUDA in bf16: dequantize once (2.5 B/element of traffic) and run cuBLAS, which beats
+    the fused tiles there. NVFP4 weights then carry weight_scale_2 rounded into bf16 (one rounding per weight,
+    far below the bf16 output rounding); FP8 with fp32 scales keeps the fused kernel's exact promotion."""
+    return (M > 64 and x.device.type == "cuda" and x.dtype == torch.bfloat16 and not interpreting()
+            and not (w.fmt == "fp8" and w.scale.dtype == torch.float32))
+
+
+def linear(x: torch.Tensor, w: QWeight, *, config: Config | None = None, out: torch.Tensor | None = None,
+           fallback=None, scratch: Scratch | None = None) -> torch.Tensor:
+    """y = x @ W^T: x [..., K] -> [..., N] in x.dtype. Shapes and formats the kernels do not take go to
+    `fallback` (the reference). `config` forces the fused kernel with those tiles."""
+    if w.leading:
+        raise ValueError(f"linear takes one weight, got stacked leading dims {w.leading}")
+    if not supported(x, w):
+        return fallback(x, w)
+    shape = x.shape
+    M, N = x.numel() // max(1, shape[-1]), w.out_features
+    if config is None and prefers_cublas(x, w, M):
+        y = torch.nn.functional.linear(x, dequantize(w, x.dtype))
+        if out is not None:
+            out.copy_(y.reshape(out.shape))
+            return out
+        return y
+    cfg = config or pick_config(M, N, w.in_features, w.fmt, x.device)
+    if cfg is None:
+        return fallback(x, w)
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        launch(x2, w, y, cfg, M=M, scratch=scratch)
+    return y.reshape(*shape[:-1], N)

@@ -1,0 +1,323 @@
+"""Triton MoE: routing, sorting tokens by expert, and the two fused stages.
+
+Decode (T <= DECODE_TOKENS): no sorting. Stage 1 runs one program per (token, slot) pair and N-tile
+(gate/up + clamped SwiGLU fused); stage 2 runs one program per (token, N-tile) that loops over the token's
+k experts, applying each routing weight and summing in registers (top-k sum fused, deterministic). Programs
+of one N-tile are adjacent in the grid, so an expert shared by two tokens is read from L2 the second time.
+
+Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
+slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
+stage 2 writes routing-weighted fp32 rows per pair and `_sum_kernel` adds each token's k rows in slot order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import QWeight
+from . import gemm
+from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
+from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
+
+DECODE_TOKENS = 8
+DECODE_DOWN = "pairs"  # measured faster than "fused" at 1 and 8 tokens (bench/RESULTS.md)
+
+
+# --------------------------------------------------------------------------------------------- routing
+
+@triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20) with a log1p that keeps tiny exp(x) (x << 0) exact to fp32."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    lg = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
+    return tl.where(x > 20.0, x, lg)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling,
+                  stride_l, stride_tid, TOPK: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                  HASH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, E_PAD)
+    emask = offs_e < E
+    logit = tl.load(logits_ptr + t * stride_l + offs_e, mask=emask, other=0.0).to(tl.float32)
+    score = tl.sqrt_rn(_softplus(logit))
+    offs_j = tl.arange(0, K_PAD)
+    ids = tl.zeros((K_PAD,), dtype=tl.int32)
+    picked = tl.zeros((K_PAD,), dtype=tl.float32)
+    if HASH:
+        tok = tl.load(input_ids_ptr + t).to(tl.int64)
+        ids = tl.load(tid2eid_ptr + tok * stride_tid + offs_j, mask=offs_j < TOPK, other=0).to(tl.int32)
+        for j in tl.static_range(TOPK):
+            idx = tl.sum(tl.where(offs_j == j, ids, 0))
+            picked = tl.where(offs_j == j, tl.sum(tl.where(offs_e == idx, score, 0.0)), picked)
+    else:
+        sel = tl.where(emask, score + tl.load(bias_ptr + offs_e, mask=emask, other=0.0).to(tl.float32),
+                       float("-inf"))
+        for j in tl.static_range(TOPK):
+            idx = tl.argmax(sel, 0, tie_break_left=True).to(tl.int32)
+            ids = tl.where(offs_j == j, idx, ids)
+            picked = tl.where(offs_j == j, tl.sum(tl.where(offs_e == idx, score, 0.0)), picked)
+            sel = tl.where(offs_e == idx, float("-inf"), sel)
+    total = tl.sum(tl.where(offs_j < TOPK, picked, 0.0))
+    w = picked / (total + 1e-20) * scaling
+    tl.store(w_ptr + t * TOPK + offs_j, w, mask=offs_j < TOPK)
+    tl.store(ids_ptr + t * TOPK + offs_j, ids.to(tl.int64), mask=offs_j < TOPK)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,
+          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, *, fallback=None):
+    """Same contract as `ref.route`: (weights fp32 [T, k], ids int64 [T, k]); ids in selection order."""
+    T, E = logits.shape
+    hashed = tid2eid is not None
+    if hashed and (input_ids is None or input_ids.numel() != T or tid2eid.shape[1] != top_k):
+        raise ValueError(f"hash routing needs input_ids for all {T} tokens and tid2eid [vocab, {top_k}]; got "
+                         f"input_ids {None if input_ids is None else tuple(input_ids.shape)}, "
+                         f"tid2eid {tuple(tid2eid.shape)}")
+    if not hashed and bias is None:
+        raise ValueError("biased top-k routing needs the gate bias (or tid2eid for a hash layer)")
+    if logits.stride(-1) != 1 or (hashed and tid2eid.stride(-1) != 1):
+        return fallback(logits, bias, top_k, scaling, tid2eid, input_ids)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T == 0:
+        return w, ids
+    dummy = logits
+    _route_kernel[(T,)](
+        logits, bias if bias is not None else dummy, tid2eid if hashed else dummy,
+        input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
+        logits.stride(0), tid2eid.stride(0) if hashed else 0,
+        TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
+        num_warps=4 if E > 256 else 2)
+    return w, ids
+
+
+# ---------------------------------------------------------------------------- sorting pairs by expert
+
+@triton.jit(do_not_specialize=["P"])
+def _align_kernel(ids_ptr, rows_ptr, blk_e_ptr, nblk_ptr, cursor_ptr, P, E, NUM_BLOCKS,
+                  BM: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
+    """Lay out the P = T*k (token, slot) pairs in blocks of BM rows of a single expert.
+
+    rows[b*BM + i] = pair index (or P for padding), blk_e[b] = expert of block b, nblk = blocks used.
+    Single program: histogram, exclusive scan of padded block counts, then a scatter whose positions come
+    from atomics on a per-expert cursor (order inside an expert's blocks does not change any row's result).
+    """
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)  # padding counts in bin E
+        counts += tl.histogram(e, E_PAD)
+    counts = tl.where(offs_e < E, counts, 0)
+    nb = (counts + BM - 1) // BM
+    ends = tl.cumsum(nb, 0)
+    starts = ends - nb
+    total = tl.sum(nb)
+    tl.store(nblk_ptr, total)
+    tl.store(cursor_ptr + offs_e, starts * BM)
+    for c in range(0, NUM_BLOCKS * BM, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + P, mask=offs < NUM_BLOCKS * BM)
+    for c in range(0, NUM_BLOCKS, BCHUNK):
+        b = c + tl.arange(0, BCHUNK)
+        owner = tl.sum((ends[None, :] <= b[:, None]).to(tl.int32), axis=1)  # first expert whose end > b
+        tl.store(blk_e_ptr + b, tl.minimum(owner, E - 1), mask=b < NUM_BLOCKS)
+    tl.debug_barrier()
+    for c in range(0, P, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        valid = offs < P
+        e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
+        tl.store(rows_ptr + pos, offs, mask=valid)
+
+
+def align(ids: torch.Tensor, n_experts: int, BM: int):
+    """(rows int32 [NB*BM], block experts int32 [NB], number of used blocks int32 [1]); NB is the static bound
+    P/BM + min(P, E) so that CUDA graphs can capture the whole MoE."""
+    P = ids.numel()
+    nb_max = triton.cdiv(P, BM) + min(P, n_experts)
+    dev = ids.device
+    rows = torch.empty(nb_max * BM, dtype=torch.int32, device=dev)
+    blk_e = torch.empty(nb_max, dtype=torch.int32, device=dev)
+    nblk = torch.empty(1, dtype=torch.int32, device=dev)
+    E_PAD = triton.next_power_of_2(n_experts + 1)
+    cursor = torch.empty(E_PAD, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](ids.reshape(-1), rows, blk_e, nblk, cursor, P, n_experts, nb_max,
+                        BM=BM, E_PAD=E_PAD, CHUNK=256, BCHUNK=max(16, 8192 // E_PAD), num_warps=8)
+    return rows, blk_e, nblk, nb_max
+
+
+# ------------------------------------------------------------------------------ decode down projection
+
+@triton.jit(do_not_specialize=["T"])
+def _down_decode_kernel(h_ptr, w_ptr, s_ptr, s2_ptr, ids_ptr, rw_ptr, y_ptr, T, N, K, TOPK,
+                        stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_ym,
+                        FMT: tl.constexpr, SCALE_F32: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+                        ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        EVEN_K: tl.constexpr, PROMOTE: tl.constexpr):
+    """y[t, n] = sum_s rw[t, s] * (W2[ids[t, s]] @ h[t*TOPK + s])[n]: one token per program (row 0 of a
+    BM-row MMA), its k experts in a loop, the sum in registers."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_r = tl.arange(0, BM)
+    rmask = offs_r == 0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    nmask = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for s in range(TOPK):
+        p = t * TOPK + s
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        wbase = w_ptr + e * stride_we
+        sbase = s_ptr + e * stride_se
+        xrow = p + offs_r * 0
+        part = tl.zeros((BM, BN), dtype=tl.float32)
+        for c in range(0, tl.cdiv(K, BK)):
+            if FMT >= 2:
+                xe, xo = _load_x_halves(h_ptr, xrow, rmask, c * BK, stride_hm, BM, BK, DOT)
+                part = _accumulate_fp4(part, xe, xo, wbase, sbase, offs_n, nmask, c * BK, stride_wn, stride_sn,
+                                       FMT, BN, BK, DOT, PREC, ASM)
+            else:
+                xt = _load_x_tile(h_ptr, xrow, rmask, c * BK, K, stride_hm, BK, EVEN_K, DOT)
+                part = _accumulate_8(part, xt, wbase, sbase, offs_n, nmask, c * BK, K, stride_wn, stride_sn,
+                                     FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE)
+        f = epilogue_factor(s2_ptr + e * stride_s2e, FMT) * tl.load(rw_ptr + p).to(tl.float32)
+        acc += part * f
+    yrow = (t + offs_r * 0).to(tl.int64)
+    tl.store(y_ptr + yrow[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
+
+
+# ------------------------------------------------------------------------------------------- wrappers
+
+def _fp4(fmt: str) -> bool:
+    return fmt in ("mxfp4", "nvfp4")
+
+
+def decode_configs(T: int, k: int, E: int, I: int, K: int, D: int, fmt_up: str, fmt_down: str, device,
+                   down: str = "pairs"):
+    """Tiles of the decode path: both stages use the dense decode tiles over T*k one-row blocks (split-K in
+    the same launch when that leaves SMs idle); the fused down projection has only T programs per N-tile."""
+    up = gemm.pick_config(1, I, K, fmt_up, device, gated=True, row_blocks=T * k)
+    if down == "pairs":
+        return up, gemm.pick_config(1, D, I, fmt_down, device, row_blocks=T * k)
+    target = 2 * gemm.num_sms(device)
+    bk_down = gemm.k_block(fmt_down, I, 256 if _fp4(fmt_down) else 128)
+    if up is None or bk_down is None:
+        return None, None
+    bn_down = next((bn for bn in (128, 64, 32) if T * triton.cdiv(D, bn) >= target), 16)
+    stages = 8 if bn_down <= 32 else 4
+    return up, Config(16, min(bn_down, gemm._pow2_at_most(D, 128)), bk_down, 1, T * k, 4, stages)
+
+
+def sorted_configs(P: int, E: int, I: int, K: int, D: int, fmt_up: str, fmt_down: str):
+    """Tiles of the grouped path; BM follows the mean rows per touched expert."""
+    per_expert = P / max(1, min(E, P))
+    BM = 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64 if per_expert <= 96 else 128
+    if BM <= 32:  # decode-like: the dense decode weight tiles
+        t_up = gemm.DECODE_TILES_FP4 if _fp4(fmt_up) else gemm.DECODE_TILES_FP8
+        t_dn = gemm.DECODE_TILES_FP4 if _fp4(fmt_down) else gemm.DECODE_TILES_FP8
+        bk_up, bk_down = gemm.k_block(fmt_up, K, t_up.BK), gemm.k_block(fmt_down, I, t_dn.BK)
+        if bk_up is None or bk_down is None:
+            return None, None
+        up = Config(BM, min(t_up.BN, gemm._pow2_at_most(I, 128)), bk_up, 1, 1, t_up.num_warps, t_up.num_stages)
+        down = Config(BM, min(t_dn.BN, gemm._pow2_at_most(D, 128)), bk_down, 1, 1, t_dn.num_warps, t_dn.num_stages)
+        return up, down
+    bk_up, bk_down = gemm.k_block(fmt_up, K, 64), gemm.k_block(fmt_down, I, 64)
+    if bk_up is None or bk_down is None:
+        return None, None
+    warps = 8 if BM == 128 else 4
+    up = Config(BM, min(64, gemm._pow2_at_most(I, 64)), bk_up, 1, 1, warps, 4)
+    down = Config(BM, min(128, gemm._pow2_at_most(D, 128)), bk_down, 1, 1, warps, 4)
+    return up, down
+
+
+def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=None, linear=None,
+        config: Config | None = None, scratch: gemm.Scratch | None = None) -> torch.Tensor:
+    """Shared expert: gate/up with the clamped SwiGLU fused (one launch), then the down projection."""
+    if w13.leading != (2,) or w2.leading:
+        raise ValueError(f"mlp wants w13 with leading (2,) and an unstacked w2, got {w13.leading}, {w2.leading}")
+    T, K = x.shape
+    I = w13.out_features
+    cfg = None
+    if gemm.supported(x, w13):
+        cfg = config or gemm.pick_config(T, I, K, w13.fmt, x.device, gated=True)
+    if cfg is None:
+        return fallback(x, w13, w2, limit)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    h = torch.empty(T, I, dtype=x.dtype, device=x.device)
+    if T:
+        gemm.launch(x, w13, h, cfg, M=T, rows=ROWS_DENSE, gated=True, limit=limit, scratch=scratch)
+    return linear(h, w2)
+
+
+def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
+        *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
+        decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None) -> torch.Tensor:
+    """Same contract as `ref.moe`. `configs` may override {"up": Config, "down": Config}; `decode_down` picks the
+    decode down projection: "fused" (token-major, top-k sum in registers) or "pairs" (grouped GEMM + row sum)."""
+    T, K = x.shape
+    k = ids.shape[1]
+    if len(w13.leading) != 2 or w13.leading[1] != 2 or w2.leading != w13.leading[:1]:
+        raise ValueError(f"moe wants w13 leading (E, 2) and w2 leading (E,), got {w13.leading}, {w2.leading}")
+    E, I, D = w13.leading[0], w13.out_features, w2.out_features
+    if not (gemm.supported(x, w13) and gemm.weight_supported(w2, x.device)) or w2.in_features != I:
+        return fallback(x, ids, weights, w13, w2, limit)
+    configs = configs or {}
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids = ids.contiguous()
+    weights = weights.contiguous()
+    P = T * k
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    if T <= decode_tokens:
+        up, down = decode_configs(T, k, E, I, K, D, w13.fmt, w2.fmt, x.device, decode_down)
+        up, down = configs.get("up", up), configs.get("down", down)
+        if up is None or down is None:
+            return fallback(x, ids, weights, w13, w2, limit)
+        up = replace(up, BM=16, group_m=P)
+        gemm.launch(x, w13, h, up, M=P, rows=ROWS_PAIR, gated=True, x_div=k, num_m=P, limit=limit, ids=ids,
+                    scratch=scratch)
+        if decode_down == "fused":
+            _launch_down_decode(h, w2, ids, weights, out, replace(down, BM=16), T, k)
+        else:
+            y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+            gemm.launch(h, w2, y, replace(down, BM=16, group_m=P), M=P, rows=ROWS_PAIR, epi=EPI_ROUTED,
+                        x_div=1, num_m=P, ids=ids, rw=weights.reshape(-1), scratch=scratch)
+            gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+        return out
+    up, down = sorted_configs(P, E, I, K, D, w13.fmt, w2.fmt)
+    up, down = configs.get("up", up), configs.get("down", down)
+    if up is None or down is None:
+        return fallback(x, ids, weights, w13, w2, limit)
+    rows, blk_e, nblk, nb_max = align(ids, E, up.BM)
+    up = replace(up, group_m=nb_max)
+    down = replace(down, BM=up.BM, group_m=nb_max)
+    gemm.launch(x, w13, h, up, M=P, rows=ROWS_SORTED, gated=True, x_div=k, num_m=nb_max, limit=limit,
+                ids=blk_e, rows_idx=rows, nblk=nblk, scratch=scratch)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+    gemm.launch(h, w2, y, down, M=P, rows=ROWS_SORTED, epi=EPI_ROUTED, x_div=1, num_m=nb_max,
+                ids=blk_e, rows_idx=rows, nblk=nblk, rw=weights.reshape(-1), scratch=scratch)
+    gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+    return out
+
+
+def _launch_down_decode(h, w2: QWeight, ids, weights, out, cfg: Config, T: int, k: int):
+    N, K = w2.out_features, w2.in_features
+    scale, scale_f32, s2 = gemm._scale_views(w2)
+    wt = w2.weight.view(torch.uint8) if w2.fmt != "dense" else w2.weight
+    dot, prec, asm_ok = gemm.dot_dtype(h)
+    asm = asm_ok if cfg.asm is None else (cfg.asm and asm_ok)
+    _down_decode_kernel[(T, triton.cdiv(N, cfg.BN))](
+        h, wt, scale, s2 if s2 is not None else wt, ids, weights, out, T, N, K, k,
+        h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0), scale.stride(1),
+        s2.stride(0) if s2 is not None else 0, out.stride(0),
+        FMT=FMT_CODES[w2.fmt], SCALE_F32=scale_f32, DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN,
+        BK=cfg.BK, EVEN_K=K % cfg.BK == 0, PROMOTE=True, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)

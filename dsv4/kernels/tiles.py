@@ -1,0 +1,198 @@
+"""Triton building blocks shared by every weight-streaming kernel: load a weight tile in its stored format,
+dequantize it in registers, and feed it to one `tl.dot`.
+
+Prescaled tiles. An FP4 tile leaves `_fp4_tile` multiplied by a power of two (2^-9 for NVFP4, 2^-16 for
+MXFP4) so that one bf16 multiply per element pair is exact and never overflows; `epilogue_factor`
+multiplies it back, together with NVFP4's fp32 `weight_scale_2`, once per output. Every value that reaches
+the dot is exact in the operand dtype: e2m1 (2 significant bits) times an E4M3 scale (4 bits) needs 6 of
+bf16's 8, and a UE8M0 scale is a power of two. FP8 tiles are converted exactly and their 128x128 scale is
+applied to the fp32 partial product of each K block ("promotion"), so fp32 scales (-Base checkpoints) are
+not rounded through bf16 either.
+
+ASM=True (CUDA) decodes four packed bytes per instruction group with PTX bit tricks and bf16x2 multiplies;
+ASM=False is plain Triton (the path `TRITON_INTERPRET=1` runs, and a fallback on GPUs). Both compute the
+same values.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import triton
+import triton.language as tl
+
+FMT_DENSE, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
+FMT_CODES = MappingProxyType({"dense": FMT_DENSE, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4, "nvfp4": FMT_NVFP4})
+
+_TWO_M9 = tl.constexpr(2.0 ** -9)
+_TWO_P117 = tl.constexpr(2.0 ** 117)
+
+
+@triton.jit
+def _e2m1_values(code):
+    """E2M1 codes (any int tensor, 0..15) -> exact fp32 values, via the fp16 subnormal trick: sign to bit 15,
+    exponent+mantissa to bits 11..9, so exponent 0 lands on fp16 subnormals and the whole table is 2^-14 off."""
+    c = code.to(tl.uint16)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _scale_multiplier(s, FMT: tl.constexpr, ASM: tl.constexpr):
+    """Stored block-scale bytes -> the multiplier `_fp4_tile` applies (fp32, or bf16 with ASM).
+
+    NVFP4: e4m3 * 2^-9 (ASM: * 2^117, folding in the 2^126 of the bf16 subnormal decode).
+    MXFP4: 2^(byte-127-16) (ASM: 2^(byte-17) as bf16 bits; exact for block scales 2^-116 .. 2^17).
+    """
+    if FMT == 3:
+        v = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if ASM:
+            m = (v * _TWO_P117).to(tl.bfloat16)
+        else:
+            m = v * _TWO_M9
+    else:
+        e = s.to(tl.int32)
+        if ASM:
+            m = ((e + 110) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            m = tl.where(e > 16, (e - 16) << 23, 0).to(tl.float32, bitcast=True)
+    return m
+
+
+@triton.jit
+def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr,
+              ASM: tl.constexpr):
+    """Packed bytes [BN, BK/2] and per-group multipliers [BN, BK/GS] -> prescaled values of the even
+    (low-nibble) and odd (high-nibble) K elements, [BN, BK/2] each, in the dot dtype. Keeping the halves
+    apart (and splitting x the same way) saves the register shuffles an interleave would cost."""
+    b3 = b.reshape(BN, BK // GS, GS // 2)
+    m3 = tl.broadcast_to(mult[:, :, None], (BN, BK // GS, GS // 2))
+    if ASM:
+        # One asm instance takes 4 bytes (one b32) and their 4 multipliers (two bf16x2) and returns the 4 low
+        # nibbles and the 4 high nibbles as bf16 pairs. prmt spreads bytes b0,b1 to bits 0..7 / 16..23; each
+        # nibble's sign goes to bit 15/31 and its 3 magnitude bits to bits 8..6 / 24..22 (a bf16 whose value
+        # is e2m1 * 2^-126, exponent 0 giving subnormals), then one mul.bf16x2 applies the multiplier.
+        lo, hi = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t0, t1, u, v, a;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shl.b32 u, t0, 12; shl.b32 v, t0, 6;
+            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
+            mul.rn.bf16x2 $0, a, $5;
+            shl.b32 u, t1, 12; shl.b32 v, t1, 6;
+            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
+            mul.rn.bf16x2 $1, a, $6;
+            shl.b32 u, t0, 8; shl.b32 v, t0, 2;
+            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
+            mul.rn.bf16x2 $2, a, $5;
+            shl.b32 u, t1, 8; shl.b32 v, t1, 2;
+            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
+            mul.rn.bf16x2 $3, a, $6;
+            }
+            """,
+            "=r,=r,=r,=r,r,r,r",
+            [b3, m3],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+        lo = lo.to(DOT)
+        hi = hi.to(DOT)
+    else:
+        lo = (_e2m1_values(b3 & 15) * m3).to(DOT)
+        hi = (_e2m1_values(b3 >> 4) * m3).to(DOT)
+    return lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)
+
+
+@triton.jit
+def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    offs_j = k0 // 2 + tl.arange(0, BK // 2)
+    b = tl.load(wbase + rows * stride_wn + offs_j[None, :], mask=nmask[:, None], other=0)
+    offs_g = k0 // GS + tl.arange(0, BK // GS)
+    s = tl.load(sbase + rows * stride_sn + offs_g[None, :], mask=nmask[:, None], other=0)
+    return _fp4_tile(b, _scale_multiplier(s, FMT, ASM), BN, BK, GS, DOT, ASM)
+
+
+@triton.jit
+def _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
+                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                    PREC: tl.constexpr, ASM: tl.constexpr):
+    """acc [BM, BN] += x[:, k0:k0+BK] @ W^T for packed FP4 W, with x given as its even / odd K columns."""
+    rows = offs_n.to(tl.int64)[:, None]
+    if FMT == 2:
+        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, DOT, ASM)
+    else:
+        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, DOT, ASM)
+    acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
+    return tl.dot(xo, tl.trans(hi), acc, input_precision=PREC)
+
+
+@triton.jit
+def _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
+                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PROMOTE: tl.constexpr):
+    """acc [BM, BN] += xt [BM, BK] @ W[offs_n, k0:k0+BK]^T for FP8 (times each column's block scale, applied
+    to the fp32 partial product) or dense W."""
+    rows = offs_n.to(tl.int64)[:, None]
+    offs_k = k0 + tl.arange(0, BK)
+    if EVEN_K:
+        wmask = nmask[:, None]
+    else:
+        wmask = nmask[:, None] & (offs_k[None, :] < K)
+    raw = tl.load(wbase + rows * stride_wn + offs_k[None, :], mask=wmask, other=0)
+    if FMT == 1:
+        w = raw.to(tl.float8e4nv, bitcast=True).to(DOT)
+        srow = sbase + (offs_n // 128).to(tl.int64) * stride_sn + k0 // 128
+        if SCALE_F32:
+            sv = tl.load(srow, mask=nmask, other=0.0)
+        else:  # UE8M0 byte -> 2^(byte-127)
+            sv = (tl.load(srow, mask=nmask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        if PROMOTE:  # scale the fp32 partial product (exact for any scale; cheap when BM is small)
+            out = acc + tl.dot(xt, tl.trans(w), input_precision=PREC) * sv[None, :]
+        else:  # a power-of-two scale times an e4m3 value is exact in bf16: scale the tile, accumulate in place
+            out = tl.dot(xt, tl.trans(w * sv.to(DOT)[:, None]), acc, input_precision=PREC)
+    else:
+        out = tl.dot(xt, tl.trans(raw.to(DOT)), acc, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _load_x_tile(x_ptr, xrow, rmask, k0, K, stride_xm, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                 DOT: tl.constexpr):
+    offs_k = k0 + tl.arange(0, BK)
+    if EVEN_K:
+        mask = rmask[:, None]
+    else:
+        mask = rmask[:, None] & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + xrow.to(tl.int64)[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    return x.to(DOT)
+
+
+@triton.jit
+def _load_x_halves(x_ptr, xrow, rmask, k0, stride_xm, BM: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """x[:, k0:k0+BK] as its even and odd columns [BM, BK/2] (the K order of `_fp4_tile`)."""
+    x = _load_x_tile(x_ptr, xrow, rmask, k0, 0, stride_xm, BK, True, DOT)
+    return tl.split(x.reshape(BM, BK // 2, 2))
+
+
+@triton.jit
+def _load_xfp4_halves(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, BM: tl.constexpr,
+                      BK: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """A W4A4 activation tile, packed NVFP4 [BM, BK/2] + e4m3 [BM, BK/16] -> even / odd values * 2^-9."""
+    rows = xrow.to(tl.int64)[:, None]
+    return _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, 3, BM, BK, 16, DOT, ASM)
+
+
+@triton.jit
+def epilogue_factor(s2_ptr, FMT: tl.constexpr):
+    """The fp32 factor that undoes the tile prescale (and applies NVFP4's per-tensor weight_scale_2)."""
+    if FMT == 3:
+        f = tl.load(s2_ptr).to(tl.float32) * 512.0
+    elif FMT == 2:
+        f = tl.full([], 65536.0, tl.float32)
+    else:
+        f = tl.full([], 1.0, tl.float32)
+    return f

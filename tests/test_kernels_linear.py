@@ -1,0 +1,141 @@
+"""Triton linears against `kernels.ref` (the specification), under TRITON_INTERPRET=1 at small odd shapes.
+
+The interpreter's tl.dot runs the fp32 operand path (its bf16 dot is broken) and its fp32->bf16 cast
+truncates instead of rounding, so bf16 checks use a bf16-level bound while fp32 checks are near-exact.
+"""
+
+import pytest
+import torch
+
+from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+from dsv4.kernels import Ops, ops_for, ref
+from dsv4.kernels import gemm
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a supported call fell back to the reference")
+
+
+def strict_ops():
+    """The Triton ops with every reference fallback replaced by a failure: a kernel test must run the kernel."""
+    from functools import partial
+
+    from dsv4.kernels import Ops, gemm, moe, w4a4
+
+    scratch = gemm.Scratch()
+    linear = partial(gemm.linear, fallback=_refuse, scratch=scratch)
+    return Ops("strict", linear, partial(w4a4.linear_w4a4, fallback=_refuse, scratch=scratch),
+               partial(moe.mlp, fallback=_refuse, linear=linear, scratch=scratch), partial(moe.route, fallback=_refuse),
+               partial(moe.moe, fallback=_refuse, scratch=scratch))
+
+
+FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
+
+
+def make_weight(fmt: str, n: int, k: int, scale: float = 0.05) -> QWeight:
+    w = torch.randn(n, k) * scale * torch.exp(torch.randn(n, 1))  # rows of different magnitude
+    if fmt == "nvfp4":
+        q, s, s2 = quantize_nvfp4(w)
+        return QWeight("nvfp4", q, s, s2, torch.tensor(0.02))
+    if fmt == "mxfp4":
+        return QWeight("mxfp4", *quantize_mxfp4(w))
+    if fmt == "fp8":
+        return QWeight("fp8", *quantize_fp8_block(w))
+    return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
+
+
+def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
+    return ((y.double() - r.double()).norm() / r.double().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def ops() -> Ops:
+    return strict_ops()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m", [1, 7])
+def test_linear_matches_reference_fp32(ops, fmt, m):
+    k = 200 if fmt.startswith("fp8") else 96  # fp8: a K tail past the last 128-block and BK
+    w = make_weight(fmt, 37, k)
+    x = torch.randn(m, k)
+    y = ops.linear(x, w)
+    assert y.shape == (m, 37) and y.dtype == torch.float32
+    assert rel_err(y, ref.linear(x, w)) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_bf16_and_leading_dims(ops, fmt):
+    w = make_weight(fmt, 45, 128)
+    x = torch.randn(2, 3, 128).to(torch.bfloat16)
+    y = ops.linear(x, w)
+    assert y.shape == (2, 3, 45) and y.dtype == torch.bfloat16
+    assert rel_err(y, ref.linear(x, w)) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantization_is_exact(ops, fmt):
+    """x = identity: every output is one weight element, so nibble order, scales, the FP4 prescale and the
+    epilogue factor must reproduce QWeight.dequantize bit for bit."""
+    w = make_weight(fmt, 33, 64)
+    y = ops.linear(torch.eye(64), w)
+    assert torch.equal(y, w.dequantize(torch.float32).T)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_split_k_and_prefill_tiles(fmt):
+    w = make_weight(fmt, 40, 256)
+    x = torch.randn(3, 256)
+    r = ref.linear(x, w)
+    split = gemm.Config(16, 16, 64, split_k=3)
+    scratch = gemm.Scratch()
+    for _ in range(2):  # the second call checks that the semaphores re-armed themselves
+        y = gemm.linear(x, w, config=split, fallback=_refuse, scratch=scratch)
+        assert rel_err(y, r) < 1e-6
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+    xp = torch.randn(70, 256)  # M > 64: the prefill tiles, two row blocks, grouped program order
+    prefill = gemm.pick_config(70, 40, 256, w.fmt, xp.device)
+    assert prefill.BM == 64 and prefill.group_m == 8
+    assert rel_err(gemm.linear(xp, w, config=prefill, fallback=_refuse), ref.linear(xp, w)) < 1e-6
+
+
+def test_every_output_is_written(ops):
+    w = make_weight("nvfp4", 50, 64)
+    x = torch.randn(5, 64)
+    out = torch.full((5, 50), float("nan"))
+    gemm.linear(x, w, out=out, fallback=_refuse)
+    assert torch.isfinite(out).all() and rel_err(out, ref.linear(x, w)) < 1e-6
+
+
+def test_unsupported_shapes_and_formats_fall_back():
+    ops = ops_for("cpu", "triton")
+    q, s, s2 = quantize_nvfp4(torch.randn(8, 48))  # K=48: no 32-multiple K block
+    w = QWeight("nvfp4", q, s, s2)
+    x = torch.randn(2, 48)
+    assert torch.equal(ops.linear(x, w), ref.linear(x, w))
+    dense = QWeight("dense", torch.randn(8, 16))
+    xd = torch.randn(3, 16)
+    assert torch.equal(ops.linear(xd, dense), ref.linear(xd, dense))
+    x16 = torch.randn(2, 64).half()  # fp16 activations: reference
+    w16 = make_weight("mxfp4", 8, 64)
+    assert torch.equal(ops.linear(x16, w16), ref.linear(x16, w16))
+
+
+def test_ops_for_dispatch():
+    assert ops_for("cpu").name == "ref"
+    assert ops_for("cpu", "ref").name == "ref"
+    assert ops_for("cpu", "triton").name == "triton"  # conftest sets TRITON_INTERPRET=1
+    with pytest.raises(ValueError, match="backend"):
+        ops_for("cpu", "cuda-graphs")
+    with pytest.raises(ValueError, match="stacked"):
+        ops_for("cpu", "triton").linear(torch.randn(1, 64), make_stacked())
+
+
+def make_stacked() -> QWeight:
+    q, s = quantize_mxfp4(torch.randn(2, 8, 64))
+    return QWeight("mxfp4", q, s)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_kernel_is_exact(fmt):
+    w = make_weight(fmt, 37, 200 if fmt.startswith("fp8") else 96)
+    assert torch.equal(gemm.dequantize(w, torch.float32), w.dequantize(torch.float32))
