@@ -9,6 +9,7 @@ from types import MappingProxyType
 # public name -> module defining it (imported when the name is first used)
 _LAZY = MappingProxyType({
     "load": "dsv4.checkpoint.loader",
+    "LLM": "dsv4.api",
     "SamplingParams": "dsv4.runtime.params",
     "RequestOutput": "dsv4.runtime.params",
     "CompletionOutput": "dsv4.runtime.params",

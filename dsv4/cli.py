@@ -66,7 +66,107 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="checkpoint folder or .safetensors file")
     i.add_argument("--audit", action="store_true",
                    help="also read every tensor and report all-zero and non-finite ones (dsv4.checkpoint.audit)")
+    for name, help_, desc in (
+            ("generate", "generate text from a prompt, streaming it as it is produced",
+             "Load a checkpoint (or the built-in demo model) and continue PROMPT, printing the text as it is "
+             "produced. As in vLLM, the prompt is tokenized without a BOS; start it with "
+             "<｜begin▁of▁sentence｜> for one."),
+            ("chat", "chat with a model interactively",
+             "An interactive chat in DeepSeek-V4's chat format: type a message, get the streamed reply; the "
+             "conversation is kept. /reset starts over; /exit or end of input (Ctrl-D) quits.")):
+        g = sub.add_parser(name, help=help_, description=desc)
+        if name == "generate":
+            g.add_argument("prompt", help="the text to continue")
+        else:
+            g.add_argument("--system", help="a system prompt")
+            g.add_argument("--thinking", action="store_true", help="thinking mode (reasoning before the answer)")
+        _model_args(g)
+        _sampling_args(g, max_tokens=64 if name == "generate" else 512)
     return p
+
+
+def _model_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--model", required=True, metavar="PATH",
+                   help="checkpoint folder (any dialect and format), or `demo`: the built-in demo model (a tiny "
+                        "random NVFP4 V4 with the real tokenizer, written to $DSV4_CACHE, default "
+                        "~/.cache/dsv4, on first use; its text is gibberish)")
+    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, "
+                                                   "bfloat16, float16")
+    g.add_argument("--kernels", default="auto", choices=("auto", "ref", "triton"), help="kernel backend")
+    g.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
+                                                     "min(max_position_embeddings, 4096))")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+
+
+def _sampling_args(g: argparse.ArgumentParser, max_tokens: int) -> None:
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, help="per-request sampling seed (reproducible output)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sentence token")
+
+
+def _llm(args: argparse.Namespace):
+    from .api import LLM
+
+    return LLM(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
+               max_model_len=args.max_model_len, max_num_seqs=1, progress=not args.no_progress)
+
+
+def _params(args: argparse.Namespace):
+    from .runtime.params import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, max_tokens=args.max_tokens)
+
+
+def _print_stream(llm, prompt, params) -> str:
+    pieces = []
+    for delta in llm.stream(prompt, params):
+        pieces.append(delta)
+        print(delta, end="", flush=True)
+    print(flush=True)
+    return "".join(pieces)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    params = _params(args)
+    _print_stream(_llm(args), args.prompt, params)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .runtime.chat import ChatParseError, encode_messages, parse_reply
+
+    params, llm = _params(args), _llm(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    print("dsv4 chat: /reset starts over, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(start)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = _print_stream(llm, encode_messages(messages, thinking=args.thinking), params)
+        try:
+            reply = parse_reply(text, thinking=args.thinking)
+            messages.append({"role": "assistant", "content": reply.content,
+                             "reasoning_content": reply.reasoning_content})
+        except ChatParseError:     # e.g. a reply cut by --max-tokens: keep it as plain content
+            messages.append({"role": "assistant", "content": text})
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -95,7 +195,8 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-COMMANDS = MappingProxyType({"convert": _convert, "make-tiny": _make_tiny, "inspect": _inspect})
+COMMANDS = MappingProxyType({"convert": _convert, "make-tiny": _make_tiny, "inspect": _inspect,
+                             "generate": _generate, "chat": _chat})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,9 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint.errors import CheckpointError
     from .config import ConfigError
 
+    errors = (CheckpointError, ConfigError)
+    if args.command in ("generate", "chat"):
+        from .runtime.cache import CacheCapacityError
+        from .runtime.chat import ChatFormatError
+        from .runtime.engine import RequestError
+        from .runtime.tokenizer import TokenizerError
+
+        errors += (CacheCapacityError, ChatFormatError, RequestError, TokenizerError)
     try:
         return COMMANDS[args.command](args)
-    except (CheckpointError, ConfigError) as e:
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except errors as e:
         print(f"dsv4 {args.command}: error: {e}", file=sys.stderr)
         return 1
 

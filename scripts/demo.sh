@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
-# Set up ./.venv (first run only) and run dsv4 on its built-in demo model: write a tiny random V4
-# checkpoint, convert it to NVFP4, and inspect the result.
+# Set up ./.venv (first run only) and run the main job, `dsv4 generate`, on the built-in demo model: a tiny
+# random DeepSeek-V4 with the real tokenizer, stored in NVFP4, written to $DSV4_CACHE (default
+# ~/.cache/dsv4) on first use. Its weights are random, so the streamed text is gibberish.
 source "$(dirname "$0")/env.sh"
-demo="${DSV4_DEMO_DIR:-.cache/demo}"
-dsv4 make-tiny "$demo/bf16" --seed 0
-dsv4 convert "$demo/bf16" "$demo/nvfp4" --format nvfp4 --naming deepseek
-dsv4 inspect "$demo/nvfp4"
+dsv4 generate --model demo "DeepSeek-V4 is" --max-tokens 48 --seed 0 "$@"

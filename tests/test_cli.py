@@ -100,3 +100,57 @@ def test_inspect_audit_runs_the_loader_audit(capsys):
     assert cli.main(["inspect", str(out), "--audit"]) == 1
     text = capsys.readouterr().out
     assert "REFUSED" in text and "attn_sink" in text and "all zero" in text
+
+
+# ------------------------------------------------------------------------------------------ generate / chat
+def test_generate_streams_the_demo_model(capsys, monkeypatch):
+    import runtime_fixtures as rf
+    from dsv4 import LLM, SamplingParams
+
+    monkeypatch.setenv("DSV4_CACHE", str(rf.demo_root()))          # `--model demo` finds it there
+    args = ["generate", "--model", "demo", "DeepSeek-V4 is", "--max-tokens", "8", "--temperature", "0"]
+    assert cli.main(args) == 0
+    captured = capsys.readouterr()
+    want = LLM("demo", progress=False).generate("DeepSeek-V4 is", SamplingParams(temperature=0, max_tokens=8))
+    assert captured.out == want[0].outputs[0].text + "\n" and captured.out.strip()
+    assert "loading" in captured.err                                 # the progress bar, on stderr
+
+
+def test_chat_keeps_and_resets_the_conversation(capsys, monkeypatch):
+    import runtime_fixtures as rf
+    from dsv4.api import LLM
+
+    monkeypatch.setenv("DSV4_CACHE", str(rf.demo_root()))
+    lines = iter(["hi", "more", "/reset", "again"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    monkeypatch.setattr("builtins.input", fake_input)
+    prompts, stream = [], LLM.stream
+
+    def recording(self, prompt, params=None):
+        prompts.append(prompt)
+        return (yield from stream(self, prompt, params))
+    monkeypatch.setattr(LLM, "stream", recording)
+    assert cli.main(["chat", "--model", "demo", "--max-tokens", "4", "--temperature", "0", "--system", "S",
+                     "--no-progress"]) == 0
+    replies = capsys.readouterr().out.splitlines()
+    assert len(prompts) == len(replies) == 3
+    assert prompts[0].startswith("<｜begin▁of▁sentence｜>S<｜User｜>hi<｜Assistant｜></think>")
+    assert prompts[1].startswith(prompts[0]) and replies[0] in prompts[1] and prompts[1].endswith(
+        "<｜User｜>more<｜Assistant｜></think>")
+    assert prompts[2] == "<｜begin▁of▁sentence｜>S<｜User｜>again<｜Assistant｜></think>"
+
+
+def test_generate_errors_are_one_line(capsys, monkeypatch):
+    import runtime_fixtures as rf
+
+    monkeypatch.setenv("DSV4_CACHE", str(rf.demo_root()))
+    assert cli.main(["generate", "--model", "demo", "a b c d e f g h", "--max-model-len", "4", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "dsv4 generate: error: request '0': the prompt has" in err and "Traceback" not in err
+    assert cli.main(["generate", "--model", str(fx.fresh_dir("nothing")), "x", "--no-progress"]) == 1
+    assert capsys.readouterr().err.startswith("dsv4 generate: error:")

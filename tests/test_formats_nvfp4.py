@@ -113,6 +113,10 @@ def test_quant_dequant_error_within_the_format_bound(x, exponent):
     w = torch.from_numpy(x) * 2.0 ** exponent
     if not bool(w.abs().amax() > 0):
         return
+    if float(w.abs().amax()) < 2688 * torch.finfo(torch.float32).tiny:
+        with pytest.raises(ValueError, match="too small"):   # weight_scale_2 would be subnormal
+            quantize_nvfp4(w)
+        return
     q, ws, ws2 = quantize_nvfp4(w)
     deq = dequantize_nvfp4(q, ws, ws2).double().numpy()
     w64 = w.double().numpy()
@@ -264,3 +268,9 @@ def test_input_errors():
         w4a4_matmul_ref(q, ws, q[:, :8], ws[:, :1], 1.0)
     with pytest.raises(ValueError, match="positive"):
         nvfp4_global_scale(0.0)
+
+
+def test_a_tensor_too_small_for_an_fp32_global_scale_is_refused():
+    w = torch.full((2, 16), 1.68e-41)           # hypothesis found this: amax / 2688 underflows fp32
+    with pytest.raises(ValueError, match="too small"):
+        quantize_nvfp4(w)

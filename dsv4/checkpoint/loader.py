@@ -207,9 +207,15 @@ def _raise(ckpt: Checkpoint, problems: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ filling
-def fill(model: Transformer, plan: dict[str, list], device: torch.device) -> None:
+def fill(model: Transformer, plan: dict[str, list], device: torch.device, progress: bool = False) -> None:
     """Materialise every buffer of `model` from the planned checkpoint pieces (each read once)."""
     modules = dict(model.named_modules())
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        size = sum(torch.Size(ct.shape).numel() * ct.dtype.itemsize for pieces in plan.values() for _, ct in pieces)
+        bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="loading")
     for key, pieces in plan.items():
         path, _, leaf = key.rpartition(".")
         module = modules[path]
@@ -221,6 +227,10 @@ def fill(model: Transformer, plan: dict[str, list], device: torch.device) -> Non
             for index, ct in pieces:
                 value[index].copy_(ct.load())
         module._buffers[leaf] = value
+        if bar is not None:
+            bar.update(sum(torch.Size(ct.shape).numel() * ct.dtype.itemsize for _, ct in pieces))
+    if bar is not None:
+        bar.close()
     for module in modules.values():
         for leaf in module._non_persistent_buffers_set:
             module._buffers[leaf] = module._buffers[leaf].to(device)
@@ -244,7 +254,7 @@ def check_values(model: Transformer, plan: dict[str, list]) -> None:
 
 # ------------------------------------------------------------------------------------------ entry points
 def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    kernels: str = "auto", w4a4: bool = False) -> Transformer:
+                    kernels: str = "auto", w4a4: bool = False, progress: bool = False) -> Transformer:
     device = torch.device(device)
     problems: list[str] = []
     formats = model_formats(ckpt, problems)
@@ -258,19 +268,19 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
         model = build_model(ckpt.config, formats, dtype, ops_for(device, kernels), w4a4, mtp=with_mtp)
         plan = plan_fill(model, ckpt, problems)
     _raise(ckpt, problems)
-    fill(model, plan, device)
+    fill(model, plan, device, progress)
     check_values(model, plan)
     return model
 
 
 def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         kernels: str = "auto", w4a4: bool = False) -> Transformer:
+         kernels: str = "auto", w4a4: bool = False, progress: bool = False) -> Transformer:
     """Load a DeepSeek-V4 checkpoint folder (any dialect, any format) as a ready model.
 
     `model.logits(input_ids)` maps LongTensor [B, S] to logits [B, S, vocab] (causal prefill from position 0).
     dtype is the compute dtype (dense weights, activations); quantized weights stay as stored and are
     dequantized exactly. kernels: "auto" (Triton on CUDA), "ref" or "triton". w4a4=True emulates NVFP4
     W4A4 GEMMs (Blackwell numerics) for NVFP4 layers that carry an input_scale; the default is exact
-    weight-only dequantization.
+    weight-only dequantization. progress=True shows a progress bar (bytes read) on stderr.
     """
-    return load_checkpoint(open_checkpoint(path), device, dtype, kernels, w4a4)
+    return load_checkpoint(open_checkpoint(path), device, dtype, kernels, w4a4, progress)

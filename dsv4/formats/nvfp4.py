@@ -40,7 +40,11 @@ def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     amax = torch.as_tensor(amax).float()
     if not bool((torch.isfinite(amax) & (amax > 0)).all()):
         raise ValueError(f"nvfp4_global_scale: amax must be positive and finite, got {amax.flatten()[:4].tolist()}")
-    return amax / (E2M1_MAX * E4M3_MAX)
+    scale = amax / (E2M1_MAX * E4M3_MAX)
+    if not bool((scale >= torch.finfo(torch.float32).tiny).all()):
+        raise ValueError(f"nvfp4_global_scale: amax {amax.flatten()[:4].tolist()} is too small: amax / 2688 "
+                         "falls below the smallest normal float32 and the global scale would lose its precision")
+    return scale
 
 
 def quantize_nvfp4(

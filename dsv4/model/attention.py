@@ -10,18 +10,17 @@
     out = wo_b(grouped wo_a(o))                 groups of consecutive heads, block-diagonal wo_a
 
 Masks are built from absolute positions (keys' and queries'), so the same `attend` serves a stateless
-prefill (keys = this chunk) and a cached decode (keys = window ring + chunk, entries = all emitted so far).
+prefill (keys = this chunk) and a cached step (keys = window ring + chunk, entries = all emitted so far).
 
-`state=None` is a fresh prefill from position 0 with nothing cached. Cached decoding and chunked prefill
-(issue 4) pass a per-layer state the runtime allocates and owns; forward only reads and updates it:
-* window: a ring [B, sliding_window, D] of rotated kv with the position of each slot (-1 = empty); keys =
-  ring + this chunk, masked by `window_bias(positions, key_positions)`; the chunk's last tokens are then
-  written at slot p mod window;
-* per compressor (main, and the indexer's): the rows of the open window (kv, score incl. ape), for CSA the
-  Ca half of the last complete window, the entries emitted so far and their count. A step is
-  `project` -> prepend the open rows -> `pool` the complete windows with `prev` = the saved Ca half ->
-  `finish` at `first_window` = the count -> append; the entries for `attend` are all emitted ones;
-* the indexer scores queries against all its emitted keys (`Indexer.scores` / `select`).
+`state=None` is a fresh prefill of a rectangular batch from position 0 with nothing cached. Otherwise x is
+the flattened tokens of a ragged `SeqBatch` ([1, N, d]) and `state` the layer's `LayerState` (views the
+runtime owns; see state.py). Projections, norms and rope run on all N tokens at once; the keys are per
+sequence (a loop here, one batched kernel later), for sequence i with `start` cached tokens:
+* window: keys = its ring (row r holds position `ring_positions(start)[r]`, -1 = empty) + its chunk,
+  masked by `window_bias`; the chunk's last `window` tokens are then written at rows p mod window;
+* compressor (and the indexer's): `Compressor.append` pools the open rows + the chunk with the saved Ca
+  half and writes the new entries; attention sees every entry emitted so far, HCA all visible ones, CSA
+  the indexer's picks scored against every emitted indexer key.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from .compressor import Compressor
 from .indexer import Indexer, visible_entries
 from .linear import Builder, grouped_linear
 from .norm_rope import RMSNorm, Rope, apply_rope, rms
+from .state import LayerState, SeqBatch
 
 
 def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -41,6 +41,14 @@ def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     q, k = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
     ok = (k <= q) & (k > q - window) & (k >= 0)
     return torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill(~ok, float("-inf"))
+
+
+def ring_positions(start: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Position held by each ring row once `start` tokens are cached: the latest p < start with p = row
+    (mod window), or -1 if there is none yet. -> int64 [window]."""
+    rows = torch.arange(window, device=device)
+    held = start - 1 - torch.remainder(start - 1 - rows, window)
+    return torch.where(held >= 0, held, -1)
 
 
 def causal_entry_bias(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
@@ -91,13 +99,13 @@ class Attention(nn.Module):
         self.compressor = Compressor(cfg, self.ratio, D, b.sub("compressor")) if self.ratio else None
         self.indexer = Indexer(cfg, b.sub("indexer")) if self.ratio == 4 else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState | None = None,
+                batch: SeqBatch | None = None) -> torch.Tensor:
         """x [B, S, d] (the attn_norm'ed block input) at `positions` [B, S] -> [B, S, d].
 
-        state=None: a fresh causal prefill from position 0 (keys are this chunk only; nothing is cached).
+        state=None: a fresh causal prefill from position 0. Otherwise B = 1 and the S tokens are the ragged
+        `batch`'s sequences, whose states this call reads and extends.
         """
-        if state is not None:
-            raise NotImplementedError("cached attention arrives with the runtime (issue 4)")
         B, S, _ = x.shape
         cos, sin = self.rope(positions)                                   # [B, S, rope/2]
         qr = self.q_norm(self.wq_a(x))
@@ -105,6 +113,19 @@ class Attention(nn.Module):
         q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                # [B, S, D]
 
+        if state is None:
+            o = self._prefill(x, qr, q, kv, positions)
+        else:
+            if B != 1 or batch is None or batch.num_tokens != S:
+                got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
+                raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
+                                 f"{tuple(x.shape)} and {got}")
+            o = self._cached(x, qr, q, kv, positions, state, batch)
+        o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
+        o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
+        return self.wo_b(o.flatten(2))
+
+    def _prefill(self, x, qr, q, kv, positions) -> torch.Tensor:
         bias = window_bias(positions, positions, self.window)
         if self.compressor is not None:
             entries = self.compressor(x, positions, self.rope)             # [B, T, D]
@@ -113,8 +134,26 @@ class Attention(nn.Module):
             else:
                 entry_bias = causal_entry_bias(positions, entries.shape[1], self.ratio)
             kv, bias = torch.cat((kv, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
+        return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
-        o = attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
-        o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
-        o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
-        return self.wo_b(o.flatten(2))
+    def _cached(self, x, qr, q, kv, positions, state: LayerState, batch: SeqBatch) -> torch.Tensor:
+        projected = self.compressor.project(x, positions) if self.compressor is not None else None
+        out = []
+        for slot, start, tok in batch.spans():
+            st, pos, new_kv = state.at(slot), positions[:, tok], kv[:, tok]
+            keys = torch.cat((st.window, new_kv), dim=1)                    # [1, window + n, D]
+            key_pos = torch.cat((ring_positions(start, self.window, pos.device), pos[0])).unsqueeze(0)
+            bias = window_bias(pos, key_pos, self.window)
+            if self.compressor is not None:
+                entries = self.compressor.append(projected[0][:, tok], projected[1][:, tok], start,
+                                                 st.compressor, self.rope)
+                if self.indexer is not None:
+                    picks = self.indexer(x[:, tok], qr[:, tok], pos, self.rope, st.indexer, start)
+                    entry_bias = picked_entry_bias(picks, entries.shape[1])
+                else:
+                    entry_bias = causal_entry_bias(pos, entries.shape[1], self.ratio)
+                keys, bias = torch.cat((keys, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
+            out.append(attend(q[:, tok], keys, bias, self.attn_sink, self.head_dim ** -0.5))
+            last = pos[0, -self.window:]
+            st.window[0, last % self.window] = new_kv[0, -self.window:]
+        return torch.cat(out, dim=1)

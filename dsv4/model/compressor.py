@@ -11,8 +11,11 @@ sum_s softmax_s(score[:, c]) * (W_kv x_s)[c] (softmax per channel over the slots
 the layer's rope at position j*ratio (the window start) on the trailing rope channels.
 Entry j is complete once token j*ratio + ratio - 1 is seen; query t may use it iff (j+1)*ratio <= t+1.
 
-The math is split so a cached decode can reuse it (issue 4): `project` (per token), `pool` (complete
-windows, with the previous window's Ca half handed in), `finish` (norm + rope at absolute window starts).
+The math is split so the stateless prefill (`forward`) and the cached step (`append`) share it: `project`
+(per token), `pool` (complete windows, with the previous window's Ca half handed in), `finish` (norm + rope
+at absolute window starts). `append` keeps the open window's rows (kv, score incl. ape) and, for the
+overlapping scheme, the Ca half of the last complete window in a `CompressorState`, so chunk boundaries may
+fall anywhere relative to the windows and the entries equal those of a one-shot prefill.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from ..config import ModelConfig
 from .linear import Builder
 from .norm_rope import RMSNorm, Rope, apply_rope
+from .state import CompressorState
 
 
 class Compressor(nn.Module):
@@ -65,15 +69,35 @@ class Compressor(nn.Module):
         cos, sin = rope(starts)
         return apply_rope(self.norm(pooled), cos, sin)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope, state=None) -> torch.Tensor:
-        """Entries [B, n, head_dim] of the windows completed by this chunk.
-
-        state=None: a fresh sequence whose positions are 0..S-1; the incomplete tail window is dropped.
-        """
-        if state is not None:
-            raise NotImplementedError("cached compression arrives with the runtime (issue 4)")
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """Stateless: entries [B, n, head_dim] of a fresh sequence at positions 0..S-1 (the incomplete tail
+        window is dropped)."""
         B, S, _ = x.shape
         n = S // self.ratio
         kv, score = self.project(x[:, : n * self.ratio], positions[:, : n * self.ratio])
         kv, score = kv.unflatten(1, (n, self.ratio)), score.unflatten(1, (n, self.ratio))
         return self.finish(self.pool(kv, score), 0, rope)
+
+    def append(self, kv: torch.Tensor, score: torch.Tensor, start: int, state: CompressorState,
+               rope: Rope) -> torch.Tensor:
+        """One sequence's next tokens (`project`ed kv, score [1, S, width] at positions start..start+S-1) into
+        its state; returns every entry emitted so far [1, (start+S) // ratio, head_dim] (a view of the state)."""
+        m, first = self.ratio, start // self.ratio
+        held = start % m                                   # rows of the open window already in the state
+        kv = torch.cat((state.open_kv[:, :held], kv), dim=1)
+        score = torch.cat((state.open_score[:, :held], score), dim=1)
+        n = kv.shape[1] // m
+        if first + n > state.entries.shape[1]:
+            raise ValueError(f"compressed-entry cache holds {state.entries.shape[1]} entries of ratio {m}; "
+                             f"position {start + kv.shape[1] - held - 1} needs entry {first + n - 1}")
+        if n:
+            win_kv, win_score = kv[:, :n * m].unflatten(1, (n, m)), score[:, :n * m].unflatten(1, (n, m))
+            prev = (state.prev_kv, state.prev_score) if self.overlap else None
+            state.entries[:, first:first + n] = self.finish(self.pool(win_kv, win_score, prev), first, rope)
+            if self.overlap:                               # the Ca half of the last window feeds the next entry
+                state.prev_kv.copy_(win_kv[:, -1, :, :self.head_dim])
+                state.prev_score.copy_(win_score[:, -1, :, :self.head_dim])
+        rest = kv.shape[1] - n * m
+        state.open_kv[:, :rest] = kv[:, n * m:]
+        state.open_score[:, :rest] = score[:, n * m:]
+        return state.entries[:, :first + n]

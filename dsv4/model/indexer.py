@@ -17,6 +17,7 @@ from ..config import ModelConfig
 from .compressor import Compressor
 from .linear import Builder
 from .norm_rope import Rope, apply_rope
+from .state import CompressorState
 
 
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -52,8 +53,11 @@ class Indexer(nn.Module):
         return picks.masked_fill(picks >= limit, -1)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                state=None) -> torch.Tensor:
-        if state is not None:
-            raise NotImplementedError("cached indexing arrives with the runtime (issue 4)")
-        keys = self.compressor(x, positions, rope)
+                state: CompressorState | None = None, start: int = 0) -> torch.Tensor:
+        """Picks [B, S, k] for queries at `positions`. state=None: a fresh prefill (keys from this chunk only);
+        otherwise one sequence whose first `start` tokens are in `state`, scored against every emitted key."""
+        if state is None:
+            keys = self.compressor(x, positions, rope)
+        else:
+            keys = self.compressor.append(*self.compressor.project(x, positions), start, state, rope)
         return self.select(self.scores(x, qr, positions, keys, rope), positions)

@@ -19,6 +19,7 @@ from .linear import Builder, LinearFormat, QLinear
 from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .norm_rope import RMSNorm
+from .state import LayerState, SeqBatch
 
 
 def _hc_buffers(module: nn.Module, prefix: str, rows: int, cols: int, n_scales: int) -> None:
@@ -49,10 +50,11 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer, b.sub("attn"))
         self.ffn = MoE(cfg, layer, b.sub("ffn"))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor, state=None) -> torch.Tensor:
-        """Streams x [B, S, n, d] -> [B, S, n, d]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
+                state: LayerState | None = None, batch: SeqBatch | None = None) -> torch.Tensor:
+        """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token."""
         u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
-        x = hc_post(self.attn(self.attn_norm(u), positions, state), x, post, comb)
+        x = hc_post(self.attn(self.attn_norm(u), positions, state, batch), x, post, comb)
         u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
         return hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
 
@@ -92,17 +94,22 @@ class Transformer(nn.Module):
         n_mtp = cfg.num_nextn_predict_layers if mtp else 0
         self.mtp = nn.ModuleList(MTPBlock(cfg, L + j, b.sub(f"mtp.{j}")) for j in range(n_mtp))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, states=None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                states: list[LayerState] | None = None, batch: SeqBatch | None = None) -> torch.Tensor:
         """input_ids [B, S] -> the final residual streams [B, S, hc_mult, d] (before the HyperHead).
 
-        positions=None and states=None: a causal prefill from position 0 with nothing cached.
+        positions=None and states=None: a causal prefill from position 0 with nothing cached. With `states`
+        (one LayerState per layer, runtime-owned) the input is a ragged step: input_ids and positions [1, N]
+        are the flattened tokens of `batch`'s sequences, whose caches are read and extended.
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+        if states is not None and len(states) != len(self.layers):
+            raise ValueError(f"{len(states)} layer states for a model of {len(self.layers)} layers")
         h = self.embed(input_ids)
         x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, input_ids, None if states is None else states[i])
+            x = layer(x, positions, input_ids, None if states is None else states[i], batch)
         return x
 
     def head_logits(self, streams: torch.Tensor, hc: tuple[torch.Tensor, ...] | None = None,

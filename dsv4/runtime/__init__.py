@@ -1,4 +1,4 @@
-"""Runtime: tokenizer, chat encoding, sampling and request types (engine, caches and scheduler come later).
+"""Runtime: decode cache, scheduler, engine, sampling, request types, tokenizer, chat encoding, demo model.
 
 Modules are imported directly (`dsv4.runtime.sampler`, ...) so that importing one does not load the others.
 """

@@ -1,0 +1,99 @@
+"""Decode-time state: what one attention layer keeps per sequence, as views into runtime-owned pools.
+
+The runtime allocates every tensor here (one slot per sequence) and hands the model these views; the
+forward reads them and writes the new tokens' rows in place, and never allocates persistent memory. No
+count is stored: a sequence's `start` (tokens already cached) determines which rows are live, so a slot
+needs only `reset` (the CSA Ca half back to "no previous window") before a new sequence uses it.
+
+Per layer (dsv4-architecture.md §15), for `slots` sequences and up to `max_len` positions each:
+  window       [slots, window, D]          rotated K=V of the last `window` tokens; token p at row p mod window
+  compressor   rolling state of the open (incomplete) window, its emitted entries, and for CSA the Ca half
+               of the last complete window (the next entry's first `ratio` slots)
+  indexer      (CSA only) the same for the indexer's own ratio-4 compressor, width index_head_dim
+
+`SeqBatch` describes one ragged step: which slots take part, where each sequence starts and how many of
+the flattened tokens are its own. The reference model loops over it; a batched kernel would take the
+same three columns as device tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CompressorState:
+    open_kv: torch.Tensor                # [slots, ratio, width] compute dtype: open window, token p at row p mod ratio
+    open_score: torch.Tensor             # [slots, ratio, width] fp32: its gate logits incl. ape[p mod ratio]
+    prev_kv: torch.Tensor | None         # CSA: [slots, ratio, head_dim] Ca half (kv) of the last complete window
+    prev_score: torch.Tensor | None      # CSA: [slots, ratio, head_dim] fp32; -inf = no window yet (weight 0)
+    entries: torch.Tensor                # [slots, max_len // ratio, head_dim] compute dtype: emitted entries
+
+    def at(self, slot: int) -> CompressorState:
+        """The views of one slot, keeping a batch axis of 1."""
+        pick = lambda t: None if t is None else t[slot:slot + 1]  # noqa: E731
+        return CompressorState(pick(self.open_kv), pick(self.open_score), pick(self.prev_kv), pick(self.prev_score),
+                               pick(self.entries))
+
+    def reset(self, slot: int) -> None:
+        if self.prev_kv is not None:
+            self.prev_kv[slot].zero_()
+            self.prev_score[slot].fill_(float("-inf"))
+
+
+@dataclass(frozen=True)
+class LayerState:
+    window: torch.Tensor                 # [slots, window, D] compute dtype
+    compressor: CompressorState | None   # CSA and HCA layers
+    indexer: CompressorState | None      # CSA layers
+
+    def at(self, slot: int) -> LayerState:
+        at = lambda part: None if part is None else part.at(slot)  # noqa: E731
+        return LayerState(self.window[slot:slot + 1], at(self.compressor), at(self.indexer))
+
+    def reset(self, slot: int) -> None:
+        for part in (self.compressor, self.indexer):
+            if part is not None:
+                part.reset(slot)
+
+
+@dataclass(frozen=True)
+class SeqBatch:
+    """One ragged step: sequence i owns flattened tokens [offsets[i], offsets[i] + lengths[i]) at positions
+    starts[i] .. starts[i] + lengths[i] - 1, and its state lives in cache slot slots[i]."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]              # tokens of the sequence already in its cache slot
+    lengths: tuple[int, ...]             # tokens of the sequence in this step (>= 1)
+
+    def __post_init__(self):
+        if not len(self.slots) == len(self.starts) == len(self.lengths):
+            raise ValueError(f"SeqBatch columns differ in length: {len(self.slots)} slots, {len(self.starts)} "
+                             f"starts, {len(self.lengths)} lengths")
+        if len(set(self.slots)) != len(self.slots):
+            raise ValueError(f"SeqBatch: a cache slot appears twice in {self.slots}")
+        if any(n < 1 for n in self.lengths) or any(s < 0 for s in self.starts):
+            raise ValueError(f"SeqBatch: lengths must be >= 1 and starts >= 0, got {self.lengths} / {self.starts}")
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for n in self.lengths:
+            out.append(total)
+            total += n
+        return tuple(out)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Absolute positions of the flattened tokens, int64 [num_tokens]."""
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths)])
+
+    def spans(self):
+        """(slot, start, token slice) per sequence."""
+        for slot, start, off, n in zip(self.slots, self.starts, self.offsets, self.lengths):
+            yield slot, start, slice(off, off + n)

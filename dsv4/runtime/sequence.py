@@ -1,0 +1,43 @@
+"""One request as the engine sees it: its tokens, how many of them are in its cache slot, and its output."""
+
+from __future__ import annotations
+
+import torch
+
+from .params import OutputTracker, RequestOutput, SamplingParams
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tracker: OutputTracker, generator: torch.Generator | None):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, list(prompt_token_ids)
+        self.params, self.tracker, self.generator = params, tracker, generator
+        self.slot: int | None = None         # cache slot while running
+        self.num_cached = 0                  # leading tokens whose state is in the slot
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.tracker.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt, or the last sampled token."""
+        return self.num_tokens - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.tracker.finished
+
+    def chunk(self, n: int) -> list[int]:
+        """The next n tokens to feed (from the prompt, then the generated ones)."""
+        start, prompt = self.num_cached, self.prompt_token_ids
+        if start + n <= len(prompt):
+            return prompt[start:start + n]
+        return (prompt + self.tracker.token_ids)[start:start + n]
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [self.tracker.output()],
+                             self.finished)
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r}, {self.num_tokens} tokens, {self.num_cached} cached, slot {self.slot})"

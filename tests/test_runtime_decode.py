@@ -1,0 +1,133 @@
+"""Cached decoding at the model level: the runtime's KVCache views + SeqBatch steps against the stateless prefill.
+
+The stateless prefill (`model.logits`) is itself exact against transformers (test_load_transformers.py), so
+here it is the reference. Tolerance: relative error (max |diff| / max |ref|) below 1e-4, as there; the paths
+differ only in summation order (ring + chunk keys instead of the whole sequence). Sequences of 300 tokens
+pass both HCA boundaries (128, 256) and the window (128); see runtime_fixtures for the two model variants
+that keep indexer tie-breaking out of the comparison.
+"""
+
+import pytest
+import torch
+
+import dsv4
+import runtime_fixtures as rf
+from dsv4.model.attention import ring_positions
+from dsv4.model.state import SeqBatch
+from dsv4.runtime.cache import KVCache, cache_bytes
+from oracle import rel_err
+
+TOL = 1e-4
+N = 300
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: dsv4.load(rf.variant(name)) for name in rf.VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.tensor([rf.prompt_ids(N, seed=1)])
+
+
+def run_chunks(model, cache, ids, chunks, slot=0):
+    """Feed one sequence through `cache` slot in the given chunk sizes; logits at every position."""
+    out, start = [], 0
+    with torch.inference_mode():
+        for n in chunks:
+            batch = SeqBatch((slot,), (start,), (n,))
+            streams = model(ids[:, start:start + n], batch.positions()[None], cache.layers, batch)
+            out.append(model.head_logits(streams)[0])
+            start += n
+    assert start == ids.shape[1]
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["wide", "sharp"])
+def test_step_by_step_decoding_equals_prefill_at_every_position(name, models, ids, monkeypatch):
+    model = models[name]
+    gaps = rf.TopkGaps(monkeypatch)
+    ref = model.logits(ids)[0]
+    cache = KVCache(model.config, 3, 512, torch.float32)
+    got = run_chunks(model, cache, ids, [1] * N, slot=2)
+    err = rel_err(got, ref)
+    print(f"\n  {name}: step-by-step vs prefill, max rel err {err:.2e}; smallest top-k gap {gaps.min():.1e}")
+    assert err < TOL
+    assert_no_tie_decides(name, gaps)
+
+
+def assert_no_tie_decides(name, gaps):
+    if name == "wide":          # index_topk > #entries: every visible entry is picked, nothing is chosen
+        assert not gaps.gaps
+    else:                       # index_topk 4: the picks are decided by clear margins, not by ties
+        assert gaps.gaps and gaps.min() > 1e-5
+
+
+# Chunk ends at 3 (mid CSA window), 8, 128 (HCA window and ring full), 129, 133, 263 (a chunk longer than
+# the ring), 264, 300.
+CHUNKS = [3, 5, 120, 1, 4, 130, 1, 36]
+
+
+@pytest.mark.parametrize("name", ["wide", "sharp"])
+def test_chunked_prefill_equals_one_shot(name, models, ids, monkeypatch):
+    model = models[name]
+    gaps = rf.TopkGaps(monkeypatch)
+    ref = model.logits(ids)[0]
+    got = run_chunks(model, KVCache(model.config, 1, 512, torch.float32), ids, CHUNKS)
+    err = rel_err(got, ref)
+    print(f"\n  {name}: chunks {CHUNKS} vs one shot, max rel err {err:.2e}")
+    assert err < TOL
+    assert_no_tie_decides(name, gaps)
+
+
+def test_ragged_batch_equals_sequences_alone(models):
+    """Three sequences in one cache, prefill chunks and decode tokens mixed in the same steps, one of them in
+    a slot another sequence used before; each must match itself run alone."""
+    model = models["wide"]
+    seqs = [torch.tensor([rf.prompt_ids(n, seed=10 + i)]) for i, n in enumerate((260, 140, 70))]
+    slots = (1, 3, 0)
+    # Per step: tokens fed per sequence (0 = not in this step).
+    steps = [(100, 140, 0), (150, 0, 30), (5, 0, 40)] + [(1, 0, 0)] * 5
+    cache = KVCache(model.config, 4, 512, torch.float32)
+    run_chunks(model, cache, torch.tensor([rf.prompt_ids(50, seed=99)]), [50], slot=0)   # a previous tenant
+    cache.reset(0)
+    starts, outs = [0, 0, 0], [[], [], []]
+    with torch.inference_mode():
+        for step in steps:
+            members = [i for i, n in enumerate(step) if n]
+            batch = SeqBatch(tuple(slots[i] for i in members), tuple(starts[i] for i in members),
+                             tuple(step[i] for i in members))
+            ids = torch.cat([seqs[i][:, starts[i]:starts[i] + step[i]] for i in members], dim=1)
+            logits = model.head_logits(model(ids, batch.positions()[None], cache.layers, batch))[0]
+            for i, off in zip(members, batch.offsets):
+                outs[i].append(logits[off:off + step[i]])
+                starts[i] += step[i]
+    assert starts == [260, 140, 70]
+    for i, seq in enumerate(seqs):
+        alone = model.logits(seq)[0]
+        err = rel_err(torch.cat(outs[i]), alone)
+        print(f"\n  sequence of {seq.shape[1]} in a ragged batch vs alone: max rel err {err:.2e}")
+        assert err < TOL
+
+
+def test_ring_positions():
+    for start in (0, 1, 5, 127, 128, 129, 300):
+        want = [max((p for p in range(start) if p % 128 == r), default=-1) for r in range(128)]
+        assert ring_positions(start, 128).tolist() == want
+
+
+def test_cache_layout_and_capacity(models):
+    cfg = models["wide"].config
+    cache = KVCache(cfg, 2, 256, torch.float32)
+    csa, hca = cache.layers[2], cache.layers[3]
+    assert cache.layers[0].compressor is None and hca.indexer is None
+    assert csa.compressor.entries.shape == (2, 64, cfg.head_dim) and csa.indexer.entries.shape == (2, 64, 32)
+    assert hca.compressor.entries.shape == (2, 2, cfg.head_dim) and hca.compressor.open_kv.shape == (2, 128, 64)
+    assert csa.compressor.open_score.dtype == torch.float32 and bool((csa.compressor.prev_score == -torch.inf).all())
+    assert cache.nbytes == cache_bytes(cfg, 2, 256, torch.float32) == sum(
+        p.numel() * p.element_size() for p in cache.pools.values())
+    # Views, not copies: what the model writes lands in the runtime's pools.
+    assert csa.window.untyped_storage().data_ptr() == cache.pools["window"].untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="compressed-entry cache holds 64 entries"):
+        run_chunks(models["wide"], cache, torch.tensor([rf.prompt_ids(260, seed=3)]), [260])

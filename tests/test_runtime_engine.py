@@ -1,0 +1,155 @@
+"""The engine (scheduler + KVCache + sampler) against transformers' cached greedy `generate` on the same weights.
+
+transformers' batched generate pads on the left, and its V4 compressors pool the pad tokens into their
+windows, so each sequence is compared with transformers running it alone; the engine runs them all as one
+ragged, continuously batched workload: fewer cache slots than requests (later ones join while others
+decode), and a per-step token budget that splits long prompts into chunks mixed with decode tokens.
+"""
+
+import pytest
+import torch
+
+import dsv4
+import runtime_fixtures as rf
+from dsv4.config import ModelConfig
+from dsv4.runtime.cache import CacheCapacityError, KVCache
+from dsv4.runtime.engine import Engine, RequestError
+from dsv4.runtime.params import SamplingParams
+
+pytest.importorskip("transformers")
+LENGTHS = (100, 127, 129, 200, 255, 257)      # around the window / HCA boundaries 128 and 256
+NEW = 24                                       # 127 + 24 and 255 + 24 cross a boundary while decoding
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return [rf.prompt_ids(n, seed=20 + i) for i, n in enumerate(LENGTHS)]
+
+
+def hf_generate(name, prompts):
+    import transformers
+    from transformers import DeepseekV4ForCausalLM, GenerationConfig
+
+    transformers.logging.set_verbosity_error()
+    hf = DeepseekV4ForCausalLM.from_pretrained(rf.variant(name), dtype=torch.float32).eval()
+    gc = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=None, use_cache=True)
+    out = []
+    for p in prompts:
+        res = hf.generate(torch.tensor([p]), generation_config=gc, return_dict_in_generate=True, output_logits=True)
+        tokens = res.sequences[0, len(p):].tolist()
+        logprobs = [float(lg[0].float().log_softmax(-1)[t]) for lg, t in zip(res.logits, tokens)]
+        out.append((tokens, logprobs))
+    return out
+
+
+def run(engine, prompts, params):
+    """All requests through the engine; returns the outputs and the step plans (seq index, tokens, prefill?)."""
+    seqs = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    plans, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append([(seqs.index(s), n, s.num_cached < len(s.prompt_token_ids)) for s, n in plan])
+        return plan
+    engine.scheduler.schedule = recording
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output() for s in seqs], plans
+
+
+@pytest.mark.parametrize("name", ["wide", "sharp"])
+def test_greedy_ragged_batch_matches_transformers(name, prompts):
+    model = dsv4.load(rf.variant(name))
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=200)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    outs, plans = run(engine, prompts, params)
+    # The workload really was ragged and continuous: a prompt was split, a prefill chunk ran in the same step
+    # as decodes, and a request was admitted after others had started decoding.
+    assert any(n < LENGTHS[i] and pre for plan in plans for i, n, pre in plan if n > 1)
+    assert any(any(pre for _, _, pre in plan) and any(not pre for _, _, pre in plan) for plan in plans)
+    first_decode = next(k for k, plan in enumerate(plans) if any(not pre for _, _, pre in plan))
+    assert any(i in (4, 5) for plan in plans[first_decode + 1:] for i, _, _ in plan)
+    assert sorted(engine.scheduler.free_slots) == [0, 1, 2, 3] and not engine.scheduler.running
+
+    worst = 0.0
+    for out, (tokens, logprobs) in zip(outs, hf_generate(name, prompts)):
+        c = out.outputs[0]
+        assert c.token_ids == tokens, f"prompt of {len(out.prompt_token_ids)} tokens"
+        assert c.finish_reason == "length" and out.finished
+        mine = [c.logprobs[k][t].logprob for k, t in enumerate(c.token_ids)]
+        worst = max(worst, max(abs(a - b) for a, b in zip(mine, logprobs)))
+    print(f"\n  {name}: {len(prompts)} x {NEW} greedy tokens equal transformers'; max |logprob diff| {worst:.1e}")
+    assert worst < 1e-4
+
+
+def finish_all(engine, prompts, params):
+    seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return [s.output().outputs[0] for s in seqs]
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(prompts):
+    model = dsv4.load(rf.variant("wide"))
+    seeded = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=7, max_tokens=12, ignore_eos=True)
+    alone = finish_all(Engine(model, max_num_seqs=1), [prompts[1]], [seeded])[0]
+    others = [SamplingParams(temperature=1.0, seed=s, max_tokens=5, ignore_eos=True) for s in (1, 2)]
+    mixed = finish_all(Engine(model, max_num_seqs=3), [prompts[0], prompts[1], prompts[2]],
+                       [others[0], seeded, others[1]])
+    assert mixed[1].token_ids == alone.token_ids
+    again = finish_all(Engine(model, max_num_seqs=1), [prompts[1]], [seeded])[0]
+    assert again.token_ids == alone.token_ids
+    other_seed = SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=8, max_tokens=12, ignore_eos=True)
+    assert finish_all(Engine(model, max_num_seqs=1), [prompts[1]], [other_seed])[0].token_ids != alone.token_ids
+
+
+@pytest.fixture(scope="module")
+def small_engine_model():
+    return dsv4.load(rf.variant("wide"))
+
+
+def test_requests_that_cannot_run_get_a_clear_error(small_engine_model):
+    engine = Engine(small_engine_model, max_num_seqs=2, max_model_len=64)
+    with pytest.raises(RequestError, match=r"request 'long': the prompt has 65 tokens, more than max_model_len=64"):
+        engine.add_request(list(range(2, 67)), request_id="long")
+    with pytest.raises(RequestError, match="request 'empty': the prompt is empty"):
+        engine.add_request([], request_id="empty")
+    with pytest.raises(RequestError, match=r"request 'oov': token ids \[600\] are outside the model's vocabulary"):
+        engine.add_request([5, 600, 7], request_id="oov")
+    with pytest.raises(RequestError, match="request 'floats': prompt token ids must be integers"):
+        engine.add_request([5.0, 6.0], request_id="floats")
+    with pytest.raises(RequestError, match="stop strings .* need a tokenizer"):
+        engine.add_request([5, 6], SamplingParams(stop=["x"]))
+    assert not engine.has_unfinished()
+    with pytest.raises(ValueError, match="max_model_len 8192 exceeds the model's max_position_embeddings"):
+        Engine(small_engine_model, max_model_len=8192)
+    with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_num_seqs"):
+        Engine(small_engine_model, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_cache_that_cannot_fit_is_refused_before_allocating():
+    with pytest.raises(CacheCapacityError, match=r"max_num_seqs=1000 x max_model_len=1048576 needs .* GiB"):
+        KVCache(ModelConfig.flash(), 1000, 2**20, torch.bfloat16)
+
+
+def test_max_model_len_ends_with_length_and_frees_the_slot(small_engine_model):
+    engine = Engine(small_engine_model, max_num_seqs=1, max_model_len=40)
+    outs = finish_all(engine, [rf.prompt_ids(30, seed=5), rf.prompt_ids(40, seed=6)],
+                      [SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [10, 1]       # a full-length prompt still gets one token
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert list(engine.scheduler.free_slots) == [0]
+
+
+def test_abort_frees_the_slot_for_a_waiting_request(small_engine_model):
+    engine = Engine(small_engine_model, max_num_seqs=1)
+    a = engine.add_request(rf.prompt_ids(20, seed=1), SamplingParams(max_tokens=50), request_id="a")
+    b = engine.add_request(rf.prompt_ids(20, seed=2), SamplingParams(max_tokens=3), request_id="b")
+    engine.step()
+    assert a.slot == 0 and b.slot is None and len(a.tracker.token_ids) == 1
+    engine.abort("a")
+    assert a.finished and a.output().outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert b.output().outputs[0].finish_reason == "length" and len(b.tracker.token_ids) == 3

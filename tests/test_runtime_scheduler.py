@@ -1,0 +1,81 @@
+"""The scheduler alone (no model): token budget, decode-first order, chunked prefill, slot admission and release."""
+
+import pytest
+
+from dsv4.runtime.engine import TokenIdsOnly
+from dsv4.runtime.params import OutputTracker, SamplingParams
+from dsv4.runtime.scheduler import Scheduler
+from dsv4.runtime.sequence import Sequence
+
+
+def seq(name: str, prompt_len: int) -> Sequence:
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    return Sequence(name, None, list(range(2, 2 + prompt_len)), params, OutputTracker(params, TokenIdsOnly(1, 512)),
+                    None)
+
+
+def advance(plan, sampled=7):
+    """What the engine does after a step: the fed tokens are cached; a sequence with nothing pending samples."""
+    for s, n in plan:
+        s.num_cached += n
+        if s.num_pending == 0:
+            s.tracker.append(sampled)
+
+
+def names(plan):
+    return [(s.request_id, n) for s, n in plan]
+
+
+def test_chunked_prefill_decode_first_and_admission_by_slots():
+    sch = Scheduler(max_num_seqs=2, max_num_batched_tokens=10)
+    a, b, c = seq("a", 4), seq("b", 13), seq("c", 3)
+    for s in (a, b, c):
+        sch.add(s)
+    plan = sch.schedule()
+    assert names(plan) == [("a", 4), ("b", 6)]            # b's prompt is cut by the budget; no slot left for c
+    assert (a.slot, b.slot, c.slot) == (0, 1, None)
+    advance(plan)
+    assert a.num_pending == 1 and b.num_pending == 7
+    plan = sch.schedule()
+    assert names(plan) == [("a", 1), ("b", 7)]            # decode first, then the rest of b's prompt
+    advance(plan)
+    assert names(sch.schedule()) == [("a", 1), ("b", 1)]
+    sch.finish(a)                                         # a finished: its slot goes to c at once
+    assert a.slot is None and list(sch.free_slots) == [0]
+    plan = sch.schedule()
+    assert names(plan) == [("b", 1), ("c", 3)] and c.slot == 0
+    sch.finish(b)
+    sch.finish(c)
+    assert not sch.has_unfinished() and sorted(sch.free_slots) == [0, 1]
+
+
+def test_budget_bounds_every_step_and_prompts_are_split_anywhere():
+    sch = Scheduler(max_num_seqs=3, max_num_batched_tokens=7)
+    seqs = [seq(f"s{i}", n) for i, n in enumerate((11, 5, 9))]
+    for s in seqs:
+        sch.add(s)
+    steps = []
+    while any(s.num_cached < len(s.prompt_token_ids) for s in seqs):
+        plan = sch.schedule()
+        assert sum(n for _, n in plan) <= 7 and plan
+        steps.append(names(plan))
+        advance(plan)
+    assert steps[0] == [("s0", 7)]
+    assert steps[1] == [("s0", 4), ("s1", 3)]
+    assert steps[2] == [("s0", 1), ("s1", 2), ("s2", 4)]
+    assert steps[3] == [("s0", 1), ("s1", 1), ("s2", 5)]
+
+
+def test_budget_must_cover_a_decode_step():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(max_num_seqs=4, max_num_batched_tokens=3)
+
+
+def test_waiting_request_can_be_dropped():
+    sch = Scheduler(max_num_seqs=1, max_num_batched_tokens=8)
+    a, b = seq("a", 3), seq("b", 3)
+    sch.add(a)
+    sch.add(b)
+    sch.schedule()
+    sch.finish(b)                                         # aborted while waiting: never admitted
+    assert list(sch.waiting) == [] and b.slot is None and a.slot == 0
