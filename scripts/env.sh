@@ -8,9 +8,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=".venv/.dsv4-installed${extras:+-$extras}"
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    python -m pip install -q --upgrade pip >/dev/null
-    python -m pip install -q "torch==2.13.0"
-    python -m pip install -q -e ".${extras:+[$extras]}"
+fresh() { [ -f "$1" ] && [ ! pyproject.toml -nt "$1" ]; }
+# The test extras include everything the plain install has.
+if ! fresh "$stamp" && ! { [ -z "$extras" ] && fresh .venv/.dsv4-installed-test; }; then
+    log=.venv/install.log
+    if ! { python -m pip install -q "torch==2.13.0" && python -m pip install -q -e ".${extras:+[$extras]}"; } >"$log" 2>&1; then
+        cat "$log" >&2
+        echo "dsv4: installing into .venv failed (log above, also in $log)" >&2
+        exit 1
+    fi
     touch "$stamp"
 fi
