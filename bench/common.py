@@ -41,7 +41,7 @@ class Shapes:
 
 FLASH = Shapes("V4-Flash", 4096, 2048, 256, 6, 1024, 64, 512, 8, 1024)
 PRO = Shapes("V4-Pro", 7168, 3072, 384, 6, 1536, 128, 512, 16, 1024)
-TOY = Shapes("toy", 64, 32, 8, 2, 32, 4, 32, 2, 32, 4, 16)
+TOY = Shapes("toy", 128, 128, 8, 2, 128, 4, 64, 2, 64, 4, 32)   # K multiples of 128: the GEMV runs
 
 # formats of each benchmark linear: the official release, and dsv4 convert --format nvfp4
 LINEAR_FORMATS = {

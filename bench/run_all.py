@@ -30,7 +30,7 @@ from common import (FLASH, LINEAR_FORMATS, PRO, TOY, Timer, copy_bandwidth, nbyt
 
 from dsv4.kernels import Ops, ref  # noqa: E402
 
-M_LIST = (1, 4, 16, 64, 256, 4096)
+M_LIST = (1, 4, 16, 64)   # decode; prefill M = 4096 is the `prefill` section
 
 
 def _refuse(x, *args, **kwargs):
@@ -46,7 +46,8 @@ def strict_ops() -> Ops:
     linear = partial(gemm.linear, fallback=_refuse, scratch=scratch)
     return Ops("strict", linear, partial(w4a4.linear_w4a4, fallback=_refuse, scratch=scratch),
                partial(moe.mlp, fallback=_refuse, linear=linear, scratch=scratch), partial(moe.route, fallback=_refuse),
-               partial(moe.moe, fallback=_refuse, scratch=scratch))
+               partial(moe.moe, fallback=_refuse, scratch=scratch),
+               partial(gemm.grouped_linear, fallback=_refuse, scratch=scratch))
 
 
 class Run:
@@ -118,7 +119,7 @@ def linear_cases(run: Run):
     for sh in run.models:
         for name, (n, k) in sh.linears().items():
             for fmt in LINEAR_FORMATS[name]:
-                if not run.toy or name in ("expert w2", "wq_b"):
+                if not run.toy or name in ("expert w2", "wq_b", "wo_a"):
                     yield sh, name, fmt, n, k
 
 
@@ -131,7 +132,6 @@ def compile_linear(jobs):
         try:
             w = random_qweight(fmt, (), n, k, dev, gen)
             x = torch.randn(min(m, 64), k, device=dev, dtype=torch.bfloat16)
-            cfg = cfg or gemm.pick_config(m, n, k, fmt, dev)
             gemm.linear(x, w, config=cfg, fallback=_refuse, scratch=gemm.Scratch())
             torch.cuda.synchronize()
             done += 1
@@ -148,7 +148,7 @@ def precompile(run: Run):
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    jobs = [(fmt, n, k, 1, cfg) for _, _, _, fmt, n, k, cfg in grid_plan(run)]
+    jobs = [(fmt, n, k, m, None) for _, _, fmt, n, k in linear_cases(run) for m in (1, 64)]
     workers = min(12, max(1, (os.cpu_count() or 2) - 2))
     chunks = [jobs[i::workers] for i in range(workers)]
     ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
@@ -166,8 +166,8 @@ def precompile_join(run: Run):
 
 
 def correctness(run: Run):
-    from dsv4.kernels import gemm, w4a4
-    from dsv4.formats import stage_activation
+    from dsv4.kernels import gemm, gemv, w4a4
+    from dsv4.formats import QWeight, stage_activation
     rows = []
     run.res["correctness"] = rows
     dev, gen = run.device, run.gen
@@ -209,6 +209,29 @@ def correctness(run: Run):
             cfg = replace(gemm.pick_config(16, n, k, fmt, dev), asm=False)
             y = gemm.linear(torch.eye(16, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse)
             record("exact dequant nvfp4 portable path", 0.0, 0.0, exact=bool(torch.equal(y.float(), wt[:16])))
+        # the decode GEMV without its asm decoders (plain Triton), and a split-K GEMV: the same bits
+        for cfg in (gemv.GemvConfig(asm=False), gemv.GemvConfig(BN=64, split=4)):
+            y = gemm.linear(torch.eye(16, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,
+                            scratch=run.scratch)
+            record(f"exact dequant {fmt} gemv asm={cfg.asm} split={cfg.split}", 0.0, 0.0,
+                   exact=bool(torch.equal(y.float(), wt[:16])))
+    # FP8 with fp32 block scales (-Base checkpoints): the GEMV applies them to fp32 partials
+    n, k = big.linears()["wo_b"]
+    w8 = random_qweight("fp8", (), n, k, dev, gen)
+    w8 = QWeight("fp8", w8.weight, w8.scale.float() * (1 + 0.3 * torch.rand(w8.scale.shape, device=dev, generator=gen)))
+    for m in (1, 16):
+        x = run.x(m, k)
+        record(f"linear {big.name} wo_b fp8-f32-scales M={m}", rel_err(gemm.linear(x, w8, fallback=_refuse,
+               scratch=run.scratch), ref.linear(x, w8)), 1e-2)
+    # grouped wo_a (block-diagonal): decode GEMV over all groups; prefill dequantize + bmm
+    n, k = big.linears()["wo_a"]
+    for fmt in ("nvfp4", "fp8"):
+        w = random_qweight(fmt, (), n, k, dev, gen)
+        for m in ((1, 3) if run.toy else (1, 16, 64, 512)):
+            x = run.x(m, big.o_groups * k).view(m, big.o_groups, k)
+            out = run.ops.grouped_linear(x, w, big.o_groups)
+            record(f"grouped wo_a {big.name} {fmt} T={m}", rel_err(out, ref.grouped_linear(x, w, big.o_groups)), 1e-2,
+                   written=bool(torch.isfinite(out).all()))
     # routing
     for s in run.models:
         logits = torch.randn(512, s.E, device=dev, generator=gen) * 2
@@ -227,7 +250,7 @@ def correctness(run: Run):
     for s, fmt in ((sh, "nvfp4"), (sh, "mxfp4"), (big, "nvfp4")):
         w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight(fmt, (s.E,), s.D, s.I, dev, gen)
-        for t in ((1, 3, 11) if run.toy else (1, 8, 64, 512)):
+        for t in ((1, 3, 11) if run.toy else (1, 4, 8, 64)):
             x = run.x(t, s.D)
             wts, ids = ref.route(torch.randn(t, s.E, device=dev, generator=gen), torch.zeros(s.E, device=dev), s.k, 1.5)
             y = run.ops.moe(x, ids, wts, w13, w2, 10.0)
@@ -239,7 +262,7 @@ def correctness(run: Run):
     for s, fmt in ((sh, "fp8"), (big, "nvfp4")):
         w13 = random_qweight(fmt, (2,), s.I, s.D, dev, gen)
         w2 = random_qweight(fmt, (), s.D, s.I, dev, gen)
-        for t in (1, 64):
+        for t in (1, 16, 64, 70):
             x = run.x(t, s.D)
             err = rel_err(run.ops.mlp(x, w13, w2, 10.0), ref.mlp(x, w13, w2, 10.0))
             record(f"shared mlp {s.name} {fmt} T={t}", err, 1e-2)
@@ -262,25 +285,24 @@ def _rotations(nbytes_one: int, budget: int = 200 * 2**20, cap: int = 48) -> int
     return max(2, min(cap, -(-budget // max(1, nbytes_one))))
 
 
-def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True):
-    """ms per call of gemm.linear on rotated weights (one CUDA graph for m <= 256). cfg: a Config (fused kernel
-    with those tiles), None (the library heuristic under the measured decode policy), or "default" (exactly what
-    Ops.linear does: the heuristic, or dequantize + cuBLAS for prefill)."""
+def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
+    """ms per call of gemm.linear on rotated weights (one CUDA graph for m <= 256). cfg: a gemm.Config (round
+    one's fused kernel with those tiles), a gemv.GemvConfig (the decode GEMV), or None / "default" (exactly what
+    Ops.linear does). groups > 0 times Ops.grouped_linear (x [m, groups, k / groups... the weight's K])."""
     from dsv4.kernels import gemm
     dev, gen = run.device, run.gen
     w0 = random_qweight(fmt, (), n, k, dev, gen)
     rot = (2 if run.toy else _rotations(nbytes(w0))) if (rotate and m <= 256) else 1
     ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
-    xs = [run.x(m, k) for _ in range(rot)]
-    if cfg is None:
-        if m > 64 and gemm.prefers_cublas(xs[0], w0, m):
-            cfg = "default"
-        else:
-            cfg = gemm.pick_config(m, n, k, fmt, dev, tiles=getattr(run, "policy", {}).get(
-                "fp8" if fmt == "fp8" else "fp4"))
+    cfg = cfg or "default"
     conf = None if cfg == "default" else cfg
-    calls = [(lambda x=x, w=w: gemm.linear(x, w, config=conf, fallback=_refuse, scratch=run.scratch))
-             for x, w in zip(xs, ws)]
+    if groups:
+        xs = [run.x(m, groups * k).view(m, groups, k) for _ in range(rot)]
+        calls = [(lambda x=x, w=w: run.ops.grouped_linear(x, w, groups)) for x, w in zip(xs, ws)]
+    else:
+        xs = [run.x(m, k) for _ in range(rot)]
+        calls = [(lambda x=x, w=w: gemm.linear(x, w, config=conf, fallback=_refuse, scratch=run.scratch))
+                 for x, w in zip(xs, ws)]
     ms = run.timer.per_call_ms(calls, graph=m <= 256)
     del ws
     return ms, cfg
@@ -296,23 +318,20 @@ def time_cublas(run: Run, n, k, m):
 
 
 def grid_plan(run: Run):
-    """Decode tile grid (M = 1) on two large shapes, where launch overhead does not hide streaming efficiency:
-    V4-Pro wq_b (N = 65536, no split) and V4-Flash wo_b (K = 8192, split-K). Yields (family, fmt, N, K, Config)."""
-    from dsv4.kernels import gemm
-    shapes = [(run.models[-1], "wq_b"), (run.models[0], "wo_b")]
-    fams = {"fp4": ("nvfp4", (128, 256)), "fp8": ("fp8", (64, 128))}
+    """Decode GEMV variants (M = 1) on three large shapes where launch cost does not hide streaming efficiency:
+    V4-Pro wq_b nvfp4 (N = 65536, no split), V4-Pro wo_b nvfp4 (K = 16384, split-K), V4-Flash wo_b fp8.
+    Yields (variant, shape, fmt, N, K, GemvConfig)."""
+    from dsv4.kernels import gemv
+    shapes = [(run.models[-1], "wq_b", "nvfp4"), (run.models[-1], "wo_b", "nvfp4"), (run.models[0], "wo_b", "fp8")]
+    variants = {"default": gemv.GemvConfig(), "w4 bn128 (wgmma)": gemv.GemvConfig(BN=128, num_warps=4, maxnreg=0),
+                "no register cap": gemv.GemvConfig(maxnreg=0), "stages 1": gemv.GemvConfig(num_stages=1),
+                "stages 3": gemv.GemvConfig(num_stages=3), "not persistent": gemv.GemvConfig(persistent=False)}
     if run.toy:
-        grid = [(16, 32, 4, 2)]
-    for fam, (fmt, bks) in fams.items():
-        combos = grid if run.toy else [(bn, bk, w, st) for bn in (64, 128) for bk in bks for w in (4, 8)
-                                       for st in (1, 2, 3, 4)]
-        for bn, bk, w, st in combos:
-            tiles = gemm.DecodeTiles(bn, bk, w, st)
-            for sh, name in shapes:
-                n, k = sh.linears()[name]
-                cfg = gemm.pick_config(1, n, k, fmt, run.device, tiles=tiles)
-                if cfg is not None and cfg.BK == bk:
-                    yield fam, tiles, f"{sh.name} {name}", fmt, n, k, cfg
+        variants = {k: variants[k] for k in ("default", "w4 bn128 (wgmma)")}
+    for vname, cfg in variants.items():
+        for sh, name, fmt in shapes:
+            n, k = sh.linears()[name]
+            yield vname, f"{sh.name} {name}", fmt, n, k, cfg
 
 
 def launch_overhead(run: Run):
@@ -334,33 +353,21 @@ def launch_overhead(run: Run):
 
 
 def sweep(run: Run):
-    """Time the decode tile grid; the policy (per format family) is the geometric-mean winner, used by the
-    linear table and reported for gemm.DECODE_TILES_*."""
-    import math
+    """Time the decode GEMV variants of `grid_plan` (M = 1, rotated weights, CUDA graph)."""
     out = []
     run.res["sweep"] = out
-    scores: dict = {}
-    for fam, tiles, shape, fmt, n, k, cfg in grid_plan(run):
+    for variant, shape, fmt, n, k, cfg in grid_plan(run):
         try:
             ms_, _ = time_linear(run, fmt, n, k, 1, cfg=cfg)
         except Exception as e:
-            print("  sweep config failed", cfg, repr(e)[:300], flush=True)
+            print("  sweep config failed", variant, shape, repr(e)[:300], flush=True)
             continue
         wbytes = nbytes(random_qweight(fmt, (), n, k, run.device, run.gen))
-        row = dict(family=fam, shape=shape, fmt=fmt, M=1, config=asdict(cfg), us=ms_ * 1e3,
+        row = dict(variant=variant, shape=shape, fmt=fmt, M=1, config=asdict(cfg), us=ms_ * 1e3,
                    gbps=wbytes / (ms_ * 1e-3) / 1e9)
         out.append(row)
-        scores.setdefault(fam, {}).setdefault(tiles, []).append(ms_)
-        print(f"  {fam} {shape} {cfg}: {row['us']:.1f} us {row['gbps']:.0f} GB/s", flush=True)
-    from dsv4.kernels import gemm
-    run.policy = {}
-    for fam, by_tiles in scores.items():
-        full = {t: v for t, v in by_tiles.items() if len(v) == max(len(x) for x in by_tiles.values())}
-        best = min(full, key=lambda t: math.prod(full[t]) ** (1 / len(full[t])))
-        run.policy[fam] = best
-        default = gemm.DECODE_TILES_FP4 if fam == "fp4" else gemm.DECODE_TILES_FP8
-        print(f"  policy {fam}: {best} (default {default})", flush=True)
-    run.res["policy"] = {f: asdict(t) for f, t in run.policy.items()}
+        print(f"  {variant:24s} {shape:16s} {fmt}: {row['us']:.1f} us {row['gbps']:.0f} GB/s "
+              f"({100 * row['gbps'] / run.res.get('copy_gbps', 1):.0f}% copy)", flush=True)
 
 
 def prefill_compare(run: Run):
@@ -411,8 +418,8 @@ def linear_table(run: Run):
         for m in run.ms_list():
             if run.elapsed() > run.args.budget:
                 return
-            try:
-                ms, cfg = time_linear(run, fmt, n, k, m)
+            try:  # wo_a runs as the model runs it: Ops.grouped_linear, x [M, groups, K]
+                ms, cfg = time_linear(run, fmt, n, k, m, groups=sh.o_groups if name == "wo_a" else 0)
                 if (n, k, m) not in cublas:
                     cublas[(n, k, m)] = time_cublas(run, n, k, m)
             except Exception as e:
@@ -434,8 +441,9 @@ def linear_table(run: Run):
 
 
 def moe_table(run: Run):
-    """The whole MoE layer (routing kernel, routed experts, shared expert) vs the bytes of the experts it touches."""
-    from dsv4.kernels import moe as tmoe
+    """The whole MoE layer (routing kernel, routed experts, shared expert) vs the bytes of the experts it touches;
+    for decode sizes also the routed experts through the other decode kernel family (GEMV vs round one)."""
+    from dsv4.kernels import gemv, moe as tmoe
     rows = []
     run.res["moe"] = rows
     copy = run.res.get("copy_gbps", 1.0)
@@ -449,7 +457,7 @@ def moe_table(run: Run):
         per_expert = nbytes(w13) // s.E + nbytes(w2) // s.E
         shared_bytes = nbytes(sw13) + nbytes(sw2)
         bias = torch.zeros(s.E, device=dev)
-        for t in ((1, 3, 11) if run.toy else (1, 8, 64, 512)):
+        for t in ((1, 3, 11) if run.toy else (1, 4, 8, 64)):
             if run.elapsed() > run.args.budget:
                 return
             rot = 2 if run.toy else 8
@@ -468,12 +476,12 @@ def moe_table(run: Run):
             ms = run.timer.per_call_ms([lambda x=x, lg=lg: layer(x, lg) for x, lg in zip(xs, logits)])
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
             ms_alt = None
-            if t <= 8:  # the other decode down projection (token-major, fused top-k sum), for the record
+            if t <= 8:  # the other decode kernels on the same inputs, for the record
 
                 def routed_alt(x, lg):
                     wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, decode_down="fused",
-                                    scratch=run.scratch)
+                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse,
+                                    decode="round1" if t <= gemv.MOE_TOKENS else "gemv", scratch=run.scratch)
 
                 ms_alt = run.timer.per_call_ms([lambda x=x, lg=lg: routed_alt(x, lg) for x, lg in zip(xs, logits)])
             floor_routed = per_expert * sum(touched) / len(touched)
@@ -483,12 +491,12 @@ def moe_table(run: Run):
                        pct_floor=100 * (floor / (copy * 1e9)) / (ms * 1e-3),
                        routed_us=ms_r * 1e3, routed_floor_mb=floor_routed / 1e6,
                        routed_pct_floor=100 * (floor_routed / (copy * 1e9)) / (ms_r * 1e-3),
-                       routed_fused_down_us=None if ms_alt is None else ms_alt * 1e3)
+                       routed_other_decode_us=None if ms_alt is None else ms_alt * 1e3)
             rows.append(row)
             print(f"  {s.name:8s} {fmt:5s} T={t:<4d} experts {row['experts_touched']:6.1f}  layer {row['us']:8.1f} us "
                   f"= {row['pct_floor']:3.0f}% of floor ({row['floor_mb']:.0f} MB)  | routed only "
                   f"{row['routed_us']:8.1f} us = {row['routed_pct_floor']:3.0f}%"
-                  + ("" if ms_alt is None else f" (fused down: {ms_alt * 1e3:.1f} us)"),
+                  + ("" if ms_alt is None else f" (other decode kernels: {ms_alt * 1e3:.1f} us)"),
                   flush=True)
         del w13, w2, sw13, sw2
 
@@ -511,7 +519,8 @@ def table(run: Run) -> str:
     c = r.get("correctness", [])
     lines.append(f"correctness: {sum(x['ok'] for x in c)}/{len(c)} ok; failures: {r.get('correctness_failures')}")
     lines.append(f"launch overhead in a CUDA graph (us/launch): {r.get('launch_us')}")
-    lines.append(f"decode tile policy (grid winner): {r.get('policy')}")
+    for x in r.get("sweep", []):
+        lines.append(f"sweep {x['variant']:24s} {x['shape']:16s} {x['fmt']:5s} {x['us']:8.1f} us {x['gbps']:6.0f} GB/s")
     for x in r.get("prefill_compare", []):
         lines.append(f"prefill {x['shape']} {x['fmt']} M={x['M']}: fused {x['fused_tflops']:.0f} TF/s, "
                      f"dequant+cuBLAS {x['default_tflops']:.0f} TF/s, cuBLAS bf16 {x['cublas_tflops']:.0f} TF/s")

@@ -1,8 +1,8 @@
 """Kernel dispatch: one `Ops` table per backend, chosen once and handed to the model (no module globals).
 
-`Ops.reference()` runs `kernels.ref` everywhere; `Ops.triton()` runs the Triton kernels (gemm.py, moe.py,
-w4a4.py), each of which hands a call it does not support (format, dtype, K not divisible by its block) to
-its reference twin. `ops_for(device)` picks Triton on CUDA and the reference elsewhere.
+`Ops.reference()` runs `kernels.ref` everywhere; `Ops.triton()` runs the Triton kernels (gemm.py with the
+decode GEMV of gemv.py, moe.py, w4a4.py), each of which hands a call it does not support (format, dtype,
+K not divisible by its block) to its reference twin. `ops_for(device)` picks Triton on CUDA and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ class Ops:
     mlp: Callable          # shared expert (x [T, K], w13 (2,), w2, limit) -> [T, D]
     route: Callable        # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
     moe: Callable          # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit) -> [T, D]
+    grouped_linear: Callable = ref.grouped_linear  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
 
     @classmethod
     def reference(cls) -> "Ops":
-        return cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe)
+        return cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe, ref.grouped_linear)
 
     @classmethod
     def triton(cls) -> "Ops":
@@ -38,7 +39,8 @@ class Ops:
         linear = partial(gemm.linear, fallback=ref.linear, scratch=scratch)
         return cls("triton", linear, partial(w4a4.linear_w4a4, fallback=ref.linear_w4a4, scratch=scratch),
                    partial(moe.mlp, fallback=ref.mlp, linear=linear, scratch=scratch),
-                   partial(moe.route, fallback=ref.route), partial(moe.moe, fallback=ref.moe, scratch=scratch))
+                   partial(moe.route, fallback=ref.route), partial(moe.moe, fallback=ref.moe, scratch=scratch),
+                   partial(gemm.grouped_linear, fallback=ref.grouped_linear, scratch=scratch))
 
 
 def ops_for(device: torch.device | str, backend: str = "auto") -> Ops:

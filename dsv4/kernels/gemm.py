@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..formats import QWeight
+from . import gemv
 from .tiles import (FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves, _load_x_tile,
                     _load_xfp4_halves, epilogue_factor)
 
@@ -355,10 +356,17 @@ def sum_rows(src: torch.Tensor, dst: torch.Tensor, R: int, N: int, S: int, strid
 
 class Scratch:
     """Split-K semaphores, zeroed once per device and re-armed by the kernels themselves, so a split-K product
-    is one launch. Owned by the `Ops` table that hands it to its calls (one stream at a time)."""
+    is one launch; and the resident-CTA count of each compiled persistent kernel (its grid size). Owned by the
+    `Ops` table that hands it to its calls (one stream at a time)."""
 
     def __init__(self):
         self._counters: dict[torch.device, torch.Tensor] = {}
+        self._resident: dict = {}
+
+    def resident(self, key, compute) -> int:
+        if key not in self._resident:
+            self._resident[key] = compute()
+        return self._resident[key]
 
     def counters(self, device: torch.device, n: int) -> torch.Tensor:
         buf = self._counters.get(device)
@@ -425,14 +433,25 @@ def prefers_cublas(x: torch.Tensor, w: QWeight, M: int) -> bool:
 
 def linear(x: torch.Tensor, w: QWeight, *, config: Config | None = None, out: torch.Tensor | None = None,
            fallback=None, scratch: Scratch | None = None) -> torch.Tensor:
-    """y = x @ W^T: x [..., K] -> [..., N] in x.dtype. Shapes and formats the kernels do not take go to
-    `fallback` (the reference). `config` forces the fused kernel with those tiles."""
+    """y = x @ W^T: x [..., K] -> [..., N] in x.dtype. Decode (M <= gemv.MAX_ROWS) runs the register-streaming
+    GEMV of `gemv.py` where it is preferred (`gemv.preferred`: large weights), other decode calls (M <= 64)
+    this module's fused tiles; prefill dequantizes + cuBLAS (`prefers_cublas`) or runs the fused tiles here.
+    Shapes and formats no kernel takes go to `fallback` (the reference). `config` forces this module's fused
+    kernel with those tiles (a `gemv.GemvConfig` forces the GEMV)."""
     if w.leading:
         raise ValueError(f"linear takes one weight, got stacked leading dims {w.leading}")
     if not supported(x, w):
         return fallback(x, w)
     shape = x.shape
     M, N = x.numel() // max(1, shape[-1]), w.out_features
+    if config is None or isinstance(config, gemv.GemvConfig):
+        x2 = x.reshape(-1, shape[-1])
+        if gemv.preferred(w, x2, M) or (config is not None and gemv.supported(w, x2, M)):
+            x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            y = gemv.linear(x2, w, config, out=None if out is None else out.view(M, N), scratch=scratch)
+            return y.reshape(*shape[:-1], N)
+        if config is not None:
+            raise ValueError(f"a GemvConfig was forced on a call the GEMV does not take ({w.fmt}, M={M}, x {x.dtype})")
     if config is None and prefers_cublas(x, w, M):
         y = torch.nn.functional.linear(x, dequantize(w, x.dtype))
         if out is not None:
@@ -449,3 +468,27 @@ def linear(x: torch.Tensor, w: QWeight, *, config: Config | None = None, out: to
     if M:
         launch(x2, w, y, cfg, M=M, scratch=scratch)
     return y.reshape(*shape[:-1], N)
+
+
+def grouped_linear(x: torch.Tensor, w: QWeight, groups: int, *, fallback=None,
+                   scratch: Scratch | None = None) -> torch.Tensor:
+    """Same contract as `ref.grouped_linear`. Decode (<= gemv.MAX_ROWS tokens): one GEMV launch over all groups
+    (each N tile reads its group's x columns); otherwise, bf16 on CUDA: Triton dequantize + one cuBLAS bmm."""
+    from .ref import check_grouped
+    check_grouped(x, w, groups)
+    c = x.shape[-1]
+    R = w.out_features // groups
+    x2 = x.reshape(-1, groups * c)
+    T = x2.shape[0]
+    cfg = gemv.GemvConfig()
+    if R % cfg.BN == 0 and gemv.supported(w, x2, T):
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        y = torch.empty(T, groups * R, dtype=x.dtype, device=x.device)
+        if T:
+            gemv.launch(x2, w, y, cfg, M=T, group_r=R, x_gstride=c, scratch=scratch)
+        return y.reshape(*x.shape[:-1], R)
+    if weight_supported(w, x.device) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and not interpreting():
+        wt = dequantize(w, x.dtype).view(groups, R, c).transpose(1, 2)
+        y = torch.bmm(x2.view(T, groups, c).transpose(0, 1), wt)
+        return y.transpose(0, 1).reshape(*x.shape[:-1], R)
+    return fallback(x, w, groups)

@@ -1,9 +1,11 @@
 """Triton MoE: routing, sorting tokens by expert, and the two fused stages.
 
-Decode (T <= DECODE_TOKENS): no sorting. Stage 1 runs one program per (token, slot) pair and N-tile
-(gate/up + clamped SwiGLU fused); stage 2 runs one program per (token, N-tile) that loops over the token's
-k experts, applying each routing weight and summing in registers (top-k sum fused, deterministic). Programs
-of one N-tile are adjacent in the grid, so an expert shared by two tokens is read from L2 the second time.
+Decode (T <= DECODE_TOKENS): no sorting, two launches of the register-streaming GEMV (`gemv.py`). Gate/up:
+one unit per (token, slot) pair, N tile and K split, SwiGLU in the epilogue. Down: one output tile per
+(token, N tile) whose K splits are (slot, K split): each expert's partial is scaled by its routing weight and
+the ordered sum of all of them is the MoE output - the top-k sum fused and deterministic, no fp32 rows.
+When the weights' format or shape does not suit the GEMV, the round-one decode kernels below run instead:
+stage 1 one program per (token, slot) pair and N-tile, stage 2 pairs + row sum or the token-major kernel.
 
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
@@ -19,12 +21,12 @@ import triton
 import triton.language as tl
 
 from ..formats import QWeight
-from . import gemm
+from . import gemm, gemv
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
 from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
 
 DECODE_TOKENS = 8
-DECODE_DOWN = "pairs"  # measured faster than "fused" at 1 and 8 tokens (bench/RESULTS.md)
+DECODE_DOWN = "pairs"  # round-one kernels: measured faster than "fused" at 1 and 8 tokens (bench/RESULTS.md)
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -243,12 +245,17 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
         raise ValueError(f"mlp wants w13 with leading (2,) and an unstacked w2, got {w13.leading}, {w2.leading}")
     T, K = x.shape
     I = w13.out_features
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if config is None and gemm.supported(x, w13) and gemv.preferred(w13, x, T):
+        h = torch.empty(T, I, dtype=x.dtype, device=x.device)
+        if T:
+            gemv.launch(x, w13, h, gemv.GemvConfig(), M=T, gated=True, limit=limit, scratch=scratch)
+        return linear(h, w2)
     cfg = None
     if gemm.supported(x, w13):
         cfg = config or gemm.pick_config(T, I, K, w13.fmt, x.device, gated=True)
     if cfg is None:
         return fallback(x, w13, w2, limit)
-    x = x if x.stride(-1) == 1 else x.contiguous()
     h = torch.empty(T, I, dtype=x.dtype, device=x.device)
     if T:
         gemm.launch(x, w13, h, cfg, M=T, rows=ROWS_DENSE, gated=True, limit=limit, scratch=scratch)
@@ -257,9 +264,11 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
-        decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None) -> torch.Tensor:
-    """Same contract as `ref.moe`. `configs` may override {"up": Config, "down": Config}; `decode_down` picks the
-    decode down projection: "fused" (token-major, top-k sum in registers) or "pairs" (grouped GEMM + row sum)."""
+        decode: str = "auto", decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None) -> torch.Tensor:
+    """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
+    `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
+    pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels,
+    whose down projection `decode_down` picks: "fused" (token-major) or "pairs" (grouped GEMM + row sum)."""
     T, K = x.shape
     k = ids.shape[1]
     if len(w13.leading) != 2 or w13.leading[1] != 2 or w2.leading != w13.leading[:1]:
@@ -276,6 +285,14 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     if T == 0:
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    gemv_tokens = {"auto": gemv.MOE_TOKENS, "gemv": decode_tokens}.get(decode, 0)
+    if T <= min(decode_tokens, gemv_tokens) and not configs and gemv.supported(w13, x, 1) \
+            and gemv.supported(w2, h, 1):
+        gemv.launch(x, w13, h, gemv.GemvConfig(), M=P, rows=gemv.ROWS_PAIR, R=P, gated=True, x_div=k, ids=ids,
+                    limit=limit, scratch=scratch)
+        gemv.launch(h, w2, out, gemv.GemvConfig(), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
+                    rw=weights.reshape(-1), scratch=scratch)
+        return out
     if T <= decode_tokens:
         up, down = decode_configs(T, k, E, I, K, D, w13.fmt, w2.fmt, x.device, decode_down)
         up, down = configs.get("up", up), configs.get("down", down)

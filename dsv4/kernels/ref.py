@@ -21,6 +21,28 @@ def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return F.linear(x.float(), w.dequantize(torch.float32)).to(x.dtype)
 
 
+def grouped_linear(x: torch.Tensor, w: QWeight, groups: int) -> torch.Tensor:
+    """Block-diagonal projection (wo_a): x [..., g, Kg] with W [g*R, Kg] viewed as [g, R, Kg] -> [..., g, R].
+
+    One bmm over the groups (transformers' DeepseekV4GroupedLinear's summation order), in fp32 on the exact
+    weights, cast to x.dtype; a dense weight in x.dtype is used as is.
+    """
+    check_grouped(x, w, groups)
+    c = x.shape[-1]
+    same = w.fmt == "dense" and w.weight.dtype == x.dtype
+    wt = (w.weight if same else w.dequantize(torch.float32)).view(groups, -1, c).transpose(1, 2)  # [g, Kg, R]
+    xg = x.reshape(-1, groups, c).transpose(0, 1)                                                 # [g, T, Kg]
+    y = torch.bmm(xg if same else xg.float(), wt)                                                 # [g, T, R]
+    return y.transpose(0, 1).reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def check_grouped(x: torch.Tensor, w: QWeight, groups: int) -> None:
+    if w.leading or x.dim() < 2 or x.shape[-2] != groups or w.in_features != x.shape[-1] or w.out_features % groups:
+        raise ValueError(f"grouped_linear: x {tuple(x.shape)} must be [..., {groups}, Kg] and the weight "
+                         f"[{groups} * R, Kg] with no leading dims; got weight {tuple(w.leading)} "
+                         f"[{w.out_features}, {w.in_features}]")
+
+
 def linear_w4a4(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """NVFP4 W4A4 emulation (Blackwell numerics): FP4 activations with alpha = input_scale * weight_scale_2."""
     if w.fmt != "nvfp4" or w.input_scale is None:

@@ -113,8 +113,9 @@ class QLinear(nn.Module):
 def grouped_linear(x: torch.Tensor, layer: QLinear, groups: int) -> torch.Tensor:
     """Block-diagonal projection (wo_a): x [..., g, c] with W [g*r, c] viewed as [g, r, c] -> [..., g, r].
 
-    One bmm over the groups, as transformers' DeepseekV4GroupedLinear does (same summation order in fp32).
-    Under the W4A4 option each group's rows go through the emulated GEMM instead.
+    Runs `Ops.grouped_linear` (one bmm over the groups in the reference, as transformers' DeepseekV4GroupedLinear
+    does; one GEMV launch over all groups at decode on GPU). Under the W4A4 option each group's rows go through
+    the emulated GEMM instead.
     """
     q = layer.qweight()
     if layer.w4a4:
@@ -123,7 +124,4 @@ def grouped_linear(x: torch.Tensor, layer: QLinear, groups: int) -> torch.Tensor
         return torch.stack([layer.ops.linear_w4a4(x[..., g, :], QWeight(q.fmt, q.weight[s], q.scale[s], q.scale_2,
                                                                           q.input_scale))
                             for g, s in enumerate(rows)], dim=-2)
-    c = x.shape[-1]
-    w = q.dequantize(x.dtype).view(groups, -1, c).transpose(1, 2)       # [g, c, r]; a dense weight is not copied
-    y = torch.bmm(x.reshape(-1, groups, c).transpose(0, 1), w)          # [g, T, r]
-    return y.transpose(0, 1).reshape(*x.shape[:-1], -1)
+    return layer.ops.grouped_linear(x, q, groups)

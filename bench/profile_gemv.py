@@ -1,0 +1,70 @@
+"""A/B timings of decode GEMV variants and (optionally) one Nsight Compute profile per variant.
+
+    python bench/profile_gemv.py                      # timings (CUDA graph of rotated weights, median)
+    ncu --clock-control none -k regex:_gemv_kernel -c 3 python bench/profile_gemv.py --once
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import FLASH, PRO, Timer, nbytes, random_qweight  # noqa: E402
+
+from dsv4.kernels import gemm, gemv  # noqa: E402
+
+VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
+    "default": gemv.GemvConfig(),
+    "w4 bn128": gemv.GemvConfig(BN=128, num_warps=4, maxnreg=0),
+    "w2 bn64 noregcap": gemv.GemvConfig(maxnreg=0),
+    "w2 bn64 st1": gemv.GemvConfig(num_stages=1),
+    "w2 bn64 st3": gemv.GemvConfig(num_stages=3),
+    "w2 bn64 flat": gemv.GemvConfig(persistent=False),
+}
+SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
+          (PRO, "wq_b", "fp8")]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--once", action="store_true", help="one call per variant (for ncu), no timing")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer, scratch = Timer(dev), gemm.Scratch()
+    copy = 4270.0
+    for sh, name, fmt in (SHAPES[:1] if args.once else SHAPES):
+        n, k = sh.linears()[name]
+        w0 = random_qweight(fmt, (), n, k, dev, gen)
+        rot = max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
+        ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
+        xs = [torch.randn(1, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
+        ref = torch.nn.functional.linear(xs[0].float(), w0.dequantize(torch.float32))
+        for vname in args.variants.split(","):
+            cfg = VARIANTS[vname]
+            try:
+                y = gemm.linear(xs[0], w0, config=cfg, fallback=None, scratch=scratch)
+                err = float((y.float() - ref).norm() / ref.norm())
+                if args.once:
+                    torch.cuda.synchronize()
+                    print(f"{vname}: err {err:.1e}", flush=True)
+                    continue
+                ms = timer.per_call_ms([lambda x=x, w=w: gemm.linear(x, w, config=cfg, scratch=scratch)
+                                        for x, w in zip(xs, ws)])
+                gbps = nbytes(w0) / (ms * 1e-3) / 1e9
+                print(f"{sh.name:8s} {name:13s} {fmt:5s} {vname:18s}: {ms * 1e3:7.1f} us "
+                      f"{gbps:6.0f} GB/s ({100 * gbps / copy:3.0f}%) err {err:.1e}", flush=True)
+            except Exception as e:  # report and go on: one variant must not cost the call
+                print(f"{vname}: FAILED {e!r}"[:300], flush=True)
+        del ws
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in its K loop.
+
+    PYTHONPATH=/path/to/triton-3.6 python bench/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
+
+Needs the Triton release the device runs (3.6: a wheel unpacked into a folder on PYTHONPATH; its bundled
+ptxas and cuobjdump do the rest). Prints instructions per weight element in the innermost loop that holds
+the MMAs, registers and spills - the numbers bench/RESULTS.md quotes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from dsv4.kernels import gemv  # noqa: E402
+
+TYPES = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32",
+             ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32")
+NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stride_s2e", "stride_s2g"}
+
+
+def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int):
+    fn = gemv._gemv_kernel
+    consts = dict(FMT={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=16,
+                  DOT=tl.bfloat16, ASM=True, W=warps, KW=2 if (warps == 4 and bn % 64 == 0) else 4)
+    sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize
+                                            and n not in NO_DIVISIBILITY)}
+    opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def loop_counts(cubin: bytes):
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(tools / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           (re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    best = None
+    for addr, text in ins:  # the innermost backward branch whose body holds an MMA
+        m = re.search(r"BRA (0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            if any(lo <= a <= addr and "MMA" in t for a, t in ins) and (best is None or addr - lo < best[1] - best[0]):
+                best = (lo, addr)
+    ops = Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for a, t in ins
+                  if best and best[0] <= a <= best[1])
+    regs = re.findall(r"REG:(\d+)", usage)
+    return ops, sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL"))), regs[0] if regs else "?"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("formats", nargs="*", default=["nvfp4", "mxfp4", "fp8"])
+    ap.add_argument("--warps", type=int, default=2)
+    ap.add_argument("--bn", type=int, default=64)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--maxnreg", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=gemv.ROWS_DENSE)
+    ap.add_argument("--gated", action="store_true")
+    args = ap.parse_args()
+    for fmt in args.formats:
+        k = compile_gemv(fmt, args.warps, args.bn, args.stages, args.rows, args.gated, args.maxnreg)
+        ops, spills, regs = loop_counts(k.asm["cubin"])
+        per_iter = args.bn * (256 if fmt != "fp8" else 128) / (32 * args.warps) * (2 if args.gated else 1)
+        n = sum(ops.values())
+        print(f"{fmt}: {n} instructions per loop iteration = {n / per_iter:.2f} per weight element and thread; "
+              f"registers {regs}; spill instructions {spills}; "
+              f"{dict(ops.most_common(12))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,597 @@
+"""Decode GEMV (at most 16 activation rows per weight): y = x @ W^T computed as y^T = W x^T (swap-AB).
+
+The weight tile is the A operand of the MMA (mma.sync with 2 warps by default, or one warpgroup's wgmma),
+streamed from global memory into registers - directly (LDG.128) or, with `num_stages=2`, through cp.async and
+one LDS.128 per 16 bytes already in the operand layout; x (small) is the B operand. Decoded weights never go
+through shared memory and are never shuffled between threads.
+
+Layout trick (no repack of the stored weights). A K step ("sub-step") covers 64 bytes of every weight row
+(128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
+8 rows per warp. The MMA A operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block,
+k = 2c, 2c+1, 2c+8, 2c+9 (wgmma) or Triton's relabelled 4c .. 4c+3 (mma.sync, kWidth 4) in thread
+c = lane % 4. A dot does not care in which order K is summed, and output rows may be stored anywhere, so
+`_to_mma` re-indexes the decoded tile (rows and K) so that each thread already holds exactly its operand
+fragment - the reshape/permute is register renaming only (checked in SASS: bench/sass.py) - and x is loaded
+in the same K order (`_x_subtile`). The weights are loaded as 32-bit words (4 bytes of one row) and each PTX
+decoder instance takes one word (`pack=1`): with `pack > 1` Triton groups consecutive *registers*, which in
+the operand layout mix rows r and r + 32 (seen on the H200: garbage results, 2026-11-30).
+
+Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 1 shift + 4 x (prmt, shift, and, bf16x2 mul);
+FP8 4 values = 2 x (prmt, shift, and, bf16x2 mul). FP4 block-scale multipliers are formed once per scale
+group. NVFP4: e2m1 as a bf16 subnormal (value * 2^-126) times bf16(scale * 2^117); MXFP4: times
+bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m3 as bf16 value * 2^-120 times
+2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
+each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is undone once in the epilogue.
+
+Work: units (row block, N tile, K split) on a persistent grid (the resident CTA count); split-K partials go
+to an fp32 workspace and the last arriving unit of an output tile sums them in split order (deterministic,
+one launch; semaphores from `gemm.Scratch`, re-armed by the kernel). Row modes:
+* ROWS_DENSE: up to 16 rows of x, one weight; GROUP_R > 0 makes it block-diagonal (wo_a: weight rows
+  [g*R, (g+1)*R) read x columns [g*Kg, (g+1)*Kg)).
+* ROWS_PAIR: one row per (token, slot) pair, weight ids[pair] (MoE gate/up, GATED = SwiGLU epilogue).
+* ROWS_TOKEN: one token per unit, its k experts are extra K splits: the routing weight and each expert's
+  factor scale the partials, whose ordered sum is the MoE output (the top-k sum fused, deterministic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import QWeight
+from .tiles import FMT_CODES, _e2m1_values, epilogue_factor
+
+ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
+MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
+                        # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
+
+_TWO_P117 = tl.constexpr(2.0 ** 117)
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+@triton.jit
+def _bf16_pair(p):
+    """A uint32 holding a bf16x2 -> its (low, high) halves as bf16 tensors (the compiler re-packs them into one
+    register for the MMA operand: no instruction)."""
+    lo = (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _join4(a, b, c, d, BN: tl.constexpr):
+    """Four [BN, 16] tensors (elements 0..3 of every group of 4) -> [BN, 64] in natural order."""
+    j = tl.join(tl.join(a, b), tl.join(c, d))                 # [BN, 16, 2 (a|c), 2 (first|second)]
+    return tl.permute(j, (0, 1, 3, 2)).reshape(BN, 64)
+
+
+@triton.jit
+def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
+    """Packed FP4 weights [BN, 16] uint32 (four adjacent bytes of one row each) and their block multipliers ->
+    (lo, hi) [BN, 64] (bf16 with ASM, else fp32): the low / high nibble of byte j times its multiplier.
+
+    ASM, one 32-bit word per instance: `prmt` mode 8 replicates a byte's sign bit, so [S(b1) b1 S(b0) b0] << 2,
+    masked, holds the high nibbles of b0 and b1 as bf16 subnormals (sign at bit 15 / 31, magnitude bits at
+    8..6 / 24..22); the low nibbles come the same way from the word shifted left by 4. One mul.bf16x2 applies
+    the multiplier (a word never straddles a scale group). Element positions come from memory (a uint32 is
+    four bytes of one row), never from Triton's register order, on which `pack > 1` would depend.
+    """
+    if ASM:
+        l01, l23, h01, h23 = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 u, t;
+            shl.b32 u, $4, 4;
+            prmt.b32 t, u, 0, 0x9180;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $0, t, $5;
+            prmt.b32 t, u, 0, 0xB3A2;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $1, t, $5;
+            prmt.b32 t, $4, 0, 0x9180;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $2, t, $5;
+            prmt.b32 t, $4, 0, 0xB3A2;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $3, t, $5;
+            }
+            """,
+            "=r,=r,=r,=r,r,r",
+            [b, mult],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+        l0, l1 = _bf16_pair(l01)
+        l2, l3 = _bf16_pair(l23)
+        h0, h1 = _bf16_pair(h01)
+        h2, h3 = _bf16_pair(h23)
+    else:
+        l0 = _e2m1_values(b & 15) * mult
+        h0 = _e2m1_values((b >> 4) & 15) * mult
+        l1 = _e2m1_values((b >> 8) & 15) * mult
+        h1 = _e2m1_values((b >> 12) & 15) * mult
+        l2 = _e2m1_values((b >> 16) & 15) * mult
+        h2 = _e2m1_values((b >> 20) & 15) * mult
+        l3 = _e2m1_values((b >> 24) & 15) * mult
+        h3 = _e2m1_values(b >> 28) * mult
+    return _join4(l0, l1, l2, l3, BN), _join4(h0, h1, h2, h3, BN)
+
+
+@triton.jit
+def _fp8_decode(b, BN: tl.constexpr, ASM: tl.constexpr):
+    """E4M3 weights [BN, 16] uint32 (four adjacent bytes each) -> exact values [BN, 64] (bf16 with ASM, else
+    fp32). ASM: [S(b1) b1 S(b0) b0] << 4, masked to sign + 7 bits, is e4m3 * 2^-120 as bf16 (subnormals
+    included); one mul.bf16x2 by 2^120 restores it."""
+    if ASM:
+        p01, p23 = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t, c;
+            mov.b32 c, 0x7B807B80;
+            prmt.b32 t, $2, 0, 0x9180;
+            shl.b32 t, t, 4;
+            and.b32 t, t, 0x87F087F0;
+            mul.rn.bf16x2 $0, t, c;
+            prmt.b32 t, $2, 0, 0xB3A2;
+            shl.b32 t, t, 4;
+            and.b32 t, t, 0x87F087F0;
+            mul.rn.bf16x2 $1, t, c;
+            }
+            """,
+            "=r,=r,r",
+            [b],
+            dtype=(tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+        w0, w1 = _bf16_pair(p01)
+        w2, w3 = _bf16_pair(p23)
+    else:
+        w0 = (b & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w1 = ((b >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w2 = ((b >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w3 = (b >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _join4(w0, w1, w2, w3, BN)
+
+
+@triton.jit
+def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
+    """Stored block-scale bytes (any shape) -> the multiplier `_fp4_decode` applies: with ASM a uint32 holding
+    the bf16 multiplier in both halves, else fp32 (NVFP4: e4m3 * 2^-9; MXFP4: 2^(e - 143))."""
+    if ASM:
+        if FMT == 3:
+            v = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_P117
+            m = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f", [v], dtype=tl.uint32,
+                                          is_pure=True, pack=1)
+        else:
+            m = tl.inline_asm_elementwise(
+                "{ .reg .b32 a, c; mov.b32 a, 0x00800080; mov.b32 c, 0x37003700; mad.lo.u32 $0, $1, a, c; }", "=r,r",
+                                          [s.to(tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        if FMT == 3:
+            m = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0 ** -9)
+        else:
+            e = s.to(tl.int32)
+            m = tl.where(e > 16, (e - 16) << 23, 0).to(tl.float32, bitcast=True)
+    return m
+
+
+# ------------------------------------------------------------------------------ operand re-indexing
+
+@triton.jit
+def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr):
+    """A decoded [BN, 64] tile from load order to MMA A-operand order (register renaming, see the module
+    docstring); W warps. Rows: load row l + 8w + 8W r0 + 16W r1 -> l + 8 r0 + 16 w + 16W r1. K: element
+    16c + 4b + 2h + e -> 16b + 8h + 2c + e (KW = 2: wgmma's register fragment) or 16b + 4c + 2h + e (KW = 4:
+    Triton's mma.sync operand, 4 consecutive k per thread)."""
+    t = tl.permute(t.reshape(BN // (16 * W), 2, W, 8, 64), (0, 2, 1, 3, 4)).reshape(BN, 64)
+    if KW == 2:
+        t = tl.permute(t.reshape(BN, 4, 4, 2, 2), (0, 2, 3, 1, 4)).reshape(BN, 64)
+    else:
+        t = tl.permute(t.reshape(BN, 4, 4, 4), (0, 2, 1, 3)).reshape(BN, 64)
+    return t
+
+
+@triton.jit
+def _mma_rows(offs, BN: tl.constexpr, W: tl.constexpr):
+    """The memory row of every row of a `_to_mma` tile, given the rows in load order [BN]."""
+    t = offs.reshape(BN // (16 * W), 2, W, 8)
+    return tl.permute(t, (0, 2, 1, 3)).reshape(BN)
+
+
+@triton.jit
+def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, FP4: tl.constexpr, DOT: tl.constexpr,
+               KW: tl.constexpr):
+    """x columns of one sub-step in the K order of `_to_mma` tiles: FP4 -> (x for the low nibbles, x for the
+    high nibbles) [MP, 64] each; FP8 -> ([MP, 64], same). Byte 16c + 4b + 2h + e holds dot K 16b + 8h + 2c + e
+    (KW = 2) or 16b + 4c + 2h + e (KW = 4)."""
+    rows = xrow.to(tl.int64)[:, None] * stride_xm
+    if FP4:  # element k = 2 * byte + nibble
+        x = tl.load(x_ptr + rows + k0 + tl.arange(0, 128)[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+        if KW == 2:
+            x = tl.permute(x.reshape(MP, 4, 4, 2, 2, 2), (0, 2, 3, 1, 4, 5)).reshape(MP, 64, 2)
+        else:
+            x = tl.permute(x.reshape(MP, 4, 4, 4, 2), (0, 2, 1, 3, 4)).reshape(MP, 64, 2)
+        xl, xh = tl.split(x)
+    else:
+        x = tl.load(x_ptr + rows + k0 + tl.arange(0, 64)[None, :], mask=rmask[:, None], other=0.0).to(DOT)
+        if KW == 2:
+            xl = tl.permute(x.reshape(MP, 4, 4, 2, 2), (0, 2, 3, 1, 4)).reshape(MP, 64)
+        else:
+            xl = tl.permute(x.reshape(MP, 4, 4, 4), (0, 2, 1, 3)).reshape(MP, 64)
+        xh = xl
+    return xl, xh
+
+
+# ------------------------------------------------------------------------------------ one sub-step
+
+@triton.jit
+def _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT: tl.constexpr, BN: tl.constexpr):
+    """Raw bytes of one sub-step: weights as 32-bit words [BN, 16] (4 bytes of one row each) and (FP4) the
+    block-scale bytes as [BN, 2] words (NVFP4: 8 scales) or half-words (MXFP4: 4 scales). Wide loads let the
+    software pipeliner (num_stages > 1) stage both through shared memory; unmasked: the caller clamps rows
+    past N to a real row (never stored)."""
+    jj = tl.arange(0, 16)[None, :]
+    prow = (wbase + rows[:, None] * stride_wn + step * 64).to(tl.pointer_type(tl.uint32))
+    b = tl.load(prow + jj)
+    if FMT == 3:
+        srow = (sbase + rows[:, None] * stride_sn + step * 8).to(tl.pointer_type(tl.uint32))
+        s = tl.load(srow + tl.arange(0, 2)[None, :])
+    elif FMT == 2:
+        srow = (sbase + rows[:, None] * stride_sn + step * 4).to(tl.pointer_type(tl.uint16))
+        s = tl.load(srow + tl.arange(0, 2)[None, :]).to(tl.uint32)
+    else:
+        s = b
+    return b, s
+
+
+@triton.jit
+def _word_scales(s, FMT: tl.constexpr, BN: tl.constexpr):
+    """Scale words of a sub-step -> the scale byte of every weight word [BN, 16] (uint8): word j of the row
+    holds elements 8j .. 8j + 7, i.e. NVFP4 group j // 2, MXFP4 group j // 4."""
+    sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
+    if FMT == 3:
+        shift = ((tl.arange(0, 16) // 2) % 4) * 8
+    else:
+        shift = ((tl.arange(0, 16) // 4) % 2) * 8
+    return ((sw >> shift[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def _mma_sub(acc, b, s, xl, xh, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
+             DOT: tl.constexpr, ASM: tl.constexpr):
+    """acc [BN, MP] += decoded sub-step tile @ x^T."""
+    if FMT >= 2:
+        lo, hi = _fp4_decode(b, _fp4_multipliers(_word_scales(s, FMT, BN), FMT, ASM), BN, ASM)
+        acc = tl.dot(_to_mma(lo.to(DOT), BN, W, KW), tl.trans(xl), acc)
+        acc = tl.dot(_to_mma(hi.to(DOT), BN, W, KW), tl.trans(xh), acc)
+    else:
+        w = _fp8_decode(b, BN, ASM)
+        acc = tl.dot(_to_mma(w.to(DOT), BN, W, KW), tl.trans(xl), acc)
+    return acc
+
+
+@triton.jit
+def _fp8_block_scale(sbase, rows_mma, nmask_mma, kblock, stride_sn, SCALE_F32: tl.constexpr):
+    srow = sbase + (rows_mma // 128).to(tl.int64) * stride_sn + kblock
+    if SCALE_F32:
+        sv = tl.load(srow, mask=nmask_mma, other=0.0)
+    else:  # UE8M0 byte -> 2^(byte - 127)
+        sv = (tl.load(srow, mask=nmask_mma, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return sv
+
+
+@triton.jit
+def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
+              stride_xm, stride_wn, stride_sn,
+              FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
+              KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (both loads issued
+    before the first decode; an FP8 iteration is one 128-K scale block, s0 even). A missing second step
+    (odd count) re-reads the first step's weights against zero x."""
+    acc = tl.zeros((BN, MP), dtype=tl.float32)
+    SUB_K: tl.constexpr = 128 if FMT >= 2 else 64
+    for step in range(s0, s1, 2):
+        step1 = tl.minimum(step + 1, s1 - 1)
+        b0, c0 = _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT, BN)
+        b1, c1 = _load_sub(wbase, sbase, rows, step1, stride_wn, stride_sn, FMT, BN)
+        xl0, xh0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * SUB_K, stride_xm, MP, FMT >= 2, DOT, KW)
+        xl1, xh1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * SUB_K, stride_xm, MP,
+                              FMT >= 2, DOT, KW)
+        if FMT >= 2:
+            acc = _mma_sub(acc, b0, c0, xl0, xh0, FMT, BN, W, KW, DOT, ASM)
+            acc = _mma_sub(acc, b1, c1, xl1, xh1, FMT, BN, W, KW, DOT, ASM)
+        else:
+            blk = _mma_sub(tl.zeros((BN, MP), dtype=tl.float32), b0, c0, xl0, xh0, FMT, BN, W, KW, DOT, ASM)
+            blk = _mma_sub(blk, b1, c1, xl1, xh1, FMT, BN, W, KW, DOT, ASM)
+            acc += blk * _fp8_block_scale(sbase, rows_mma, nmask_mma, step // 2, stride_sn, SCALE_F32)[:, None]
+    return acc
+
+
+# ------------------------------------------------------------------------------------------ kernel
+
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK"])
+def _gemv_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
+    M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
+    stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
+    stride_ym,
+    FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
+    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
+):
+    """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
+    ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT)."""
+    num_n = tl.cdiv(N, BN)
+    splits = SPLIT * TOPK if ROWS == 2 else SPLIT
+    total = R * num_n * splits
+    offs_r = tl.arange(0, MP)
+    offs_b = tl.arange(0, BN)
+    for u in range(tl.program_id(0), total, tl.num_programs(0)):
+        j = u % splits
+        tile = u // splits
+        pid_n = tile % num_n
+        r = tile // num_n
+        ks = j % SPLIT
+        # rows of x this unit reads, rows of y it writes, and the weight (expert) it streams
+        if ROWS == 0:
+            rmask = offs_r < M
+            xrow = offs_r
+            yrow = offs_r
+            e = r * 0
+            rw = 1.0
+        elif ROWS == 1:
+            rmask = offs_r == 0
+            yrow = r + offs_r * 0
+            xrow = yrow // X_DIV
+            e = tl.load(ids_ptr + r).to(tl.int32)
+            rw = 1.0
+        else:
+            rmask = offs_r == 0
+            pair = r * TOPK + j // SPLIT
+            yrow = r + offs_r * 0
+            xrow = pair + offs_r * 0
+            e = tl.load(ids_ptr + pair).to(tl.int32)
+            rw = tl.load(rw_ptr + pair).to(tl.float32)
+        e64 = e.to(tl.int64)
+        wbase = w_ptr + e64 * stride_we
+        sbase = s_ptr + e64 * stride_se
+        s2base = s2_ptr + e64 * stride_s2e
+        n0 = pid_n * BN
+        rows = tl.minimum(n0 + offs_b, N - 1)   # rows past N re-read row N - 1; never stored
+        rows_mma = _mma_rows(n0 + offs_b, BN, W)
+        nmask_mma = rows_mma < N
+        xcol = (n0 // tl.maximum(GROUP_R, 1)) * X_GSTRIDE   # block-diagonal (wo_a): this tile's x columns
+        s0 = ks * CHUNK
+        s1 = tl.minimum(s0 + CHUNK, n_steps)
+        acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
+                        stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM)
+        f = epilogue_factor(s2base, FMT) * rw
+        if GATED:
+            acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows,
+                              rows_mma, nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32,
+                              BN, MP, W, KW, DOT, ASM)
+            f_u = epilogue_factor(s2base + stride_s2g, FMT)
+        # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
+        offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
+        omask = rmask[None, :] & nmask_mma[:, None]
+        if splits > 1:
+            # park the scaled partial, count arrivals; the last unit of the tile sums all in split order
+            offs_ws = yrow.to(tl.int64)[None, :] * N + rows_mma[:, None]
+            plane = M.to(tl.int64) * N
+            part = ws_ptr + j.to(tl.int64) * (2 * plane if GATED else plane)
+            tl.store(part + offs_ws, acc * f, mask=omask)
+            if GATED:
+                tl.store(part + plane + offs_ws, acc_u * f_u, mask=omask)
+            tl.debug_barrier()
+            cnt = cnt_ptr + tile
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+            if arrived == splits - 1:
+                acc = tl.zeros((BN, MP), dtype=tl.float32)
+                if GATED:
+                    acc_u = tl.zeros((BN, MP), dtype=tl.float32)
+                for i in range(0, splits):
+                    part = ws_ptr + i * (2 * plane if GATED else plane)
+                    acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+                    if GATED:
+                        acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+                _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
+        else:
+            _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, f, f_u if GATED else f, limit, GATED)
+
+
+@triton.jit
+def _epilogue(y_ptr, offs_y, omask, acc, acc_u, f, f_u, limit, GATED: tl.constexpr):
+    if GATED:
+        g = tl.minimum(acc * f, limit)
+        u = tl.minimum(tl.maximum(acc_u * f_u, -limit), limit)
+        e = tl.exp(-tl.abs(g))  # sigmoid without overflow for large |g|
+        h = g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * u
+        tl.store(y_ptr + offs_y, h.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(y_ptr + offs_y, (acc * f).to(y_ptr.dtype.element_ty), mask=omask)
+
+
+# ------------------------------------------------------------------------------------------ launching
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Measured on the H200 (bench/RESULTS.md, round two): two warps on mma.sync tiles of 64 rows beat one
+    warpgroup's wgmma on 128 rows for FP8 and tie for FP4; the issue rate is bound by resident warps, so
+    dense kernels cap registers at 128 (16 warps per SM, no spills); the gated kernel would spill, so it
+    keeps its registers."""
+    BN: int = 64
+    split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
+    num_warps: int = 2        # 4 = one warpgroup (wgmma, BN a multiple of 64); else mma.sync
+    max_ctas_per_sm: int = 0  # persistent grid = SMs x resident CTAs (from the compiled kernel); > 0 caps it
+    persistent: bool = True   # False: one program per unit (the hardware schedules them)
+    maxnreg: int = -1         # register cap per thread: -1 = 128 for <= 16 rows, not gated (no spills); 0 = none
+    num_stages: int = 2       # software pipelining of the weight loads (cp.async into shared memory, then
+                              # LDS.128 in the operand layout: the next K step is in flight while one decodes)
+    asm: bool | None = None   # None: ASM wherever the operands are bf16 on a GPU
+
+
+UNIT_OVERHEAD_STEPS = 3   # per-unit fixed cost (index math, pipeline fill, epilogue) in sub-steps, from SASS
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+# Where the GEMV is the default (H200, bench/RESULTS.md round two, M = 1..16): it streams large weights
+# faster than round one's fused tiles (FP8 wo_b V4-Pro 45 vs 73 us), but each of its units pays a fixed
+# prologue / epilogue, so on matrices of a few MB round one's kernel is 10-80 % faster. Thresholds are the
+# weight bytes of one launch; MoE decode uses the GEMV only for a single token (1 token: 57 vs 66 us
+# routed, Flash; 4 and 8 tokens: 5-8 % slower than round one's pair kernels).
+PREFERRED_BYTES = MappingProxyType({"fp8": 20e6, "mxfp4": 30e6, "nvfp4": 30e6})
+MOE_TOKENS = 1
+
+
+def preferred(w: QWeight, x: torch.Tensor, rows: int) -> bool:
+    """`supported`, and large enough that the GEMV beats round one's kernel (always under the interpreter)."""
+    if not supported(w, x, rows):
+        return False
+    return _interpreting() or w.nbytes() >= PREFERRED_BYTES[w.fmt]
+
+
+def steps_of(fmt: str, K: int) -> int:
+    return K // (128 if fmt in ("mxfp4", "nvfp4") else 64)
+
+
+def supported(w: QWeight, x: torch.Tensor, rows: int) -> bool:
+    """Formats, shapes and dtypes this kernel takes (anything else goes to `gemm`): FP4 / FP8 weights, K a
+    multiple of 128, bf16 activations on a GPU (fp32 only under the interpreter), at most MAX_ROWS rows."""
+    if w.fmt not in ("fp8", "mxfp4", "nvfp4") or rows > MAX_ROWS or w.in_features % 128:
+        return False
+    if w.weight.stride(-1) != 1 or w.scale is None or w.scale.stride(-1) != 1 or w.weight.device != x.device:
+        return False
+    if w.fmt == "nvfp4" and w.scale_2 is None:
+        return False
+    if _interpreting():
+        return x.dtype in (torch.float32, torch.bfloat16)
+    return x.device.type == "cuda" and x.dtype == torch.bfloat16
+
+
+def choose_split(units_per_split: int, n_steps: int, slots: int, max_split: int | None = None) -> int:
+    """K splits minimizing waves x (steps per unit + fixed cost per unit): splitting fills idle CTAs, but every
+    unit pays its own prologue, epilogue and partial store; splits keep whole step pairs."""
+    best, best_cost = 1, None
+    for split in range(1, max(1, min(max_split or 64, n_steps // 2)) + 1):
+        chunk = triton.cdiv(n_steps, split)
+        chunk += chunk % 2
+        used = triton.cdiv(n_steps, chunk)
+        cost = triton.cdiv(units_per_split * used, slots) * (chunk + UNIT_OVERHEAD_STEPS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = used, cost
+    return best
+
+
+def resident_ctas(kernel, num_warps: int, device: torch.device) -> int:
+    """CTAs of a compiled kernel that fit on one SM at once (registers, shared memory, threads)."""
+    props = torch.cuda.get_device_properties(device)
+    kernel._init_handles()
+    regs = max(1, -(-kernel.n_regs // 8) * 8) * 32 * num_warps
+    smem = kernel.metadata.shared + 1024
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // smem
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // regs
+    return max(1, min(by_regs, by_smem, props.max_threads_per_multi_processor // (32 * num_warps), 32))
+
+
+def _scale_views(w: QWeight):
+    scale = w.scale
+    scale_f32 = scale.dtype == torch.float32
+    if not scale_f32:
+        scale = scale.view(torch.uint8)
+    return scale, scale_f32, (w.scale_2 if w.fmt == "nvfp4" else None)
+
+
+def _lead_strides(t, lead, gated):
+    if t is None or t.dim() < len(lead) or not lead:
+        return 0, 0
+    st = t.stride()
+    if len(lead) == 2:
+        return st[0], st[1]
+    return (0, st[0]) if gated else (st[0], 0)
+
+
+def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
+           R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
+           group_r: int = 0, x_gstride: int = 0, scratch=None):
+    """One launch over a (possibly stacked) QWeight. x rows: M (dense), pairs (ROWS_PAIR: R = M = pairs), or
+    pairs of R tokens (ROWS_TOKEN: M = R = tokens, x has tokens * topk rows). y: [M, N] (row stride any)."""
+    N, K = w.out_features, w.in_features
+    lead = w.leading
+    wt = w.weight.view(torch.uint8)
+    scale, scale_f32, s2 = _scale_views(w)
+    swe, swg = _lead_strides(wt, lead, gated)
+    sse, ssg = _lead_strides(scale, lead, gated)
+    s2e, s2g = _lead_strides(s2, lead, gated)
+    n_steps = steps_of(w.fmt, K if group_r == 0 else x_gstride)
+    num_n = triton.cdiv(N, cfg.BN)
+    interp = _interpreting()
+    dot = tl.float32 if (interp or x.dtype == torch.float32) else tl.bfloat16
+    asm = (not interp) and dot == tl.bfloat16 and (cfg.asm is None or cfg.asm)
+    MP = max(16, triton.next_power_of_2(max(1, M if rows == ROWS_DENSE else 1)))
+    consts = dict(FMT=FMT_CODES[w.fmt], SCALE_F32=scale_f32, ROWS=rows, GATED=gated, BN=cfg.BN, MP=MP, DOT=dot,
+                  ASM=asm, W=cfg.num_warps, KW=2 if (cfg.num_warps == 4 and cfg.BN % 64 == 0) else 4,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    maxnreg = (128 if MP == 16 and not gated else 0) if cfg.maxnreg < 0 else cfg.maxnreg
+    if maxnreg and not interp:
+        consts["maxnreg"] = maxnreg
+    cnt = scratch.counters(x.device, R * num_n) if scratch is not None else \
+        torch.zeros(R * num_n, dtype=torch.int32, device=x.device)
+
+    def kernel_args(split, chunk, ws):
+        return (x, wt, scale, s2 if s2 is not None else wt, y, ids if ids is not None else wt,
+                rw if rw is not None else wt, ws, cnt,
+                M, N, R, split, topk, chunk, n_steps, float(limit), x_div, group_r, x_gstride,
+                x.stride(0), swe, swg, wt.stride(-2), sse, ssg, scale.stride(-2), s2e, s2g, y.stride(0))
+
+    if interp:
+        per_sm = 1
+    else:
+        key = (x.device, tuple(sorted((k, str(v)) for k, v in consts.items())))
+        per_sm = scratch.resident(key, lambda: resident_ctas(
+            _gemv_kernel.warmup(*kernel_args(1, n_steps, cnt.view(torch.float32)), grid=(1,), **consts),
+            cfg.num_warps, x.device)) if scratch is not None else 4
+    if cfg.max_ctas_per_sm:
+        per_sm = min(per_sm, cfg.max_ctas_per_sm)
+    slots = _num_sms(x.device) * per_sm
+    split = cfg.split or choose_split(R * num_n * (topk if rows == ROWS_TOKEN else 1), n_steps, slots)
+    chunk = triton.cdiv(n_steps, split)
+    chunk += chunk % 2   # even: FP8 splits hold whole 128-K scale blocks, FP4 splits whole step pairs
+    split = triton.cdiv(n_steps, chunk)
+    splits = split * (topk if rows == ROWS_TOKEN else 1)
+    units = R * num_n * splits
+    ws = cnt.view(torch.float32)   # unused without splits (the kernel still needs typed pointers)
+    if splits > 1:
+        ws = torch.empty(splits * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)
+    nprog = units if (interp or not cfg.persistent) else max(1, min(units, slots))
+    args = kernel_args(split, chunk, ws)
+    _gemv_kernel[(nprog,)](*args, **consts)
+
+
+def linear(x: torch.Tensor, w: QWeight, cfg: GemvConfig | None = None, out: torch.Tensor | None = None,
+           scratch=None) -> torch.Tensor:
+    """y = x @ W^T for x [M <= 64, K] (the caller checked `supported`)."""
+    M, N = x.shape[0], w.out_features
+    cfg = cfg or GemvConfig()
+    y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        launch(x, w, y, cfg, M=M, scratch=scratch)
+    return y

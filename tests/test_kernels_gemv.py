@@ -1,0 +1,182 @@
+"""The decode GEMV (kernels/gemv.py) and the grouped linear against `kernels.ref`, under TRITON_INTERPRET=1.
+
+The interpreter runs the portable decoders (the PTX ones run on GPUs only; bench/run_all.py checks them bit
+for bit there) and fp32 dot operands, so fp32 checks are near-exact. Every test asserts that the GEMV itself
+ran (a call counter on `gemv.launch`), so a silent fallback to another kernel or the reference fails.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+from dsv4.kernels import Ops, gemm, gemv, ops_for, ref
+from dsv4.kernels import moe as tmoe
+
+FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
+LIMIT = 10.0
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a supported call fell back to the reference")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts GEMV launches by row mode."""
+    seen = []
+    real = gemv.launch
+
+    def counting(*args, **kwargs):
+        seen.append(kwargs.get("rows", gemv.ROWS_DENSE))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemv, "launch", counting)
+    return seen
+
+
+def make_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.05) -> QWeight:
+    w = torch.randn(*lead, n, k) * scale * torch.exp(0.5 * torch.randn(*lead, n, 1))
+    if fmt == "nvfp4":
+        parts = [quantize_nvfp4(wi) for wi in w.reshape(-1, n, k)]
+        q = torch.stack([p[0] for p in parts]).reshape(*lead, n, k // 2)
+        s = torch.stack([p[1] for p in parts]).reshape(*lead, n, k // 16)
+        s2 = torch.stack([p[2] for p in parts]).reshape(lead)
+        return QWeight("nvfp4", q, s, s2)
+    if fmt == "mxfp4":
+        return QWeight("mxfp4", *quantize_mxfp4(w))
+    if fmt == "fp8":
+        return QWeight("fp8", *quantize_fp8_block(w))
+    return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
+
+
+def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
+    return ((y.double() - r.double()).norm() / r.double().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 70, 384), (5, 64, 256), (16, 130, 128)])
+def test_linear_matches_reference(launches, fmt, m, n, k):
+    """Odd N (clamped rows never stored), an odd number of FP4 sub-steps (K = 384), the full 16 rows."""
+    w = make_weight(fmt, n, k)
+    x = torch.randn(m, k)
+    y = gemm.linear(x, w, fallback=_refuse, scratch=gemm.Scratch())
+    assert launches == [gemv.ROWS_DENSE]
+    assert y.shape == (m, n) and rel_err(y, ref.linear(x, w)) < 1e-6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("cfg", [gemv.GemvConfig(), gemv.GemvConfig(BN=128, num_warps=4)], ids=["mma", "wgmma"])
+def test_dequantization_is_exact(launches, fmt, cfg):
+    """x = identity rows: each output is one weight element, so the decoders' nibble and byte order, the K and
+    row re-indexing (both operand orders), the scales and the epilogue factor must reproduce QWeight.dequantize
+    bit for bit."""
+    w = make_weight(fmt, 70, 256)
+    y = gemv.linear(torch.eye(256)[:16], w, cfg)
+    assert launches and torch.equal(y, w.dequantize(torch.float32).T[:16])
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_split_k_rearms_and_bf16(launches, fmt):
+    w = make_weight(fmt, 64, 512)
+    x = torch.randn(3, 512)
+    scratch = gemm.Scratch()
+    for _ in range(2):  # the second call checks that the semaphores re-armed themselves
+        y = gemv.linear(x, w, gemv.GemvConfig(BN=64, split=3), scratch=scratch)
+        assert rel_err(y, ref.linear(x, w)) < 1e-6
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+    xb = x.bfloat16()
+    out = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
+    gemm.linear(xb, w, out=out, fallback=_refuse)
+    assert torch.isfinite(out).all() and rel_err(out, ref.linear(xb, w)) < 1e-2
+    assert len(launches) == 3
+
+
+def test_split_choice_weighs_fill_against_unit_cost():
+    assert gemv.choose_split(1024, 12, 1056) == 1     # the tiles fill the grid: no split
+    assert gemv.choose_split(112, 128, 1056) == 8     # V4-Pro wo_b: one wave of 16-step units
+    split = gemv.choose_split(1, 128, 1056)           # one tile, long K: split, >= 2 sub-steps each
+    assert 1 < split <= 64 and 128 // split >= 2
+
+
+def test_moe_auto_takes_the_gemv_for_one_token(launches):
+    E, k, D, I = 4, 2, 128, 128
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
+    for T, want in ((1, [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]), (3, [])):   # 3 tokens: round one's pair kernels
+        launches.clear()
+        x = torch.randn(T, D)
+        w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=_refuse, scratch=gemm.Scratch())
+        assert launches == want and rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+
+
+def test_unsupported_calls_leave_the_gemv():
+    x = torch.randn(2, 96)
+    assert not gemv.supported(make_weight("nvfp4", 8, 96), x, 2)         # K not a multiple of 128
+    assert not gemv.supported(make_weight("nvfp4", 8, 128), torch.randn(17, 128), 17)  # > 16 rows
+    assert not gemv.supported(QWeight("dense", torch.randn(8, 128)), torch.randn(1, 128), 1)
+    with pytest.raises(ValueError, match="GemvConfig"):
+        gemm.linear(torch.randn(2, 96), make_weight("nvfp4", 8, 96), config=gemv.GemvConfig(), fallback=_refuse)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_grouped_linear(launches, fmt):
+    groups, R, c = 4, 64, 128
+    w = make_weight(fmt, groups * R, c)
+    ops = ops_for("cpu", "triton")
+    for T in (1, 3):
+        x = torch.randn(T, groups, c)
+        y = ops.grouped_linear(x, w, groups)
+        # independent oracle: one F.linear per group on the dequantized rows
+        wd = w.dequantize(torch.float32)
+        r = torch.stack([F.linear(x[:, g], wd[g * R:(g + 1) * R]) for g in range(groups)], dim=1)
+        assert y.shape == (T, groups, R) and rel_err(y, r) < 1e-6
+    assert launches == [gemv.ROWS_DENSE] * 2
+    y = gemm.grouped_linear(x, w, groups, fallback=_refuse, scratch=gemm.Scratch())
+    assert rel_err(y, ref.grouped_linear(x, w, groups)) < 1e-6
+
+
+def test_grouped_linear_reference_and_dispatch():
+    w = QWeight("dense", torch.randn(3 * 8, 16))
+    x = torch.randn(2, 5, 3, 16)
+    r = torch.einsum("btgc,grc->btgr", x, w.weight.view(3, 8, 16))
+    assert torch.allclose(ref.grouped_linear(x, w, 3), r, atol=1e-5)
+    with pytest.raises(ValueError, match="grouped_linear"):
+        ref.grouped_linear(x, w, 4)
+    assert Ops.reference().grouped_linear is ref.grouped_linear
+    assert ops_for("cpu", "triton").grouped_linear.func is gemm.grouped_linear
+
+
+@pytest.mark.parametrize("fmt13,fmt2", [("nvfp4", "nvfp4"), ("mxfp4", "fp8")])
+def test_moe_decode(launches, fmt13, fmt2):
+    """Gate/up over (token, slot) pairs; down with the routing weights and the top-k sum as extra K splits."""
+    E, k, D, I, T = 6, 3, 128, 128, 3
+    w13 = make_weight(fmt13, I, D, (E, 2), 0.1)
+    w2 = make_weight(fmt2, D, I, (E,), 0.1)
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=_refuse, decode="gemv", scratch=gemm.Scratch())
+    assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
+    assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+
+
+def test_moe_decode_split_and_shared_mlp(launches):
+    E, k, D, I, T = 4, 2, 256, 128, 2
+    w13 = make_weight("nvfp4", I, D, (E, 2), 1.0)   # large pre-activations: both clamps engage
+    w2 = make_weight("mxfp4", D, I, (E,), 0.1)
+    x = torch.randn(T, D) * 3
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.0)
+    up, down = gemv.GemvConfig(BN=64, split=2), gemv.GemvConfig(BN=64, split=1)
+    h = torch.empty(T * k, I)
+    out = torch.empty(T, D)
+    scratch = gemm.Scratch()
+    gemv.launch(x, w13, h, up, M=T * k, rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k, ids=ids,
+                limit=0.5, scratch=scratch)
+    gemv.launch(h, w2, out, down, M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids, rw=w.reshape(-1),
+                scratch=scratch)
+    assert rel_err(out, ref.moe(x, ids, w, w13, w2, 0.5)) < 1e-5   # split-K order; large pre-activations
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+    s13, s2 = make_weight("fp8", 256, D, (2,), 0.5), make_weight("fp8", D, 256)
+    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=_refuse, linear=ops_for("cpu", "triton").linear, scratch=scratch)
+    assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
+    assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN, gemv.ROWS_DENSE, gemv.ROWS_DENSE]
