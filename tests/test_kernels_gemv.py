@@ -12,13 +12,10 @@ import torch.nn.functional as F
 from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from dsv4.kernels import Ops, gemm, gemv, ops_for, ref
 from dsv4.kernels import moe as tmoe
+from kernel_util import refuse, rel_err
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
 LIMIT = 10.0
-
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("a supported call fell back to the reference")
 
 
 @pytest.fixture
@@ -50,17 +47,13 @@ def make_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.05)
     return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
 
 
-def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
-    return ((y.double() - r.double()).norm() / r.double().norm()).item()
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,n,k", [(1, 70, 384), (5, 64, 256), (16, 130, 128)])
 def test_linear_matches_reference(launches, fmt, m, n, k):
     """Odd N (clamped rows never stored), an odd number of FP4 sub-steps (K = 384), the full 16 rows."""
     w = make_weight(fmt, n, k)
     x = torch.randn(m, k)
-    y = gemm.linear(x, w, fallback=_refuse, scratch=gemm.Scratch())
+    y = gemm.linear(x, w, fallback=refuse, scratch=gemm.Scratch())
     assert launches == [gemv.ROWS_DENSE]
     assert y.shape == (m, n) and rel_err(y, ref.linear(x, w)) < 1e-6
 
@@ -87,7 +80,7 @@ def test_split_k_rearms_and_bf16(launches, fmt):
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     xb = x.bfloat16()
     out = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
-    gemm.linear(xb, w, out=out, fallback=_refuse)
+    gemm.linear(xb, w, out=out, fallback=refuse)
     assert torch.isfinite(out).all() and rel_err(out, ref.linear(xb, w)) < 1e-2
     assert len(launches) == 3
 
@@ -106,7 +99,7 @@ def test_moe_auto_takes_the_gemv_for_one_token(launches):
         launches.clear()
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=_refuse, scratch=gemm.Scratch())
+        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
         assert launches == want and rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
 
@@ -116,7 +109,7 @@ def test_unsupported_calls_leave_the_gemv():
     assert not gemv.supported(make_weight("nvfp4", 8, 128), torch.randn(17, 128), 17)  # > 16 rows
     assert not gemv.supported(QWeight("dense", torch.randn(8, 128)), torch.randn(1, 128), 1)
     with pytest.raises(ValueError, match="GemvConfig"):
-        gemm.linear(torch.randn(2, 96), make_weight("nvfp4", 8, 96), config=gemv.GemvConfig(), fallback=_refuse)
+        gemm.linear(torch.randn(2, 96), make_weight("nvfp4", 8, 96), config=gemv.GemvConfig(), fallback=refuse)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
@@ -132,7 +125,7 @@ def test_grouped_linear(launches, fmt):
         r = torch.stack([F.linear(x[:, g], wd[g * R:(g + 1) * R]) for g in range(groups)], dim=1)
         assert y.shape == (T, groups, R) and rel_err(y, r) < 1e-6
     assert launches == [gemv.ROWS_DENSE] * 2
-    y = gemm.grouped_linear(x, w, groups, fallback=_refuse, scratch=gemm.Scratch())
+    y = gemm.grouped_linear(x, w, groups, fallback=refuse, scratch=gemm.Scratch())
     assert rel_err(y, ref.grouped_linear(x, w, groups)) < 1e-6
 
 
@@ -155,7 +148,7 @@ def test_moe_decode(launches, fmt13, fmt2):
     w2 = make_weight(fmt2, D, I, (E,), 0.1)
     x = torch.randn(T, D)
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=_refuse, decode="gemv", scratch=gemm.Scratch())
+    y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=gemm.Scratch())
     assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
     assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
@@ -177,6 +170,6 @@ def test_moe_decode_split_and_shared_mlp(launches):
     assert rel_err(out, ref.moe(x, ids, w, w13, w2, 0.5)) < 1e-5   # split-K order; large pre-activations
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     s13, s2 = make_weight("fp8", 256, D, (2,), 0.5), make_weight("fp8", D, 256)
-    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=_refuse, linear=ops_for("cpu", "triton").linear, scratch=scratch)
+    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear, scratch=scratch)
     assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
     assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN, gemv.ROWS_DENSE, gemv.ROWS_DENSE]

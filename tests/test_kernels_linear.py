@@ -10,22 +10,7 @@ import torch
 from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from dsv4.kernels import Ops, ops_for, ref
 from dsv4.kernels import gemm
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("a supported call fell back to the reference")
-
-
-def strict_ops():
-    """The Triton ops with every reference fallback replaced by a failure: a kernel test must run the kernel."""
-    from functools import partial
-
-    from dsv4.kernels import Ops, gemm, moe, w4a4
-
-    scratch = gemm.Scratch()
-    linear = partial(gemm.linear, fallback=_refuse, scratch=scratch)
-    return Ops("strict", linear, partial(w4a4.linear_w4a4, fallback=_refuse, scratch=scratch),
-               partial(moe.mlp, fallback=_refuse, linear=linear, scratch=scratch), partial(moe.route, fallback=_refuse),
-               partial(moe.moe, fallback=_refuse, scratch=scratch))
+from kernel_util import refuse, rel_err, strict_ops
 
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
@@ -41,10 +26,6 @@ def make_weight(fmt: str, n: int, k: int, scale: float = 0.05) -> QWeight:
     if fmt == "fp8":
         return QWeight("fp8", *quantize_fp8_block(w))
     return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
-
-
-def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
-    return ((y.double() - r.double()).norm() / r.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +70,20 @@ def test_split_k_and_prefill_tiles(fmt):
     split = gemm.Config(16, 16, 64, split_k=3)
     scratch = gemm.Scratch()
     for _ in range(2):  # the second call checks that the semaphores re-armed themselves
-        y = gemm.linear(x, w, config=split, fallback=_refuse, scratch=scratch)
+        y = gemm.linear(x, w, config=split, fallback=refuse, scratch=scratch)
         assert rel_err(y, r) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     xp = torch.randn(70, 256)  # M > 64: the prefill tiles, two row blocks, grouped program order
     prefill = gemm.pick_config(70, 40, 256, w.fmt, xp.device)
     assert prefill.BM == 64 and prefill.group_m == 8
-    assert rel_err(gemm.linear(xp, w, config=prefill, fallback=_refuse), ref.linear(xp, w)) < 1e-6
+    assert rel_err(gemm.linear(xp, w, config=prefill, fallback=refuse), ref.linear(xp, w)) < 1e-6
 
 
 def test_every_output_is_written(ops):
     w = make_weight("nvfp4", 50, 64)
     x = torch.randn(5, 64)
     out = torch.full((5, 50), float("nan"))
-    gemm.linear(x, w, out=out, fallback=_refuse)
+    gemm.linear(x, w, out=out, fallback=refuse)
     assert torch.isfinite(out).all() and rel_err(out, ref.linear(x, w)) < 1e-6
 
 

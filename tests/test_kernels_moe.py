@@ -6,22 +6,7 @@ import torch
 from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from dsv4.kernels import ops_for, ref
 from dsv4.kernels import moe as tmoe
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("a supported call fell back to the reference")
-
-
-def strict_ops():
-    """The Triton ops with every reference fallback replaced by a failure: a kernel test must run the kernel."""
-    from functools import partial
-
-    from dsv4.kernels import Ops, gemm, moe, w4a4
-
-    scratch = gemm.Scratch()
-    linear = partial(gemm.linear, fallback=_refuse, scratch=scratch)
-    return Ops("strict", linear, partial(w4a4.linear_w4a4, fallback=_refuse, scratch=scratch),
-               partial(moe.mlp, fallback=_refuse, linear=linear, scratch=scratch), partial(moe.route, fallback=_refuse),
-               partial(moe.moe, fallback=_refuse, scratch=scratch))
+from kernel_util import refuse, rel_err, strict_ops
 
 
 LIMIT = 10.0
@@ -39,10 +24,6 @@ def stacked(fmt: str, lead: tuple, n: int, k: int, scale: float = 0.1) -> QWeigh
     if fmt == "mxfp4":
         return QWeight("mxfp4", *quantize_mxfp4(w))
     return QWeight("fp8", *quantize_fp8_block(w))
-
-
-def rel_err(y, r) -> float:
-    return ((y.double() - r.double()).norm() / r.double().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +126,7 @@ def test_moe_decode_down_variants_agree():
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 2.5)
     r = ref.moe(x, ids, w, w13, w2, LIMIT)
     for mode in ("fused", "pairs"):
-        assert rel_err(tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=_refuse, decode_down=mode), r) < 1e-6
+        assert rel_err(tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_down=mode), r) < 1e-6
 
 
 def test_split_k_in_every_row_mode():
@@ -163,11 +144,11 @@ def test_split_k_in_every_row_mode():
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         r = ref.moe(x, ids, w, w13, w2, LIMIT)
         for _ in range(2):
-            y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=_refuse, configs=split, scratch=scratch)
+            y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, configs=split, scratch=scratch)
             assert rel_err(y, r) < 1e-6
     s13, s2 = stacked("fp8", (2,), 256, D), stacked("fp8", (), D, 256)
     x = torch.randn(2, D)
-    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=_refuse, linear=ops_for("cpu", "triton").linear,
+    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear,
                  config=gemm.Config(16, 32, 32, split_k=4), scratch=scratch)
     assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0

@@ -8,23 +8,7 @@ from dsv4.formats import QWeight, quantize_nvfp4, stage_activation
 from dsv4.formats.e2m1 import E2M1_VALUES
 from dsv4.kernels import ops_for, ref
 from dsv4.kernels import w4a4
-
-def _refuse(*args, **kwargs):
-    raise AssertionError("a supported call fell back to the reference")
-
-
-def strict_ops():
-    """The Triton ops with every reference fallback replaced by a failure: a kernel test must run the kernel."""
-    from functools import partial
-
-    from dsv4.kernels import Ops, gemm, moe, w4a4
-
-    scratch = gemm.Scratch()
-    linear = partial(gemm.linear, fallback=_refuse, scratch=scratch)
-    return Ops("strict", linear, partial(w4a4.linear_w4a4, fallback=_refuse, scratch=scratch),
-               partial(moe.mlp, fallback=_refuse, linear=linear, scratch=scratch), partial(moe.route, fallback=_refuse),
-               partial(moe.moe, fallback=_refuse, scratch=scratch))
-
+from kernel_util import strict_ops
 
 
 def tricky_activations(m: int, k: int) -> torch.Tensor:
