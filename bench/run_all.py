@@ -28,26 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (FLASH, LINEAR_FORMATS, PRO, TOY, Timer, copy_bandwidth, nbytes,  # noqa: E402
                     random_qweight, rel_err)
 
-from dsv4.kernels import Ops, ref  # noqa: E402
+from dsv4.kernels import Ops, ref, refuse_fallback as _refuse  # noqa: E402
 
 M_LIST = (1, 4, 16, 64)   # decode; prefill M = 4096 is the `prefill` section
 
 
-def _refuse(x, *args, **kwargs):
-    raise RuntimeError("a benchmarked call fell back to the reference (kernel support check refused it)")
-
-
 def strict_ops() -> Ops:
     """The Triton ops without their reference fallbacks: a benchmark or check must never time the reference."""
-    from functools import partial
-
-    from dsv4.kernels import gemm, moe, w4a4
-    scratch = gemm.Scratch()
-    linear = partial(gemm.linear, fallback=_refuse, scratch=scratch)
-    return Ops("strict", linear, partial(w4a4.linear_w4a4, fallback=_refuse, scratch=scratch),
-               partial(moe.mlp, fallback=_refuse, linear=linear, scratch=scratch), partial(moe.route, fallback=_refuse),
-               partial(moe.moe, fallback=_refuse, scratch=scratch),
-               partial(gemm.grouped_linear, fallback=_refuse, scratch=scratch))
+    return Ops.triton(strict=True)
 
 
 class Run:

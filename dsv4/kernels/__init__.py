@@ -32,15 +32,28 @@ class Ops:
         return cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe, ref.grouped_linear)
 
     @classmethod
-    def triton(cls) -> "Ops":
+    def triton(cls, strict: bool = False) -> "Ops":
+        """strict=True: a call a kernel does not support raises instead of running the reference (tests, benchmarks)."""
         from . import gemm, moe, w4a4  # triton is imported only when asked for
 
+        def fb(reference: Callable) -> Callable:
+            return refuse_fallback if strict else reference
+
         scratch = gemm.Scratch()  # split-K semaphores, owned by this table
-        linear = partial(gemm.linear, fallback=ref.linear, scratch=scratch)
-        return cls("triton", linear, partial(w4a4.linear_w4a4, fallback=ref.linear_w4a4, scratch=scratch),
-                   partial(moe.mlp, fallback=ref.mlp, linear=linear, scratch=scratch),
-                   partial(moe.route, fallback=ref.route), partial(moe.moe, fallback=ref.moe, scratch=scratch),
-                   partial(gemm.grouped_linear, fallback=ref.grouped_linear, scratch=scratch))
+        linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
+        return cls("triton-strict" if strict else "triton", linear,
+                   partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch),
+                   partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch),
+                   partial(moe.route, fallback=fb(ref.route)), partial(moe.moe, fallback=fb(ref.moe), scratch=scratch),
+                   partial(gemm.grouped_linear, fallback=fb(ref.grouped_linear), scratch=scratch))
+
+
+class KernelFallback(RuntimeError):
+    """A strict Triton table was asked for a call its kernels do not support."""
+
+
+def refuse_fallback(*args, **kwargs):
+    raise KernelFallback("a call fell back to the reference: no Triton kernel supports it (strict ops)")
 
 
 def ops_for(device: torch.device | str, backend: str = "auto") -> Ops:
