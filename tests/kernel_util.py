@@ -2,6 +2,7 @@
 
 import torch
 
+from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from dsv4.kernels import Ops, refuse_fallback as refuse  # noqa: F401  (for tests that call a kernel directly)
 
 
@@ -12,3 +13,23 @@ def strict_ops() -> Ops:
 
 def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
     return ((y.double() - r.double()).norm() / r.double().norm()).item()
+
+
+def stacked_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.05, spread: str = "row") -> QWeight:
+    """A random QWeight [*lead, n, k] whose shards each carry their own scales. `spread`: magnitudes differ per
+    row ("row") or per shard ("shard"). fmt: nvfp4, mxfp4, fp8 (UE8M0 scales) or fp8-f32 (fp32 scales)."""
+    spread_shape = (*lead, n, 1) if spread == "row" else (*lead, 1, 1)
+    w = torch.randn(*lead, n, k) * scale * torch.exp(0.5 * torch.randn(spread_shape))
+    if fmt == "nvfp4":
+        parts = [quantize_nvfp4(wi) for wi in w.reshape(-1, n, k)]
+        q = torch.stack([p[0] for p in parts]).reshape(*lead, n, k // 2)
+        s = torch.stack([p[1] for p in parts]).reshape(*lead, n, k // 16)
+        s2 = torch.stack([p[2] for p in parts]).reshape(lead)
+        return QWeight("nvfp4", q, s, s2)
+    if fmt == "mxfp4":
+        return QWeight("mxfp4", *quantize_mxfp4(w))
+    if fmt == "fp8":
+        return QWeight("fp8", *quantize_fp8_block(w))
+    if fmt == "fp8-f32":
+        return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
+    raise ValueError(f"unknown test weight format {fmt!r}")

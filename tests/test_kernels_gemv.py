@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+from dsv4.formats import QWeight
 from dsv4.kernels import Ops, gemm, gemv, ops_for, ref
 from dsv4.kernels import moe as tmoe
-from kernel_util import refuse, rel_err
+from kernel_util import refuse, rel_err, stacked_weight
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
 LIMIT = 10.0
@@ -33,18 +33,7 @@ def launches(monkeypatch):
 
 
 def make_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.05) -> QWeight:
-    w = torch.randn(*lead, n, k) * scale * torch.exp(0.5 * torch.randn(*lead, n, 1))
-    if fmt == "nvfp4":
-        parts = [quantize_nvfp4(wi) for wi in w.reshape(-1, n, k)]
-        q = torch.stack([p[0] for p in parts]).reshape(*lead, n, k // 2)
-        s = torch.stack([p[1] for p in parts]).reshape(*lead, n, k // 16)
-        s2 = torch.stack([p[2] for p in parts]).reshape(lead)
-        return QWeight("nvfp4", q, s, s2)
-    if fmt == "mxfp4":
-        return QWeight("mxfp4", *quantize_mxfp4(w))
-    if fmt == "fp8":
-        return QWeight("fp8", *quantize_fp8_block(w))
-    return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
+    return stacked_weight(fmt, n, k, lead, scale, spread="row")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

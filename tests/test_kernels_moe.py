@@ -3,27 +3,18 @@
 import pytest
 import torch
 
-from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+from dsv4.formats import QWeight
 from dsv4.kernels import ops_for, ref
 from dsv4.kernels import moe as tmoe
-from kernel_util import refuse, rel_err, strict_ops
+from kernel_util import refuse, rel_err, stacked_weight, strict_ops
 
 
 LIMIT = 10.0
 
 
 def stacked(fmt: str, lead: tuple, n: int, k: int, scale: float = 0.1) -> QWeight:
-    """A stacked QWeight whose shards each carry their own scales."""
-    w = torch.randn(*lead, n, k) * scale * torch.exp(0.5 * torch.randn(*lead, 1, 1))
-    if fmt == "nvfp4":
-        parts = [quantize_nvfp4(wi) for wi in w.reshape(-1, n, k)]
-        q = torch.stack([p[0] for p in parts]).reshape(*lead, n, k // 2)
-        s = torch.stack([p[1] for p in parts]).reshape(*lead, n, k // 16)
-        s2 = torch.stack([p[2] for p in parts]).reshape(lead)
-        return QWeight("nvfp4", q, s, s2)
-    if fmt == "mxfp4":
-        return QWeight("mxfp4", *quantize_mxfp4(w))
-    return QWeight("fp8", *quantize_fp8_block(w))
+    """A stacked QWeight whose shards each carry their own scales (magnitudes differ per shard)."""
+    return stacked_weight(fmt, n, k, lead, scale, spread="shard")
 
 
 @pytest.fixture(scope="module")
