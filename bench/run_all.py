@@ -186,6 +186,10 @@ def correctness(run: Run):
     for fmt in ("nvfp4", "mxfp4", "fp8"):
         n, k = sh.linears()["expert w1/w3"]
         w = random_qweight(fmt, (), n, k, dev, gen, scale_2=2.0 ** -7)
+        if fmt == "nvfp4":  # every E4M3 scale byte but the two NaNs (subnormals, zero, negatives), cycled
+            codes = torch.arange(n * (k // 16), device=dev).view(n, k // 16) % 254
+            codes = (codes + (codes >= 0x7F).long()).to(torch.uint8).view(torch.float8_e4m3fn)
+            w = QWeight("nvfp4", w.weight, codes, w.scale_2)
         wt = w.dequantize(torch.float32).T
         for m, fused in ((16, False), (k, False), (k, True)):  # decode tiles; dequant + cuBLAS; fused prefill
             x = torch.eye(m, k, device=dev, dtype=torch.bfloat16)
@@ -203,6 +207,14 @@ def correctness(run: Run):
                             scratch=run.scratch)
             record(f"exact dequant {fmt} gemv asm={cfg.asm} split={cfg.split}", 0.0, 0.0,
                    exact=bool(torch.equal(y.float(), wt[:16])))
+        # the GEMV's asm decoders on every column (so every scale group and word), MMA N = 16 and 8
+        eye = torch.eye(k, device=dev, dtype=torch.bfloat16)
+        for nrows in (16, 8):
+            for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=4)):
+                same = all(torch.equal(gemm.linear(eye[o:o + nrows], w, config=cfg, fallback=_refuse,
+                                                   scratch=run.scratch).float(), wt[o:o + nrows])
+                           for o in range(0, k, nrows))
+                record(f"exact dequant {fmt} gemv all columns rows={nrows} split={cfg.split}", 0.0, 0.0, exact=same)
     # FP8 with fp32 block scales (-Base checkpoints): the GEMV applies them to fp32 partials
     n, k = big.linears()["wo_b"]
     w8 = random_qweight("fp8", (), n, k, dev, gen)
@@ -247,6 +259,19 @@ def correctness(run: Run):
             record(f"moe {s.name} {fmt} T={t}", rel_err(y, ref.moe(x, ids, wts, w13, w2, 10.0)), bound,
                    written=bool(torch.isfinite(y).all()))
         del w13, w2
+    # MoE with the shared expert in the same two GEMV launches (mixed formats, as the official checkpoints)
+    for s, fmt, sfmt in ((sh, "mxfp4", "fp8"), (big, "nvfp4", "fp8"), (sh, "nvfp4", "nvfp4")):
+        w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
+        w2 = random_qweight(fmt, (s.E,), s.D, s.I, dev, gen)
+        shared = random_qweight(sfmt, (2,), s.I, s.D, dev, gen), random_qweight(sfmt, (), s.D, s.I, dev, gen)
+        for t in ((1, 3) if run.toy else (1, 4, 8, 16)):
+            x = run.x(t, s.D)
+            wts, ids = ref.route(torch.randn(t, s.E, device=dev, generator=gen), torch.zeros(s.E, device=dev), s.k, 1.5)
+            y = run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=shared)
+            record(f"moe+shared {s.name} {fmt}+{sfmt} T={t}",
+                   rel_err(y, ref.moe(x, ids, wts, w13, w2, 10.0, shared=shared)), 2e-2 if run.toy else 1e-2,
+                   written=bool(torch.isfinite(y).all()))
+        del w13, w2, shared
     for s, fmt in ((sh, "fp8"), (big, "nvfp4")):
         w13 = random_qweight(fmt, (2,), s.I, s.D, dev, gen)
         w2 = random_qweight(fmt, (), s.D, s.I, dev, gen)
@@ -310,12 +335,14 @@ def grid_plan(run: Run):
     V4-Pro wq_b nvfp4 (N = 65536, no split), V4-Pro wo_b nvfp4 (K = 16384, split-K), V4-Flash wo_b fp8.
     Yields (variant, shape, fmt, N, K, GemvConfig)."""
     from dsv4.kernels import gemv
-    shapes = [(run.models[-1], "wq_b", "nvfp4"), (run.models[-1], "wo_b", "nvfp4"), (run.models[0], "wo_b", "fp8")]
-    variants = {"default": gemv.GemvConfig(), "w4 bn128 (wgmma)": gemv.GemvConfig(BN=128, num_warps=4, maxnreg=0),
-                "no register cap": gemv.GemvConfig(maxnreg=0), "stages 1": gemv.GemvConfig(num_stages=1),
-                "stages 3": gemv.GemvConfig(num_stages=3), "not persistent": gemv.GemvConfig(persistent=False)}
+    shapes = [(run.models[-1], "wq_b", "nvfp4"), (run.models[-1], "wo_b", "nvfp4"), (run.models[0], "wo_b", "fp8"),
+              (run.models[-1], "wq_b", "fp8"), (run.models[0], "expert w1/w3", "nvfp4")]
+    variants = {"default": gemv.GemvConfig(), "no register cap": gemv.GemvConfig(maxnreg=0),
+                **{f"cap {r}": gemv.GemvConfig(maxnreg=r) for r in (96, 88, 80, 72)},
+                "stages 3": gemv.GemvConfig(num_stages=3), "stages 3 cap 80": gemv.GemvConfig(num_stages=3, maxnreg=80),
+                "bn 32": gemv.GemvConfig(BN=32), "bn 32 cap 80": gemv.GemvConfig(BN=32, maxnreg=80)}
     if run.toy:
-        variants = {k: variants[k] for k in ("default", "w4 bn128 (wgmma)")}
+        variants = {k: variants[k] for k in ("default", "cap 80")}
     for vname, cfg in variants.items():
         for sh, name, fmt in shapes:
             n, k = sh.linears()[name]
@@ -398,6 +425,7 @@ def crossover(run: Run):
 
 
 def linear_table(run: Run):
+    from dsv4.kernels import gemv
     rows = []
     run.res["linear"] = rows
     copy = run.res.get("copy_gbps", 1.0)
@@ -415,17 +443,21 @@ def linear_table(run: Run):
                 run.res["errors"].append(f"linear {sh.name} {name} {fmt} M={m}: {e!r}"[:400])
                 continue
             wbytes = nbytes(random_qweight(fmt, (), n, k, run.device, run.gen))
+            gemv_us = None   # below the dispatch threshold: the GEMV forced, for the record
+            if m <= 16 and name != "wo_a" and isinstance(cfg, str) and wbytes < gemv.PREFERRED_BYTES[fmt]:
+                gemv_us = 1e3 * time_linear(run, fmt, n, k, m, cfg=gemv.GemvConfig())[0]
             cb = cublas[(n, k, m)]
             flops = 2 * m * n * k
             row = dict(model=sh.name, linear=name, fmt=fmt, N=n, K=k, M=m, us=ms * 1e3, weight_mb=wbytes / 1e6,
                        gbps=wbytes / (ms * 1e-3) / 1e9, pct_copy=100 * wbytes / (ms * 1e-3) / 1e9 / copy,
                        tflops=flops / (ms * 1e-3) / 1e12, cublas_us=cb * 1e3,
                        cublas_gbps=2 * n * k / (cb * 1e-3) / 1e9, cublas_tflops=flops / (cb * 1e-3) / 1e12,
-                       speedup=cb / ms, config=cfg if isinstance(cfg, str) else asdict(cfg))
+                       speedup=cb / ms, config=cfg if isinstance(cfg, str) else asdict(cfg), gemv_us=gemv_us)
             rows.append(row)
             print(f"  {sh.name:8s} {name:13s} {fmt:5s} M={m:<5d} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s "
                   f"({row['pct_copy']:3.0f}% copy) {row['tflops']:6.1f} TF | cuBLAS {row['cublas_us']:9.1f} us "
-                  f"{row['cublas_tflops']:6.1f} TF | x{row['speedup']:.2f}", flush=True)
+                  f"{row['cublas_tflops']:6.1f} TF | x{row['speedup']:.2f}"
+                  + ("" if gemv_us is None else f" | GEMV forced {gemv_us:.1f} us"), flush=True)
 
 
 def moe_table(run: Run):
@@ -453,9 +485,9 @@ def moe_table(run: Run):
             logits = [torch.randn(t, s.E, device=dev, generator=gen) for _ in range(rot)]
             touched = [torch.unique(ref.route(lg, bias, s.k, 1.5)[1]).numel() for lg in logits]
 
-            def layer(x, lg):
+            def layer(x, lg):   # as dsv4.model.moe runs it: the shared expert inside ops.moe
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                return run.ops.moe(x, ids, wts, w13, w2, 10.0) + run.ops.mlp(x, sw13, sw2, 10.0)
+                return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2))
 
             def routed(x, lg):
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
@@ -518,7 +550,7 @@ def table(run: Run) -> str:
     for x in r.get("linear", []):
         lines.append(f"{x['model']:8s} {x['linear']:13s} {x['fmt']:5s} {x['M']:5d} {x['us']:9.1f} {x['gbps']:6.0f} "
                      f"{x['pct_copy']:5.0f} {x['tflops']:6.1f} {x['cublas_us']:9.1f} {x['cublas_tflops']:9.1f} "
-                     f"{x['speedup']:7.2f}")
+                     f"{x['speedup']:7.2f}" + ("" if x.get("gemv_us") is None else f"  gemv {x['gemv_us']:.1f}"))
     lines.append("")
     lines.append(f"{'model':8s} {'fmt':5s} {'T':>4s} {'experts':>7s} {'layer us':>9s} {'floor MB':>8s} {'%floor':>6s} "
                  f"{'routed us':>9s} {'%floor':>6s}")

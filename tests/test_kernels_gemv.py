@@ -54,8 +54,12 @@ def test_dequantization_is_exact(launches, fmt, cfg):
     row re-indexing (both operand orders), the scales and the epilogue factor must reproduce QWeight.dequantize
     bit for bit."""
     w = make_weight(fmt, 70, 256)
-    y = gemv.linear(torch.eye(256)[:16], w, cfg)
-    assert launches and torch.equal(y, w.dequantize(torch.float32).T[:16])
+    exact = w.dequantize(torch.float32).T
+    for cols in (torch.arange(16) * 17, torch.arange(8) * 32 + torch.tensor([0, 5, 10, 15, 16, 21, 26, 31])):
+        # one column in every scale group (16 rows), then at every offset within a word (8 rows: MMA N = 8)
+        y = gemv.linear(torch.eye(256)[cols], w, cfg)
+        assert torch.equal(y, exact[cols])
+    assert len(launches) == 2
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -81,10 +85,11 @@ def test_split_choice_weighs_fill_against_unit_cost():
     assert 1 < split <= 64 and 128 // split >= 2
 
 
-def test_moe_auto_takes_the_gemv_for_one_token(launches):
+def test_moe_auto_takes_the_gemv_up_to_eight_tokens(launches):
     E, k, D, I = 4, 2, 128, 128
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
-    for T, want in ((1, [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]), (3, [])):   # 3 tokens: round one's pair kernels
+    pair = [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
+    for T, want in ((1, pair), (8, pair), (9, [])):   # 9 tokens: the grouped (sorted) kernels
         launches.clear()
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
@@ -162,3 +167,82 @@ def test_moe_decode_split_and_shared_mlp(launches):
     y = tmoe.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear, scratch=scratch)
     assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
     assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN, gemv.ROWS_DENSE, gemv.ROWS_DENSE]
+
+
+@pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4"), ("nvfp4", "nvfp4")])
+def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared_fmt):
+    """The shared expert (any format) is one more gate/up pair and one more down slot per token: still two
+    launches, no separate MLP, and the same result as routed + shared."""
+    E, k, D, I, T = 5, 2, 512, 256, 3
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
+    x = torch.randn(T, D) * 2
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
+    y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN] and rel_err(y, want) < 1e-6
+    # forced K splits (FP4 and FP8 split K differently), twice: the semaphores re-arm
+    scratch, P = gemm.Scratch(), T * k
+    for _ in range(2):
+        h, out = torch.empty(P + T, I), torch.empty(T, D)
+        gemv.launch(x, w13, h, gemv.GemvConfig(split=2), M=P + T, rows=gemv.ROWS_PAIR, R=P + T, gated=True,
+                    x_div=k, ids=ids, limit=LIMIT, shared=shared[0], pairs=P, scratch=scratch)
+        gemv.launch(h, w2, out, gemv.GemvConfig(split=2), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
+                    rw=w.reshape(-1), shared=shared[1], pairs=P, scratch=scratch)
+        assert rel_err(out, want) < 1e-6
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+    with pytest.raises(ValueError, match="shared expert"):
+        gemv.launch(x, w13, h, gemv.GemvConfig(), M=P + T, rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=k,
+                    ids=ids, shared=make_weight(shared_fmt, I + 8, D, (2,)), pairs=P)
+
+
+def test_moe_with_an_unfit_shared_expert_adds_the_mlp(launches):
+    """A shared expert the GEMV pair cannot take (9 tokens here: the sorted path) runs as the table's MLP."""
+    E, k, D, I, T = 4, 2, 128, 128, 9
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
+    shared = make_weight("fp8", I, D, (2,), 0.1), make_weight("fp8", D, I, (), 0.1)
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    ops = Ops.triton(strict=True)
+    y = ops.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
+    assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+
+
+def _prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 (default mode): output byte i is byte sel[i] & 7 of {b, a}, or that byte's sign bit
+    replicated when sel[i] & 8."""
+    pool = (b << 32 | a).to_bytes(8, "little")
+    out = 0
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = pool[nib & 7]
+        out |= ((0xFF if byte & 0x80 else 0) if nib & 8 else byte) << (8 * i)
+    return out
+
+
+def _bf16_mul(a_bits: int, b_bits: int) -> int:
+    """mul.rn.bf16x2 on one half, for products that are exact in bf16 (asserted)."""
+    a, b = (torch.tensor([v << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).double()
+            for v in (a_bits, b_bits))
+    p = (a * b).float()
+    bits = int(p.view(torch.int32)) & 0xFFFFFFFF
+    assert bits & 0xFFFF == 0 and float(p) == float(a * b)
+    return bits >> 16
+
+
+def test_nvfp4_group_multiplier_asm_is_exact_for_every_scale_byte():
+    """The PTX sequence of `gemv._group_multipliers` (prmt mode 8, << 4, mask, x 2^120, x 2^117), emulated on
+    all 256 scale bytes in every byte position of a scale word: both halves hold bf16(e4m3 * 2^117) exactly,
+    subnormals, zero and negative scales included (the NaN bytes 0x7F / 0xFF excepted)."""
+    for v in range(256):
+        if v & 0x7F == 0x7F:
+            continue
+        want = torch.tensor([v], dtype=torch.uint8).view(torch.float8_e4m3fn).double() * 2.0 ** 117
+        want_bits = int(want.float().bfloat16().view(torch.int16)) & 0xFFFF
+        assert float(want.float().bfloat16()) == float(want)
+        for j in range(4):
+            word = (v << (8 * j)) | (0x5A5A5A5A & ~(0xFF << (8 * j)))      # other bytes hold garbage
+            sel = ((j | 8) * 0x1010 + j * 0x0101)
+            t = (_prmt(word, 0, sel) << 4) & 0x87F087F0
+            for half in (t & 0xFFFF, t >> 16):
+                assert _bf16_mul(_bf16_mul(half, 0x7B80), 0x7A00) == want_bits, (v, j)

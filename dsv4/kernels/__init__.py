@@ -24,7 +24,7 @@ class Ops:
     linear_w4a4: Callable  # NVFP4 W4A4 emulation, same signature
     mlp: Callable          # shared expert (x [T, K], w13 (2,), w2, limit) -> [T, D]
     route: Callable        # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
-    moe: Callable          # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit) -> [T, D]
+    moe: Callable          # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
     grouped_linear: Callable = ref.grouped_linear  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
 
     @classmethod
@@ -41,10 +41,11 @@ class Ops:
 
         scratch = gemm.Scratch()  # split-K semaphores, owned by this table
         linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
+        mlp = partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch)
         return cls("triton-strict" if strict else "triton", linear,
-                   partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch),
-                   partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch),
-                   partial(moe.route, fallback=fb(ref.route)), partial(moe.moe, fallback=fb(ref.moe), scratch=scratch),
+                   partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch), mlp,
+                   partial(moe.route, fallback=fb(ref.route)),
+                   partial(moe.moe, fallback=fb(ref.moe), mlp_op=mlp, scratch=scratch),
                    partial(gemm.grouped_linear, fallback=fb(ref.grouped_linear), scratch=scratch))
 
 

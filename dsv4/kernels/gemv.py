@@ -25,7 +25,9 @@ each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is und
 
 Work: units (row block, N tile, K split) on a persistent grid (the resident CTA count); split-K partials go
 to an fp32 workspace and the last arriving unit of an output tile sums them in split order (deterministic,
-one launch; semaphores from `gemm.Scratch`, re-armed by the kernel). Row modes:
+one launch; semaphores from `gemm.Scratch`, re-armed by the kernel).
+The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x registers of N = 16) and
+16 above. Row modes:
 * ROWS_DENSE: up to 16 rows of x, one weight; GROUP_R > 0 makes it block-diagonal (wo_a: weight rows
   [g*R, (g+1)*R) read x columns [g*Kg, (g+1)*Kg)).
 * ROWS_PAIR: one row per (token, slot) pair, weight ids[pair] (MoE gate/up, GATED = SwiGLU epilogue).
@@ -48,8 +50,6 @@ from .tiles import FMT_CODES, _e2m1_values, epilogue_factor
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
                         # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
-
-_TWO_P117 = tl.constexpr(2.0 ** 117)
 
 
 # ------------------------------------------------------------------------------------------ decoding
@@ -166,17 +166,14 @@ def _fp8_decode(b, BN: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
-    """Stored block-scale bytes (any shape) -> the multiplier `_fp4_decode` applies: with ASM a uint32 holding
-    the bf16 multiplier in both halves, else fp32 (NVFP4: e4m3 * 2^-9; MXFP4: 2^(e - 143))."""
+    """Stored block-scale bytes (any shape) -> the multiplier `_fp4_decode` applies: with ASM (MXFP4 only; NVFP4
+    builds its own in `_group_multipliers`) a uint32 holding the bf16 multiplier in both halves, else fp32
+    (NVFP4: e4m3 * 2^-9; MXFP4: 2^(e - 143))."""
     if ASM:
-        if FMT == 3:
-            v = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_P117
-            m = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,f", [v], dtype=tl.uint32,
-                                          is_pure=True, pack=1)
-        else:
-            m = tl.inline_asm_elementwise(
-                "{ .reg .b32 a, c; mov.b32 a, 0x00800080; mov.b32 c, 0x37003700; mad.lo.u32 $0, $1, a, c; }", "=r,r",
-                                          [s.to(tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1)
+        tl.static_assert(FMT == 2, "the asm NVFP4 multiplier is _group_multipliers'")
+        m = tl.inline_asm_elementwise(
+            "{ .reg .b32 a, c; mov.b32 a, 0x00800080; mov.b32 c, 0x37003700; mad.lo.u32 $0, $1, a, c; }", "=r,r",
+            [s.to(tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1)
     else:
         if FMT == 3:
             m = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0 ** -9)
@@ -256,15 +253,42 @@ def _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT: tl.constexpr,
 
 
 @triton.jit
-def _word_scales(s, FMT: tl.constexpr, BN: tl.constexpr):
-    """Scale words of a sub-step -> the scale byte of every weight word [BN, 16] (uint8): word j of the row
-    holds elements 8j .. 8j + 7, i.e. NVFP4 group j // 2, MXFP4 group j // 4."""
-    sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
+def _group_multipliers(s, FMT: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
+    """Scale words of a sub-step -> the multiplier of every weight word [BN, 16], formed once per scale group
+    (NVFP4: 8 groups of 16 elements, 2 words each; MXFP4: 4 groups of 32, 4 words each) and broadcast.
+
+    NVFP4 with ASM, exact for every scale byte (subnormals and zero included): `prmt` mode 8 builds
+    [S(b) b S(b) b] from the group's byte b; << 4 and the mask leave e4m3 * 2^-120 as bf16 in both halves (the
+    FP8 decoder's trick), and two exact bf16x2 products by 2^120 and 2^117 give e4m3 * 2^117 (5 instructions
+    per group; converting through fp32 cost about 11 per pair of words). An e4m3 NaN byte gives a finite
+    multiplier, as in the FP8 decoder."""
+    G: tl.constexpr = 8 if FMT == 3 else 4
+    PER: tl.constexpr = 16 // G
     if FMT == 3:
-        shift = ((tl.arange(0, 16) // 2) % 4) * 8
+        byte = tl.arange(0, 8) % 4                       # group g's byte within scale word g // 4
+        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 4)).reshape(BN, 8)
+        if ASM:
+            sel = ((byte | 8) * 0x1010 + byte * 0x0101).to(tl.uint32)
+            m = tl.inline_asm_elementwise(
+                """
+                {
+                .reg .b32 t, c, d;
+                mov.b32 c, 0x7B807B80;
+                mov.b32 d, 0x7A007A00;
+                prmt.b32 t, $1, 0, $2;
+                shl.b32 t, t, 4;
+                and.b32 t, t, 0x87F087F0;
+                mul.rn.bf16x2 t, t, c;
+                mul.rn.bf16x2 $0, t, d;
+                }
+                """,
+                "=r,r,r", [sw, tl.broadcast_to(sel[None, :], (BN, 8))], dtype=tl.uint32, is_pure=True, pack=1)
+        else:
+            m = _fp4_multipliers(((sw >> (byte * 8)[None, :]) & 0xFF).to(tl.uint8), FMT, ASM)
     else:
-        shift = ((tl.arange(0, 16) // 4) % 2) * 8
-    return ((sw >> shift[None, :]) & 0xFF).to(tl.uint8)
+        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 2)).reshape(BN, 4)
+        m = _fp4_multipliers(((sw >> ((tl.arange(0, 4) % 2) * 8)[None, :]) & 0xFF).to(tl.uint8), FMT, ASM)
+    return tl.broadcast_to(m[:, :, None], (BN, G, PER)).reshape(BN, 16)
 
 
 @triton.jit
@@ -272,7 +296,7 @@ def _mma_sub(acc, b, s, xl, xh, FMT: tl.constexpr, BN: tl.constexpr, W: tl.const
              DOT: tl.constexpr, ASM: tl.constexpr):
     """acc [BN, MP] += decoded sub-step tile @ x^T."""
     if FMT >= 2:
-        lo, hi = _fp4_decode(b, _fp4_multipliers(_word_scales(s, FMT, BN), FMT, ASM), BN, ASM)
+        lo, hi = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
         acc = tl.dot(_to_mma(lo.to(DOT), BN, W, KW), tl.trans(xl), acc)
         acc = tl.dot(_to_mma(hi.to(DOT), BN, W, KW), tl.trans(xh), acc)
     else:
@@ -320,19 +344,45 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
 
 # ------------------------------------------------------------------------------------------ kernel
 
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK"])
+@triton.jit
+def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma, nmask_mma, s0, s1, rw,
+                 stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g,
+                 FMT: tl.constexpr, SCALE_F32: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
+                 MP: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+    """One unit's partial(s) of one weight: (acc, acc_u, factor, factor_u); acc_u is the up projection when
+    GATED (else acc again). The factors undo the decode prescale and apply the routing weight `rw`."""
+    acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
+                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM)
+    f = epilogue_factor(s2base, FMT) * rw
+    acc_u = acc
+    f_u = f
+    if GATED:
+        acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
+                          nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW,
+                          DOT, ASM)
+        f_u = epilogue_factor(s2base + stride_s2g, FMT)
+    return acc, acc_u, f, f_u
+
+
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "n_steps_s"])
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
     stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
     stride_ym,
+    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
+    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
-    ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT)."""
+    ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
+
+    SHARED (the MoE's shared expert in the same launch, its own format FMT_S and pointers sw/ss/ss2):
+    ROWS_PAIR pairs P .. R - 1 are the shared expert's rows (x row r - P); ROWS_TOKEN tokens get one more
+    slot, TOPK, which reads h row P + token with routing weight 1."""
     num_n = tl.cdiv(N, BN)
-    splits = SPLIT * TOPK if ROWS == 2 else SPLIT
+    splits = SPLIT * (TOPK + SHARED) if ROWS == 2 else SPLIT
     total = R * num_n * splits
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
@@ -342,6 +392,7 @@ def _gemv_kernel(
         pid_n = tile % num_n
         r = tile // num_n
         ks = j % SPLIT
+        on_shared = r < 0   # a false scalar of the loop's type
         # rows of x this unit reads, rows of y it writes, and the weight (expert) it streams
         if ROWS == 0:
             rmask = offs_r < M
@@ -353,34 +404,49 @@ def _gemv_kernel(
             rmask = offs_r == 0
             yrow = r + offs_r * 0
             xrow = yrow // X_DIV
-            e = tl.load(ids_ptr + r).to(tl.int32)
+            if SHARED:
+                on_shared = r >= P
+                xrow = tl.where(on_shared, yrow - P, xrow)
+                e = tl.load(ids_ptr + tl.minimum(r, P - 1)).to(tl.int32)
+            else:
+                e = tl.load(ids_ptr + r).to(tl.int32)
             rw = 1.0
         else:
             rmask = offs_r == 0
-            pair = r * TOPK + j // SPLIT
+            slot = j // SPLIT
+            if SHARED:
+                on_shared = slot == TOPK
+            pair = r * TOPK + tl.minimum(slot, TOPK - 1)
             yrow = r + offs_r * 0
-            xrow = pair + offs_r * 0
+            xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
             e = tl.load(ids_ptr + pair).to(tl.int32)
-            rw = tl.load(rw_ptr + pair).to(tl.float32)
-        e64 = e.to(tl.int64)
-        wbase = w_ptr + e64 * stride_we
-        sbase = s_ptr + e64 * stride_se
-        s2base = s2_ptr + e64 * stride_s2e
+            rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
         n0 = pid_n * BN
         rows = tl.minimum(n0 + offs_b, N - 1)   # rows past N re-read row N - 1; never stored
         rows_mma = _mma_rows(n0 + offs_b, BN, W)
         nmask_mma = rows_mma < N
         xcol = (n0 // tl.maximum(GROUP_R, 1)) * X_GSTRIDE   # block-diagonal (wo_a): this tile's x columns
+        e64 = e.to(tl.int64)
         s0 = ks * CHUNK
-        s1 = tl.minimum(s0 + CHUNK, n_steps)
-        acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
-                        stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM)
-        f = epilogue_factor(s2base, FMT) * rw
-        if GATED:
-            acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows,
-                              rows_mma, nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32,
-                              BN, MP, W, KW, DOT, ASM)
-            f_u = epilogue_factor(s2base + stride_s2g, FMT)
+        if SHARED:
+            if on_shared:
+                s0 = ks * CHUNK_S
+                acc, acc_u, f, f_u = _weight_unit(
+                    x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
+                    tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
+                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, KW, DOT, ASM)
+            else:
+                acc, acc_u, f, f_u = _weight_unit(
+                    x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+                    s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
+                    stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
+                    MP, W, KW, DOT, ASM)
+        else:
+            acc, acc_u, f, f_u = _weight_unit(
+                x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+                s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
+                stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
+                W, KW, DOT, ASM)
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
@@ -426,16 +492,17 @@ def _epilogue(y_ptr, offs_y, omask, acc, acc_u, f, f_u, limit, GATED: tl.constex
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """Measured on the H200 (bench/RESULTS.md, round two): two warps on mma.sync tiles of 64 rows beat one
-    warpgroup's wgmma on 128 rows for FP8 and tie for FP4; the issue rate is bound by resident warps, so
-    dense kernels cap registers at 128 (16 warps per SM, no spills); the gated kernel would spill, so it
-    keeps its registers."""
+    """Measured on the H200 (bench/RESULTS.md, rounds two and three): two warps on mma.sync tiles of 64 rows
+    beat one warpgroup's wgmma on 128 rows for FP8 and tie for FP4. With 16 x rows (MMA N = 16) registers
+    bound the resident warps, so the kernel is capped at 128 (16 warps per SM, no spills; the gated one would
+    spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
+    measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10)."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # 4 = one warpgroup (wgmma, BN a multiple of 64); else mma.sync
     max_ctas_per_sm: int = 0  # persistent grid = SMs x resident CTAs (from the compiled kernel); > 0 caps it
     persistent: bool = True   # False: one program per unit (the hardware schedules them)
-    maxnreg: int = -1         # register cap per thread: -1 = 128 for <= 16 rows, not gated (no spills); 0 = none
+    maxnreg: int = -1         # register cap per thread: -1 = 128 unless gated with 16 rows (it would spill); 0 = none
     num_stages: int = 2       # software pipelining of the weight loads (cp.async into shared memory, then
                               # LDS.128 in the operand layout: the next K step is in flight while one decodes)
     asm: bool | None = None   # None: ASM wherever the operands are bf16 on a GPU
@@ -453,20 +520,22 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-# Where the GEMV is the default (H200, bench/RESULTS.md round two, M = 1..16): it streams large weights
-# faster than round one's fused tiles (FP8 wo_b V4-Pro 45 vs 73 us), but each of its units pays a fixed
-# prologue / epilogue, so on matrices of a few MB round one's kernel is 10-80 % faster. Thresholds are the
-# weight bytes of one launch; MoE decode uses the GEMV only for a single token (1 token: 57 vs 66 us
-# routed, Flash; 4 and 8 tokens: 5-8 % slower than round one's pair kernels).
+# Where the GEMV is the default (H200, bench/RESULTS.md run 10): for at most 8 rows (the MMA's N = 8) it beats
+# round one's fused tiles on every benchmark shape, small matrices included (V4-Flash expert w1/w3 NVFP4, 4.7 MB:
+# 7.6 vs 10.3 us at M = 1; V4-Pro wq_b NVFP4: 24.7 vs 30.4 us), and the MoE pair at 1..8 tokens (V4-Flash routed,
+# 8 tokens: 257 vs 307 us). At 9..16 rows (N = 16) each unit's fixed cost loses to round one's kernel on
+# matrices of a few MB (V4-Pro expert w1/w3 M = 16: 16.9 vs 14.5 us), so there the weight bytes decide.
 PREFERRED_BYTES = MappingProxyType({"fp8": 20e6, "mxfp4": 30e6, "nvfp4": 30e6})
-MOE_TOKENS = 1
+ALWAYS_ROWS = 8
+MOE_TOKENS = 8
 
 
 def preferred(w: QWeight, x: torch.Tensor, rows: int) -> bool:
-    """`supported`, and large enough that the GEMV beats round one's kernel (always under the interpreter)."""
+    """`supported`, and measured faster than round one's kernel: at most ALWAYS_ROWS rows, or a large enough
+    weight (always under the interpreter)."""
     if not supported(w, x, rows):
         return False
-    return _interpreting() or w.nbytes() >= PREFERRED_BYTES[w.fmt]
+    return _interpreting() or rows <= ALWAYS_ROWS or w.nbytes() >= PREFERRED_BYTES[w.fmt]
 
 
 def steps_of(fmt: str, K: int) -> int:
@@ -531,9 +600,13 @@ def _lead_strides(t, lead, gated):
 
 def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
            R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
-           group_r: int = 0, x_gstride: int = 0, scratch=None):
+           group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None):
     """One launch over a (possibly stacked) QWeight. x rows: M (dense), pairs (ROWS_PAIR: R = M = pairs), or
-    pairs of R tokens (ROWS_TOKEN: M = R = tokens, x has tokens * topk rows). y: [M, N] (row stride any)."""
+    pairs of R tokens (ROWS_TOKEN: M = R = tokens, x has tokens * topk rows). y: [M, N] (row stride any).
+
+    `shared` (ROWS_PAIR / ROWS_TOKEN): the MoE's shared expert, any supported format, same N and K, streamed in
+    the same launch. ROWS_PAIR: R = M = pairs + tokens, rows from `pairs` on are the shared expert's (x row
+    r - pairs); ROWS_TOKEN: x has pairs + R rows, each token's extra slot reads row pairs + token."""
     N, K = w.out_features, w.in_features
     lead = w.leading
     wt = w.weight.view(torch.uint8)
@@ -544,23 +617,40 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     n_steps = steps_of(w.fmt, K if group_r == 0 else x_gstride)
     num_n = triton.cdiv(N, cfg.BN)
     interp = _interpreting()
+    if shared is not None:
+        if rows == ROWS_DENSE or (shared.out_features, shared.in_features) != (N, K) or \
+                shared.leading != lead[1:] or not supported(shared, x, 1):
+            raise ValueError(f"shared expert {shared.fmt} {tuple(shared.leading)} [{shared.out_features}, "
+                             f"{shared.in_features}] does not fit this launch ({w.fmt} {tuple(lead)} [{N}, {K}])")
+        swt = shared.weight.view(torch.uint8)
+        sscale, sscale_f32, ss2 = _scale_views(shared)
+        shared_strides = (_lead_strides(swt, shared.leading, gated)[1], swt.stride(-2),
+                          _lead_strides(sscale, shared.leading, gated)[1], sscale.stride(-2),
+                          _lead_strides(ss2, shared.leading, gated)[1])
+        n_steps_s = steps_of(shared.fmt, K)
+    else:
+        swt, sscale, sscale_f32, ss2, shared_strides, n_steps_s = wt, scale, scale_f32, s2, (0,) * 5, n_steps
     dot = tl.float32 if (interp or x.dtype == torch.float32) else tl.bfloat16
     asm = (not interp) and dot == tl.bfloat16 and (cfg.asm is None or cfg.asm)
-    MP = max(16, triton.next_power_of_2(max(1, M if rows == ROWS_DENSE else 1)))
+    MP = max(8, triton.next_power_of_2(max(1, M if rows == ROWS_DENSE else 1)))   # the MMA's N: 8 or 16
     consts = dict(FMT=FMT_CODES[w.fmt], SCALE_F32=scale_f32, ROWS=rows, GATED=gated, BN=cfg.BN, MP=MP, DOT=dot,
                   ASM=asm, W=cfg.num_warps, KW=2 if (cfg.num_warps == 4 and cfg.BN % 64 == 0) else 4,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    maxnreg = (128 if MP == 16 and not gated else 0) if cfg.maxnreg < 0 else cfg.maxnreg
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
+                  FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32)
+    maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
     if maxnreg and not interp:
         consts["maxnreg"] = maxnreg
     cnt = scratch.counters(x.device, R * num_n) if scratch is not None else \
         torch.zeros(R * num_n, dtype=torch.int32, device=x.device)
 
     def kernel_args(split, chunk, ws):
+        chunk_s = triton.cdiv(n_steps_s, split)
         return (x, wt, scale, s2 if s2 is not None else wt, y, ids if ids is not None else wt,
                 rw if rw is not None else wt, ws, cnt,
                 M, N, R, split, topk, chunk, n_steps, float(limit), x_div, group_r, x_gstride,
-                x.stride(0), swe, swg, wt.stride(-2), sse, ssg, scale.stride(-2), s2e, s2g, y.stride(0))
+                x.stride(0), swe, swg, wt.stride(-2), sse, ssg, scale.stride(-2), s2e, s2g, y.stride(0),
+                swt, sscale, ss2 if ss2 is not None else swt, max(1, pairs), chunk_s + chunk_s % 2, n_steps_s,
+                *shared_strides)
 
     if interp:
         per_sm = 1
@@ -572,11 +662,12 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     if cfg.max_ctas_per_sm:
         per_sm = min(per_sm, cfg.max_ctas_per_sm)
     slots = _num_sms(x.device) * per_sm
-    split = cfg.split or choose_split(R * num_n * (topk if rows == ROWS_TOKEN else 1), n_steps, slots)
+    slots_per_token = topk + (shared is not None) if rows == ROWS_TOKEN else 1
+    split = cfg.split or choose_split(R * num_n * slots_per_token, n_steps, slots)
     chunk = triton.cdiv(n_steps, split)
     chunk += chunk % 2   # even: FP8 splits hold whole 128-K scale blocks, FP4 splits whole step pairs
     split = triton.cdiv(n_steps, chunk)
-    splits = split * (topk if rows == ROWS_TOKEN else 1)
+    splits = split * slots_per_token
     units = R * num_n * splits
     ws = cnt.view(torch.float32)   # unused without splits (the kernel still needs typed pointers)
     if splits > 1:

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..formats import QWeight
-from . import gemm, gemv
+from . import gemm, gemv, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
 from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
 
@@ -264,11 +264,20 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
-        decode: str = "auto", decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None) -> torch.Tensor:
+        decode: str = "auto", decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None,
+        shared: tuple[QWeight, QWeight] | None = None, mlp_op=None) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels,
-    whose down projection `decode_down` picks: "fused" (token-major) or "pairs" (grouped GEMM + row sum)."""
+    whose down projection `decode_down` picks: "fused" (token-major) or "pairs" (grouped GEMM + row sum).
+
+    `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in its own two launches (one more
+    pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots);
+    every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`)."""
+    if shared is not None and not _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs):
+        routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
+                     configs=configs, decode=decode, decode_down=decode_down, scratch=scratch)
+        return routed + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
     if len(w13.leading) != 2 or w13.leading[1] != 2 or w2.leading != w13.leading[:1]:
@@ -284,15 +293,16 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    gemv_tokens = {"auto": gemv.MOE_TOKENS, "gemv": decode_tokens}.get(decode, 0)
-    if T <= min(decode_tokens, gemv_tokens) and not configs and gemv.supported(w13, x, 1) \
-            and gemv.supported(w2, h, 1):
-        gemv.launch(x, w13, h, gemv.GemvConfig(), M=P, rows=gemv.ROWS_PAIR, R=P, gated=True, x_div=k, ids=ids,
-                    limit=limit, scratch=scratch)
+    if _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs):
+        sw13, sw2 = shared if shared is not None else (None, None)
+        rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
+        h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+        gemv.launch(x, w13, h, gemv.GemvConfig(), M=rows, rows=gemv.ROWS_PAIR, R=rows, gated=True, x_div=k,
+                    ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch)
         gemv.launch(h, w2, out, gemv.GemvConfig(), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
-                    rw=weights.reshape(-1), scratch=scratch)
+                    rw=weights.reshape(-1), shared=sw2, pairs=P, scratch=scratch)
         return out
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
         up, down = decode_configs(T, k, E, I, K, D, w13.fmt, w2.fmt, x.device, decode_down)
         up, down = configs.get("up", up), configs.get("down", down)
@@ -323,6 +333,25 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
                 ids=blk_e, rows_idx=rows, nblk=nblk, rw=weights.reshape(-1), scratch=scratch)
     gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
     return out
+
+
+def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_tokens: int, configs) -> bool:
+    """Whether `moe` runs the decode GEMV pair (with the shared expert in its launches when given)."""
+    T = x.shape[0]
+    gemv_tokens = {"auto": gemv.MOE_TOKENS, "gemv": decode_tokens}.get(decode, 0)
+    if not (0 < T <= min(decode_tokens, gemv_tokens)) or configs or not gemm.supported(x, w13):
+        return False
+    if len(w13.leading) != 2 or w2.leading != w13.leading[:1] or w2.in_features != w13.out_features:
+        return False
+    h = x.new_empty(0, w13.out_features)
+    if not (gemv.supported(w13, x, 1) and gemv.supported(w2, h, 1)):
+        return False
+    if shared is None:
+        return True
+    sw13, sw2 = shared
+    return (sw13.leading == (2,) and not sw2.leading and gemv.supported(sw13, x, 1) and gemv.supported(sw2, h, 1)
+            and (sw13.out_features, sw13.in_features) == (w13.out_features, w13.in_features)
+            and (sw2.out_features, sw2.in_features) == (w2.out_features, w2.in_features))
 
 
 def _launch_down_decode(h, w2: QWeight, ids, weights, out, cfg: Config, T: int, k: int):

@@ -65,7 +65,8 @@ class MoE(nn.Module):
         g = self.gate
         weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
                                       g.tid2eid if g.hash else None, input_ids if g.hash else None)
-        ex = self.experts
+        ex, sh = self.experts, self.shared_experts
+        fold = sh is not None and not sh.w4a4 and not ex.w4a4   # the shared expert runs inside ops.moe
         if ex.w4a4:
             out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
             for e in ids.unique().tolist():
@@ -73,9 +74,9 @@ class MoE(nn.Module):
                 out.index_add_(0, tok, ex.one(flat[tok], e, limit=self.limit).float() * weights[tok, slot, None])
             out = out.to(x.dtype)
         else:
-            out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit)
-        sh = self.shared_experts
-        if sh is not None:
+            out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
+                               shared=(sh.w13.qweight(), sh.w2.qweight()) if fold else None)
+        if sh is not None and not fold:
             out = out + (sh.one(flat, limit=self.limit) if sh.w4a4 else
                          self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit))
         return out.view(x.shape)
