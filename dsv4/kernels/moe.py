@@ -274,7 +274,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in its own two launches (one more
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots);
     every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`)."""
-    if shared is not None and not _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs):
+    gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
+    if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
                      configs=configs, decode=decode, decode_down=decode_down, scratch=scratch)
         return routed + (mlp_op or ref.mlp)(x, *shared, limit)
@@ -293,7 +294,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    if _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs):
+    if gemv_pair:
         sw13, sw2 = shared if shared is not None else (None, None)
         rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
