@@ -26,6 +26,8 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "w2 bn64 st1": gemv.GemvConfig(num_stages=1),
     "w2 bn64 st3": gemv.GemvConfig(num_stages=3),
     "w2 bn64 flat": gemv.GemvConfig(persistent=False),
+    "no prefetch": gemv.GemvConfig(prefetch=0),
+    "prefetch fp4 too": gemv.GemvConfig(prefetch=3),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8")]
@@ -35,12 +37,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--once", action="store_true", help="one call per variant (for ncu), no timing")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated (default: all; "
+                                                   "--once: the first)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     timer, scratch = Timer(dev), gemm.Scratch()
     copy = 4270.0
-    for sh, name, fmt in (SHAPES[:1] if args.once else SHAPES):
+    shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES[:1] if args.once else SHAPES
+    for sh, name, fmt in shapes:
         n, k = sh.linears()[name]
         w0 = random_qweight(fmt, (), n, k, dev, gen)
         rot = max(2, min(48, -(-200 * 2**20 // nbytes(w0))))

@@ -338,9 +338,10 @@ def grid_plan(run: Run):
     shapes = [(run.models[-1], "wq_b", "nvfp4"), (run.models[-1], "wo_b", "nvfp4"), (run.models[0], "wo_b", "fp8"),
               (run.models[-1], "wq_b", "fp8"), (run.models[0], "expert w1/w3", "nvfp4")]
     variants = {"default": gemv.GemvConfig(), "no register cap": gemv.GemvConfig(maxnreg=0),
-                **{f"cap {r}": gemv.GemvConfig(maxnreg=r) for r in (96, 88, 80, 72)},
-                "stages 3": gemv.GemvConfig(num_stages=3), "stages 3 cap 80": gemv.GemvConfig(num_stages=3, maxnreg=80),
-                "bn 32": gemv.GemvConfig(BN=32), "bn 32 cap 80": gemv.GemvConfig(BN=32, maxnreg=80)}
+                "no prefetch": gemv.GemvConfig(prefetch=0), "prefetch fp4 too": gemv.GemvConfig(prefetch=3),
+                "prefetch fp4 too, 1 stage": gemv.GemvConfig(prefetch=3, num_stages=1),
+                **{f"cap {r}": gemv.GemvConfig(maxnreg=r) for r in (96, 80)},
+                "stages 3": gemv.GemvConfig(num_stages=3), "bn 32": gemv.GemvConfig(BN=32)}
     if run.toy:
         variants = {k: variants[k] for k in ("default", "cap 80")}
     for vname, cfg in variants.items():

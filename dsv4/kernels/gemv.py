@@ -7,14 +7,16 @@ through shared memory and are never shuffled between threads.
 
 Layout trick (no repack of the stored weights). A K step ("sub-step") covers 64 bytes of every weight row
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
-8 rows per warp. The MMA A operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block,
-k = 2c, 2c+1, 2c+8, 2c+9 (wgmma) or Triton's relabelled 4c .. 4c+3 (mma.sync, kWidth 4) in thread
-c = lane % 4. A dot does not care in which order K is summed, and output rows may be stored anywhere, so
-`_to_mma` re-indexes the decoded tile (rows and K) so that each thread already holds exactly its operand
-fragment - the reshape/permute is register renaming only (checked in SASS: bench/sass.py) - and x is loaded
-in the same K order (`_x_subtile`). The weights are loaded as 32-bit words (4 bytes of one row) and each PTX
-decoder instance takes one word (`pack=1`): with `pack > 1` Triton groups consecutive *registers*, which in
-the operand layout mix rows r and r + 32 (seen on the H200: garbage results, 2026-11-30).
+8 rows per warp; each thread decodes its 16 bytes into elements in natural order (FP4: the low then the high
+nibble of every byte, so each bf16x2 register holds two elements that are adjacent in x as well). The MMA A
+operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block, k = 2c, 2c+1, 2c+8, 2c+9 (wgmma)
+or Triton's relabelled 4c .. 4c+3 (mma.sync, kWidth 4) in thread c = lane % 4. A dot does not care in which
+order K is summed, and output rows may be stored anywhere, so `_to_mma` re-indexes the decoded tile (rows
+and K) so that each thread already holds exactly its operand fragment - the reshape/permute is register
+renaming only (checked in SASS: bench/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The
+weights are loaded as 32-bit words (4 bytes of one row) and each PTX decoder instance takes one word
+(`pack=1`): with `pack > 1` Triton groups consecutive *registers*, which in the operand layout mix rows r and
+r + 32 (seen on the H200: garbage results, 2026-11-30).
 
 Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 1 shift + 4 x (prmt, shift, and, bf16x2 mul);
 FP8 4 values = 2 x (prmt, shift, and, bf16x2 mul). FP4 block-scale multipliers are formed once per scale
@@ -71,35 +73,45 @@ def _join4(a, b, c, d, BN: tl.constexpr):
 
 
 @triton.jit
+def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr):
+    """Eight [BN, 16] tensors (elements 0..7 of every group of 8) -> [BN, 128] in natural order."""
+    q = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
+    return tl.permute(q, (0, 1, 4, 3, 2)).reshape(BN, 128)      # [BN, 16, e, pair, half] -> natural
+
+
+@triton.jit
 def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
     """Packed FP4 weights [BN, 16] uint32 (four adjacent bytes of one row each) and their block multipliers ->
-    (lo, hi) [BN, 64] (bf16 with ASM, else fp32): the low / high nibble of byte j times its multiplier.
+    [BN, 128] in natural order (bf16 with ASM, else fp32): element 2j / 2j + 1 is the low / high nibble of
+    byte j times its multiplier.
 
-    ASM, one 32-bit word per instance: `prmt` mode 8 replicates a byte's sign bit, so [S(b1) b1 S(b0) b0] << 2,
-    masked, holds the high nibbles of b0 and b1 as bf16 subnormals (sign at bit 15 / 31, magnitude bits at
-    8..6 / 24..22); the low nibbles come the same way from the word shifted left by 4. One mul.bf16x2 applies
-    the multiplier (a word never straddles a scale group). Element positions come from memory (a uint32 is
-    four bytes of one row), never from Triton's register order, on which `pack > 1` would depend.
+    ASM, one 32-bit word per instance, one bf16x2 per byte i (elements 2i, 2i + 1, adjacent in x too, so x
+    fragments are plain words): `prmt` builds [S(w_i) w_i S(u_i) u_i] from the word w and u = w << 4 (mode 8
+    replicates a byte's sign bit), so after << 2 and the mask the low nibble sits in the low half and the high
+    nibble in the high half as bf16 subnormals (sign at bit 15 / 31, magnitude bits at 8..6 / 24..22). One
+    mul.bf16x2 applies the multiplier (a word never straddles a scale group). Element positions come from
+    memory (a uint32 is four bytes of one row), never from Triton's register order, on which `pack > 1`
+    would depend.
     """
     if ASM:
-        l01, l23, h01, h23 = tl.inline_asm_elementwise(
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
             """
             {
             .reg .b32 u, t;
             shl.b32 u, $4, 4;
-            prmt.b32 t, u, 0, 0x9180;
+            prmt.b32 t, u, $4, 0xC480;
             shl.b32 t, t, 2;
             and.b32 t, t, 0x81C081C0;
             mul.rn.bf16x2 $0, t, $5;
-            prmt.b32 t, u, 0, 0xB3A2;
+            prmt.b32 t, u, $4, 0xD591;
             shl.b32 t, t, 2;
             and.b32 t, t, 0x81C081C0;
             mul.rn.bf16x2 $1, t, $5;
-            prmt.b32 t, $4, 0, 0x9180;
+            prmt.b32 t, u, $4, 0xE6A2;
             shl.b32 t, t, 2;
             and.b32 t, t, 0x81C081C0;
             mul.rn.bf16x2 $2, t, $5;
-            prmt.b32 t, $4, 0, 0xB3A2;
+            prmt.b32 t, u, $4, 0xF7B3;
             shl.b32 t, t, 2;
             and.b32 t, t, 0x81C081C0;
             mul.rn.bf16x2 $3, t, $5;
@@ -111,20 +123,20 @@ def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
             is_pure=True,
             pack=1,
         )
-        l0, l1 = _bf16_pair(l01)
-        l2, l3 = _bf16_pair(l23)
-        h0, h1 = _bf16_pair(h01)
-        h2, h3 = _bf16_pair(h23)
+        e0, e1 = _bf16_pair(p0)
+        e2, e3 = _bf16_pair(p1)
+        e4, e5 = _bf16_pair(p2)
+        e6, e7 = _bf16_pair(p3)
     else:
-        l0 = _e2m1_values(b & 15) * mult
-        h0 = _e2m1_values((b >> 4) & 15) * mult
-        l1 = _e2m1_values((b >> 8) & 15) * mult
-        h1 = _e2m1_values((b >> 12) & 15) * mult
-        l2 = _e2m1_values((b >> 16) & 15) * mult
-        h2 = _e2m1_values((b >> 20) & 15) * mult
-        l3 = _e2m1_values((b >> 24) & 15) * mult
-        h3 = _e2m1_values(b >> 28) * mult
-    return _join4(l0, l1, l2, l3, BN), _join4(h0, h1, h2, h3, BN)
+        e0 = _e2m1_values(b & 15) * mult
+        e1 = _e2m1_values((b >> 4) & 15) * mult
+        e2 = _e2m1_values((b >> 8) & 15) * mult
+        e3 = _e2m1_values((b >> 12) & 15) * mult
+        e4 = _e2m1_values((b >> 16) & 15) * mult
+        e5 = _e2m1_values((b >> 20) & 15) * mult
+        e6 = _e2m1_values((b >> 24) & 15) * mult
+        e7 = _e2m1_values(b >> 28) * mult
+    return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN)
 
 
 @triton.jit
@@ -186,17 +198,30 @@ def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
 # ------------------------------------------------------------------------------ operand re-indexing
 
 @triton.jit
-def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr):
-    """A decoded [BN, 64] tile from load order to MMA A-operand order (register renaming, see the module
+def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, KS: tl.constexpr):
+    """A decoded [BN, KS] tile (KS = 64 FP8 / 128 FP4 elements per row, thread c of a row holding elements
+    KS/4 c .. KS/4 (c + 1) - 1) from load order to MMA A-operand order (register renaming, see the module
     docstring); W warps. Rows: load row l + 8w + 8W r0 + 16W r1 -> l + 8 r0 + 16 w + 16W r1. K: element
-    16c + 4b + 2h + e -> 16b + 8h + 2c + e (KW = 2: wgmma's register fragment) or 16b + 4c + 2h + e (KW = 4:
+    KS/4 c + 4b + 2h + e -> 16b + 8h + 2c + e (KW = 2: wgmma's register fragment) or 16b + 4c + 2h + e (KW = 4:
     Triton's mma.sync operand, 4 consecutive k per thread)."""
-    t = tl.permute(t.reshape(BN // (16 * W), 2, W, 8, 64), (0, 2, 1, 3, 4)).reshape(BN, 64)
+    NB: tl.constexpr = KS // 16
+    t = tl.permute(t.reshape(BN // (16 * W), 2, W, 8, KS), (0, 2, 1, 3, 4)).reshape(BN, KS)
     if KW == 2:
-        t = tl.permute(t.reshape(BN, 4, 4, 2, 2), (0, 2, 3, 1, 4)).reshape(BN, 64)
+        t = tl.permute(t.reshape(BN, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(BN, KS)
     else:
-        t = tl.permute(t.reshape(BN, 4, 4, 4), (0, 2, 1, 3)).reshape(BN, 64)
+        t = tl.permute(t.reshape(BN, 4, NB, 4), (0, 2, 1, 3)).reshape(BN, KS)
     return t
+
+
+@triton.jit
+def _x_kmajor(x, MP: tl.constexpr, KS: tl.constexpr, KW: tl.constexpr):
+    """x [MP, KS] in natural order -> [KS, MP] in the K order `_to_mma` gives the weights."""
+    NB: tl.constexpr = KS // 16
+    if KW == 2:
+        x = tl.permute(x.reshape(MP, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(MP, KS)
+    else:
+        x = tl.permute(x.reshape(MP, 4, NB, 4), (0, 2, 1, 3)).reshape(MP, KS)
+    return tl.trans(x)
 
 
 @triton.jit
@@ -207,27 +232,13 @@ def _mma_rows(offs, BN: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, FP4: tl.constexpr, DOT: tl.constexpr,
+def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr,
                KW: tl.constexpr):
-    """x columns of one sub-step in the K order of `_to_mma` tiles: FP4 -> (x for the low nibbles, x for the
-    high nibbles) [MP, 64] each; FP8 -> ([MP, 64], same). Byte 16c + 4b + 2h + e holds dot K 16b + 8h + 2c + e
-    (KW = 2) or 16b + 4c + 2h + e (KW = 4)."""
-    rows = xrow.to(tl.int64)[:, None] * stride_xm
-    if FP4:  # element k = 2 * byte + nibble
-        x = tl.load(x_ptr + rows + k0 + tl.arange(0, 128)[None, :], mask=rmask[:, None], other=0.0).to(DOT)
-        if KW == 2:
-            x = tl.permute(x.reshape(MP, 4, 4, 2, 2, 2), (0, 2, 3, 1, 4, 5)).reshape(MP, 64, 2)
-        else:
-            x = tl.permute(x.reshape(MP, 4, 4, 4, 2), (0, 2, 1, 3, 4)).reshape(MP, 64, 2)
-        xl, xh = tl.split(x)
-    else:
-        x = tl.load(x_ptr + rows + k0 + tl.arange(0, 64)[None, :], mask=rmask[:, None], other=0.0).to(DOT)
-        if KW == 2:
-            xl = tl.permute(x.reshape(MP, 4, 4, 2, 2), (0, 2, 3, 1, 4)).reshape(MP, 64)
-        else:
-            xl = tl.permute(x.reshape(MP, 4, 4, 4), (0, 2, 1, 3)).reshape(MP, 64)
-        xh = xl
-    return xl, xh
+    """x columns k0 .. k0 + KS - 1 of one sub-step as the dot's B operand [KS, MP], in the K order of
+    `_to_mma` tiles."""
+    x = tl.load(x_ptr + xrow.to(tl.int64)[:, None] * stride_xm + k0 + tl.arange(0, KS)[None, :],
+                mask=rmask[:, None], other=0.0).to(DOT)
+    return _x_kmajor(x, MP, KS, KW)
 
 
 # ------------------------------------------------------------------------------------ one sub-step
@@ -292,16 +303,15 @@ def _group_multipliers(s, FMT: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
-def _mma_sub(acc, b, s, xl, xh, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
+def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
              DOT: tl.constexpr, ASM: tl.constexpr):
-    """acc [BN, MP] += decoded sub-step tile @ x^T."""
+    """acc [BN, MP] += decoded sub-step tile @ xs (the sub-step's x, from `_x_subtile`)."""
     if FMT >= 2:
-        lo, hi = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
-        acc = tl.dot(_to_mma(lo.to(DOT), BN, W, KW), tl.trans(xl), acc)
-        acc = tl.dot(_to_mma(hi.to(DOT), BN, W, KW), tl.trans(xh), acc)
+        w = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
+        acc = tl.dot(_to_mma(w.to(DOT), BN, W, KW, 128), xs, acc)
     else:
         w = _fp8_decode(b, BN, ASM)
-        acc = tl.dot(_to_mma(w.to(DOT), BN, W, KW), tl.trans(xl), acc)
+        acc = tl.dot(_to_mma(w.to(DOT), BN, W, KW, 64), xs, acc)
     return acc
 
 
@@ -319,25 +329,40 @@ def _fp8_block_scale(sbase, rows_mma, nmask_mma, kblock, stride_sn, SCALE_F32: t
 def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
               stride_xm, stride_wn, stride_sn,
               FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
-              KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
-    """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (both loads issued
-    before the first decode; an FP8 iteration is one 128-K scale block, s0 even). A missing second step
-    (odd count) re-reads the first step's weights against zero x."""
+              KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr):
+    """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (an FP8 iteration is one
+    128-K scale block, s0 even). A missing second step (odd count) re-reads the first step's weights against
+    zero x.
+
+    Weight loads: without prefetch both of an iteration are issued before its first decode (Triton's
+    pipeliner, num_stages > 1, stages them and x through shared memory but waits for them at the top of the
+    next iteration). With prefetch (PF bit 0 for FP8, bit 1 for FP4 weights) a sub-step's registers are
+    refilled with the weights two sub-steps on as soon as they are decoded, so the loads stay in flight across
+    the next decode (the last prefetches re-read step s1 - 1)."""
     acc = tl.zeros((BN, MP), dtype=tl.float32)
-    SUB_K: tl.constexpr = 128 if FMT >= 2 else 64
+    KS: tl.constexpr = 128 if FMT >= 2 else 64
+    PREFETCH: tl.constexpr = (PF >> (1 if FMT >= 2 else 0)) & 1
+    if PREFETCH:
+        b0, c0 = _load_sub(wbase, sbase, rows, s0, stride_wn, stride_sn, FMT, BN)
+        b1, c1 = _load_sub(wbase, sbase, rows, tl.minimum(s0 + 1, s1 - 1), stride_wn, stride_sn, FMT, BN)
     for step in range(s0, s1, 2):
         step1 = tl.minimum(step + 1, s1 - 1)
-        b0, c0 = _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT, BN)
-        b1, c1 = _load_sub(wbase, sbase, rows, step1, stride_wn, stride_sn, FMT, BN)
-        xl0, xh0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * SUB_K, stride_xm, MP, FMT >= 2, DOT, KW)
-        xl1, xh1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * SUB_K, stride_xm, MP,
-                              FMT >= 2, DOT, KW)
+        if not PREFETCH:
+            b0, c0 = _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT, BN)
+            b1, c1 = _load_sub(wbase, sbase, rows, step1, stride_wn, stride_sn, FMT, BN)
+        x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, KW)
+        x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP, KS,
+                        DOT, KW)
+        blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W, KW,
+                       DOT, ASM)
+        if PREFETCH:
+            b0, c0 = _load_sub(wbase, sbase, rows, tl.minimum(step + 2, s1 - 1), stride_wn, stride_sn, FMT, BN)
+        blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, KW, DOT, ASM)
+        if PREFETCH:
+            b1, c1 = _load_sub(wbase, sbase, rows, tl.minimum(step + 3, s1 - 1), stride_wn, stride_sn, FMT, BN)
         if FMT >= 2:
-            acc = _mma_sub(acc, b0, c0, xl0, xh0, FMT, BN, W, KW, DOT, ASM)
-            acc = _mma_sub(acc, b1, c1, xl1, xh1, FMT, BN, W, KW, DOT, ASM)
+            acc = blk
         else:
-            blk = _mma_sub(tl.zeros((BN, MP), dtype=tl.float32), b0, c0, xl0, xh0, FMT, BN, W, KW, DOT, ASM)
-            blk = _mma_sub(blk, b1, c1, xl1, xh1, FMT, BN, W, KW, DOT, ASM)
             acc += blk * _fp8_block_scale(sbase, rows_mma, nmask_mma, step // 2, stride_sn, SCALE_F32)[:, None]
     return acc
 
@@ -348,18 +373,19 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
 def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma, nmask_mma, s0, s1, rw,
                  stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g,
                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-                 MP: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+                 MP: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
+                 PF: tl.constexpr):
     """One unit's partial(s) of one weight: (acc, acc_u, factor, factor_u); acc_u is the up projection when
     GATED (else acc again). The factors undo the decode prescale and apply the routing weight `rw`."""
     acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
-                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM)
+                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM, PF)
     f = epilogue_factor(s2base, FMT) * rw
     acc_u = acc
     f_u = f
     if GATED:
         acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
                           nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW,
-                          DOT, ASM)
+                          DOT, ASM, PF)
         f_u = epilogue_factor(s2base + stride_s2g, FMT)
     return acc, acc_u, f, f_u
 
@@ -373,7 +399,7 @@ def _gemv_kernel(
     sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
-    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr,
+    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -434,19 +460,19 @@ def _gemv_kernel(
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
                     tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, KW, DOT, ASM)
+                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, KW, DOT, ASM, PF)
             else:
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                     s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                     stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
-                    MP, W, KW, DOT, ASM)
+                    MP, W, KW, DOT, ASM, PF)
         else:
             acc, acc_u, f, f_u = _weight_unit(
                 x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                 s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                 stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
-                W, KW, DOT, ASM)
+                W, KW, DOT, ASM, PF)
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
@@ -496,7 +522,9 @@ class GemvConfig:
     beat one warpgroup's wgmma on 128 rows for FP8 and tie for FP4. With 16 x rows (MMA N = 16) registers
     bound the resident warps, so the kernel is capped at 128 (16 warps per SM, no spills; the gated one would
     spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
-    measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10)."""
+    measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10). Register prefetch of
+    the weights (round four, run 12): FP8 V4-Pro wo_b 51 -> 41 us; FP4 slower in every variant tried (more
+    live registers for the same 16 warps per SM), so it is on for FP8 only."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # 4 = one warpgroup (wgmma, BN a multiple of 64); else mma.sync
@@ -506,6 +534,7 @@ class GemvConfig:
     num_stages: int = 2       # software pipelining of the weight loads (cp.async into shared memory, then
                               # LDS.128 in the operand layout: the next K step is in flight while one decodes)
     asm: bool | None = None   # None: ASM wherever the operands are bf16 on a GPU
+    prefetch: int = 1         # register prefetch of the weights (see _unit_acc), a bit mask: 1 FP8, 2 FP4
 
 
 UNIT_OVERHEAD_STEPS = 3   # per-unit fixed cost (index math, pipeline fill, epilogue) in sub-steps, from SASS
@@ -636,7 +665,8 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     consts = dict(FMT=FMT_CODES[w.fmt], SCALE_F32=scale_f32, ROWS=rows, GATED=gated, BN=cfg.BN, MP=MP, DOT=dot,
                   ASM=asm, W=cfg.num_warps, KW=2 if (cfg.num_warps == 4 and cfg.BN % 64 == 0) else 4,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
-                  FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32)
+                  FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
+                  PF=cfg.prefetch)
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
     if maxnreg and not interp:
         consts["maxnreg"] = maxnreg
