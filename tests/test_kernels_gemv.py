@@ -78,6 +78,19 @@ def test_split_k_rearms_and_bf16(launches, fmt):
     assert len(launches) == 3
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_every_weight_load_schedule_matches_reference(launches, fmt, prefetch):
+    """Without and with register prefetch (the default prefetches FP8 only), over an odd number of
+    sub-steps and K splits, where the last prefetches re-read the final step."""
+    for n, k, split in ((70, 384, 0), (64, 640, 3), (64, 256, 2)):
+        w = make_weight(fmt, n, k)
+        x = torch.randn(3, k)
+        y = gemv.linear(x, w, gemv.GemvConfig(prefetch=prefetch, split=split), scratch=gemm.Scratch())
+        assert rel_err(y, ref.linear(x, w)) < 1e-6, (n, k, split)
+    assert len(launches) == 3
+
+
 def test_split_choice_weighs_fill_against_unit_cost():
     assert gemv.choose_split(1024, 12, 1056) == 1     # the tiles fill the grid: no split
     assert gemv.choose_split(112, 128, 1056) == 8     # V4-Pro wo_b: one wave of 16-step units
@@ -246,3 +259,31 @@ def test_nvfp4_group_multiplier_asm_is_exact_for_every_scale_byte():
             t = (_prmt(word, 0, sel) << 4) & 0x87F087F0
             for half in (t & 0xFFFF, t >> 16):
                 assert _bf16_mul(_bf16_mul(half, 0x7B80), 0x7A00) == want_bits, (v, j)
+
+
+def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
+    """The PTX of `gemv._fp4_decode`, read from the kernel source and emulated on every byte value in every
+    byte position of a word (other bytes hold garbage): output i holds byte i's low nibble in its low half and
+    the high nibble in its high half, each e2m1 * 2^-126 as bf16 (the multiplier then scales both)."""
+    import inspect
+    import re
+
+    src = inspect.getsource(gemv._fp4_decode.fn)
+    pre = int(re.search(r"shl\.b32 u, \$4, (\d+);", src).group(1))
+    sels = [int(s, 16) for s in re.findall(r"prmt\.b32 t, u, \$4, (0x[0-9A-Fa-f]+);", src)]
+    shifts = [int(s) for s in re.findall(r"shl\.b32 t, t, (\d+);", src)]
+    masks = [int(s, 16) for s in re.findall(r"and\.b32 t, t, (0x[0-9A-Fa-f]+);", src)]
+    assert len(sels) == len(shifts) == len(masks) == 4
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+    def value(half: int) -> float:   # a bf16 bit pattern, exactly
+        return float(torch.tensor([half << 16], dtype=torch.int64).to(torch.int32).view(torch.float32))
+
+    for v in range(256):
+        lo, hi = v & 15, v >> 4
+        want = [(-1.0 if n & 8 else 1.0) * e2m1[n & 7] * 2.0 ** -126 for n in (lo, hi)]
+        for i in range(4):
+            word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
+            u = (word << pre) & 0xFFFFFFFF
+            t = ((_prmt(u, word, sels[i]) << shifts[i]) & 0xFFFFFFFF) & masks[i]
+            assert [value(t & 0xFFFF), value(t >> 16)] == want, (v, i)

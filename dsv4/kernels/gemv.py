@@ -523,7 +523,7 @@ class GemvConfig:
     bound the resident warps, so the kernel is capped at 128 (16 warps per SM, no spills; the gated one would
     spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
     measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10). Register prefetch of
-    the weights (round four, run 12): FP8 V4-Pro wo_b 51 -> 41 us; FP4 slower in every variant tried (more
+    the weights (round four, runs 14 and 18): FP8 V4-Pro wo_b 51 -> 42 us; FP4 slower in every variant tried (more
     live registers for the same 16 warps per SM), so it is on for FP8 only."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
