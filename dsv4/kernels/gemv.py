@@ -202,14 +202,16 @@ def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, KS: tl.const
     """A decoded [BN, KS] tile (KS = 64 FP8 / 128 FP4 elements per row, thread c of a row holding elements
     KS/4 c .. KS/4 (c + 1) - 1) from load order to MMA A-operand order (register renaming, see the module
     docstring); W warps. Rows: load row l + 8w + 8W r0 + 16W r1 -> l + 8 r0 + 16 w + 16W r1. K: element
-    KS/4 c + 4b + 2h + e -> 16b + 8h + 2c + e (KW = 2: wgmma's register fragment) or 16b + 4c + 2h + e (KW = 4:
-    Triton's mma.sync operand, 4 consecutive k per thread)."""
+    KS/4 c + 4b + 2h + e -> 16b + 8h + 2c + e (KW = 2: wgmma's register fragment), or for KW = 4 (Triton's
+    mma.sync operand, 4 consecutive k per thread) KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e: the
+    two words of one k block then lie 8 bytes apart in x, which is where a 16-byte shared-memory load of x puts
+    the MMA's operand pair (the plain 16b + 4c order cost ptxas 54 register moves per loop iteration)."""
     NB: tl.constexpr = KS // 16
     t = tl.permute(t.reshape(BN // (16 * W), 2, W, 8, KS), (0, 2, 1, 3, 4)).reshape(BN, KS)
     if KW == 2:
         t = tl.permute(t.reshape(BN, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(BN, KS)
     else:
-        t = tl.permute(t.reshape(BN, 4, NB, 4), (0, 2, 1, 3)).reshape(BN, KS)
+        t = tl.permute(t.reshape(BN, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(BN, KS)
     return t
 
 
@@ -220,7 +222,7 @@ def _x_kmajor(x, MP: tl.constexpr, KS: tl.constexpr, KW: tl.constexpr):
     if KW == 2:
         x = tl.permute(x.reshape(MP, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(MP, KS)
     else:
-        x = tl.permute(x.reshape(MP, 4, NB, 4), (0, 2, 1, 3)).reshape(MP, KS)
+        x = tl.permute(x.reshape(MP, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(MP, KS)
     return tl.trans(x)
 
 
