@@ -1,0 +1,77 @@
+"""The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
+
+    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8]
+    TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
+
+For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
+token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
+routing weights and the top-k sum fused) against the bytes each reads, and the pair as `kernels.moe` runs it.
+Split 0 is the launch's own choice (`gemv.choose_split`); other splits are forced (per slot for down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
+
+from dsv4.kernels import gemm, gemv  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--splits", default="0,2,3,4,6,8")
+    ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.toy else "cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer, scratch = Timer(dev), gemm.Scratch()
+    copy = copy_bandwidth(dev, 0.01 if args.toy else 2.0)
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    for s in ((TOY,) if args.toy else (FLASH, PRO)):
+        w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
+        w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
+        sw13 = random_qweight("fp8", (2,), s.I, s.D, dev, gen)
+        sw2 = random_qweight("fp8", (), s.D, s.I, dev, gen)
+        for T in (int(t) for t in args.tokens.split(",")):
+            rot, P = (2 if args.toy else 8), T * s.k
+            xs = [torch.randn(T, s.D, device=dev, generator=gen).bfloat16() for _ in range(rot)]
+            ids = [torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(T)])
+                   for _ in range(rot)]
+            rws = [torch.rand(T * s.k, device=dev, generator=gen) for _ in range(rot)]
+            hs = [torch.empty(P + T, s.I, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
+            outs = [torch.empty(T, s.D, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
+            touched = sum(i.unique().numel() for i in ids) / rot
+            up_bytes = touched * nbytes(w13) / s.E + nbytes(sw13)
+            down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
+
+            def up(i, split):
+                gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split), M=P + T, rows=gemv.ROWS_PAIR, R=P + T,
+                            gated=True, x_div=s.k, ids=ids[i], limit=10.0, shared=sw13, pairs=P, scratch=scratch)
+
+            def down(i, split):
+                gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split), M=T, rows=gemv.ROWS_TOKEN, R=T,
+                            topk=s.k, ids=ids[i], rw=rws[i], shared=sw2, pairs=P, scratch=scratch)
+
+            for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
+                for split in (int(v) for v in args.splits.split(",")):
+                    ms = timer.per_call_ms([lambda i=i: fn(i, split) for i in range(rot)])
+                    pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
+                    print(f"{s.name:8s} T={T:<3d} {name:8s} split {split or 'auto':>4}: {ms * 1e3:7.1f} us "
+                          f"{nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
+            ms = timer.per_call_ms([lambda i=i: (up(i, 0), down(i, 0)) for i in range(rot)])
+            pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
+            print(f"{s.name:8s} T={T:<3d} both launches     : {ms * 1e3:7.1f} us {pct:4.0f}% of copy", flush=True)
+        del w13, w2, sw13, sw2
+
+
+if __name__ == "__main__":
+    main()
