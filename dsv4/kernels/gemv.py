@@ -1,9 +1,10 @@
 """Decode GEMV (at most 16 activation rows per weight): y = x @ W^T computed as y^T = W x^T (swap-AB).
 
 The weight tile is the A operand of the MMA (mma.sync with 2 warps by default, or one warpgroup's wgmma),
-streamed from global memory into registers - directly (LDG.128) or, with `num_stages=2`, through cp.async and
-one LDS.128 per 16 bytes already in the operand layout; x (small) is the B operand. Decoded weights never go
-through shared memory and are never shuffled between threads.
+streamed from global memory into registers - directly (LDG.128; FP8 by default, prefetched a loop iteration
+ahead, see `_unit_acc`) or, with `num_stages=2`, through cp.async and one LDS.128 per 16 bytes already in the
+operand layout (FP4 by default); x (small) is the B operand. Decoded weights never go through shared memory
+and are never shuffled between threads.
 
 Layout trick (no repack of the stored weights). A K step ("sub-step") covers 64 bytes of every weight row
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
@@ -198,32 +199,34 @@ def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
 # ------------------------------------------------------------------------------ operand re-indexing
 
 @triton.jit
+def _k_order(t, R: tl.constexpr, KS: tl.constexpr, KW: tl.constexpr):
+    """[R, KS] rows whose element KS/4 c + i belongs to thread c (load order) -> the MMA's K order, the same
+    for the weights (`_to_mma`) and x (`_x_kmajor`). KW = 2 (wgmma's register fragment): KS/4 c + 4b + 2h + e
+    -> 16b + 8h + 2c + e. KW = 4 (Triton's mma.sync operand, 4 consecutive k per thread):
+    KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e; the two words of one k block then lie 8 bytes apart
+    in x, which is where a 16-byte shared-memory load of x puts the MMA's operand pair (the plain 16b + 4c
+    order cost ptxas 54 register moves per loop iteration)."""
+    NB: tl.constexpr = KS // 16
+    if KW == 2:
+        t = tl.permute(t.reshape(R, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(R, KS)
+    else:
+        t = tl.permute(t.reshape(R, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(R, KS)
+    return t
+
+
+@triton.jit
 def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, KS: tl.constexpr):
     """A decoded [BN, KS] tile (KS = 64 FP8 / 128 FP4 elements per row, thread c of a row holding elements
     KS/4 c .. KS/4 (c + 1) - 1) from load order to MMA A-operand order (register renaming, see the module
-    docstring); W warps. Rows: load row l + 8w + 8W r0 + 16W r1 -> l + 8 r0 + 16 w + 16W r1. K: element
-    KS/4 c + 4b + 2h + e -> 16b + 8h + 2c + e (KW = 2: wgmma's register fragment), or for KW = 4 (Triton's
-    mma.sync operand, 4 consecutive k per thread) KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e: the
-    two words of one k block then lie 8 bytes apart in x, which is where a 16-byte shared-memory load of x puts
-    the MMA's operand pair (the plain 16b + 4c order cost ptxas 54 register moves per loop iteration)."""
-    NB: tl.constexpr = KS // 16
+    docstring); W warps. Rows: load row l + 8w + 8W r0 + 16W r1 -> l + 8 r0 + 16 w + 16W r1; K: `_k_order`."""
     t = tl.permute(t.reshape(BN // (16 * W), 2, W, 8, KS), (0, 2, 1, 3, 4)).reshape(BN, KS)
-    if KW == 2:
-        t = tl.permute(t.reshape(BN, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(BN, KS)
-    else:
-        t = tl.permute(t.reshape(BN, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(BN, KS)
-    return t
+    return _k_order(t, BN, KS, KW)
 
 
 @triton.jit
 def _x_kmajor(x, MP: tl.constexpr, KS: tl.constexpr, KW: tl.constexpr):
     """x [MP, KS] in natural order -> [KS, MP] in the K order `_to_mma` gives the weights."""
-    NB: tl.constexpr = KS // 16
-    if KW == 2:
-        x = tl.permute(x.reshape(MP, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(MP, KS)
-    else:
-        x = tl.permute(x.reshape(MP, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(MP, KS)
-    return tl.trans(x)
+    return tl.trans(_k_order(x, MP, KS, KW))
 
 
 @triton.jit
