@@ -16,7 +16,6 @@ tile (a self-resetting semaphore from `Scratch`) sums them in split order and ru
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ import triton.language as tl
 
 from ..formats import QWeight
 from . import gemv
+from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import (FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves, _load_x_tile,
                     _load_xfp4_halves, epilogue_factor)
 
@@ -181,16 +181,6 @@ class Config:
     asm: bool | None = None  # None: ASM wherever the dot runs in bf16 on a GPU
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def dot_dtype(x: torch.Tensor):
     """(operand dtype, input precision, asm allowed). The interpreter's bf16 tl.dot is broken, so it gets fp32."""
     if interpreting() or x.dtype == torch.float32:
@@ -255,16 +245,6 @@ def pick_config(M: int, N: int, K: int, fmt: str, device: torch.device, *, gated
     return Config(BM, BN, BK, split, 8, 8 if BM == 128 else 4, 4)
 
 
-def _scale_views(w: QWeight):
-    """Stored scale tensors as the kernel reads them: FP4/FP8 UE8M0 and E4M3 bytes as uint8, FP32 as is."""
-    scale = w.scale
-    scale_f32 = scale is not None and scale.dtype == torch.float32
-    if scale is not None and not scale_f32:
-        scale = scale.view(torch.uint8)
-    s2 = w.scale_2 if w.fmt == "nvfp4" else None
-    return scale, scale_f32, s2
-
-
 def weight_supported(w: QWeight, device: torch.device) -> bool:
     """Whether the Triton kernels read this (possibly stacked) weight; anything else runs the reference."""
     if w.fmt not in ("fp8", "mxfp4", "nvfp4") or w.weight.device != device:
@@ -292,31 +272,12 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
     without one)."""
     N, K = w.out_features, w.in_features
     fmt = FMT_CODES[w.fmt]
-    scale, scale_f32, s2 = _scale_views(w)
+    scale, scale_f32, s2 = scale_views(w)
     wt = w.weight.view(torch.uint8) if w.fmt != "dense" else w.weight
     lead = w.leading
-    # stacked strides: (E, 2) for MoE gate/up, (E,) for MoE down, (2,) for the shared gate/up, () otherwise
-    if len(lead) == 2:
-        swe, swg = wt.stride(0), wt.stride(1)
-    elif len(lead) == 1 and gated:
-        swe, swg = 0, wt.stride(0)
-    elif len(lead) == 1:
-        swe, swg = wt.stride(0), 0
-    else:
-        swe, swg = 0, 0
-
-    def lead_strides(t):
-        if t is None or t.dim() < len(lead):
-            return 0, 0
-        st = t.stride()
-        if len(lead) == 2:
-            return st[0], st[1]
-        if len(lead) == 1:
-            return (0, st[0]) if gated else (st[0], 0)
-        return 0, 0
-
-    sse, ssg = lead_strides(scale)
-    s2e, s2g = lead_strides(s2)
+    swe, swg = lead_strides(wt, lead, gated)
+    sse, ssg = lead_strides(scale, lead, gated)
+    s2e, s2g = lead_strides(s2, lead, gated)
     dot, prec, asm_ok = dot_dtype(x)
     asm = asm_ok if cfg.asm is None else (cfg.asm and asm_ok)
     if num_m is None:
@@ -411,7 +372,7 @@ def dequantize(w: QWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return w.dequantize(dtype)
     N, K = w.out_features, w.in_features
     fmt = FMT_CODES[w.fmt]
-    scale, scale_f32, s2 = _scale_views(w)
+    scale, scale_f32, s2 = scale_views(w)
     wt = w.weight.view(torch.uint8)
     y = torch.empty(N, K, dtype=dtype, device=w.weight.device)
     BK = k_block(w.fmt, K, 128) or 128

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ..formats import QWeight
+from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import FMT_CODES, _e2m1_values, epilogue_factor
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
@@ -545,15 +546,6 @@ class GemvConfig:
 UNIT_OVERHEAD_STEPS = 3   # per-unit fixed cost (index math, pipeline fill, epilogue) in sub-steps, from SASS
 
 
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 # Where the GEMV is the default (H200, bench/RESULTS.md run 10): for at most 8 rows (the MMA's N = 8) it beats
 # round one's fused tiles on every benchmark shape, small matrices included (V4-Flash expert w1/w3 NVFP4, 4.7 MB:
 # 7.6 vs 10.3 us at M = 1; V4-Pro wq_b NVFP4: 24.7 vs 30.4 us), and the MoE pair at 1..8 tokens (V4-Flash routed,
@@ -569,7 +561,7 @@ def preferred(w: QWeight, x: torch.Tensor, rows: int) -> bool:
     weight (always under the interpreter)."""
     if not supported(w, x, rows):
         return False
-    return _interpreting() or rows <= ALWAYS_ROWS or w.nbytes() >= PREFERRED_BYTES[w.fmt]
+    return interpreting() or rows <= ALWAYS_ROWS or w.nbytes() >= PREFERRED_BYTES[w.fmt]
 
 
 def steps_of(fmt: str, K: int) -> int:
@@ -585,7 +577,7 @@ def supported(w: QWeight, x: torch.Tensor, rows: int) -> bool:
         return False
     if w.fmt == "nvfp4" and w.scale_2 is None:
         return False
-    if _interpreting():
+    if interpreting():
         return x.dtype in (torch.float32, torch.bfloat16)
     return x.device.type == "cuda" and x.dtype == torch.bfloat16
 
@@ -615,23 +607,6 @@ def resident_ctas(kernel, num_warps: int, device: torch.device) -> int:
     return max(1, min(by_regs, by_smem, props.max_threads_per_multi_processor // (32 * num_warps), 32))
 
 
-def _scale_views(w: QWeight):
-    scale = w.scale
-    scale_f32 = scale.dtype == torch.float32
-    if not scale_f32:
-        scale = scale.view(torch.uint8)
-    return scale, scale_f32, (w.scale_2 if w.fmt == "nvfp4" else None)
-
-
-def _lead_strides(t, lead, gated):
-    if t is None or t.dim() < len(lead) or not lead:
-        return 0, 0
-    st = t.stride()
-    if len(lead) == 2:
-        return st[0], st[1]
-    return (0, st[0]) if gated else (st[0], 0)
-
-
 def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
            R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
            group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None):
@@ -644,23 +619,23 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     N, K = w.out_features, w.in_features
     lead = w.leading
     wt = w.weight.view(torch.uint8)
-    scale, scale_f32, s2 = _scale_views(w)
-    swe, swg = _lead_strides(wt, lead, gated)
-    sse, ssg = _lead_strides(scale, lead, gated)
-    s2e, s2g = _lead_strides(s2, lead, gated)
+    scale, scale_f32, s2 = scale_views(w)
+    swe, swg = lead_strides(wt, lead, gated)
+    sse, ssg = lead_strides(scale, lead, gated)
+    s2e, s2g = lead_strides(s2, lead, gated)
     n_steps = steps_of(w.fmt, K if group_r == 0 else x_gstride)
     num_n = triton.cdiv(N, cfg.BN)
-    interp = _interpreting()
+    interp = interpreting()
     if shared is not None:
         if rows == ROWS_DENSE or (shared.out_features, shared.in_features) != (N, K) or \
                 shared.leading != lead[1:] or not supported(shared, x, 1):
             raise ValueError(f"shared expert {shared.fmt} {tuple(shared.leading)} [{shared.out_features}, "
                              f"{shared.in_features}] does not fit this launch ({w.fmt} {tuple(lead)} [{N}, {K}])")
         swt = shared.weight.view(torch.uint8)
-        sscale, sscale_f32, ss2 = _scale_views(shared)
-        shared_strides = (_lead_strides(swt, shared.leading, gated)[1], swt.stride(-2),
-                          _lead_strides(sscale, shared.leading, gated)[1], sscale.stride(-2),
-                          _lead_strides(ss2, shared.leading, gated)[1])
+        sscale, sscale_f32, ss2 = scale_views(shared)
+        shared_strides = (lead_strides(swt, shared.leading, gated)[1], swt.stride(-2),
+                          lead_strides(sscale, shared.leading, gated)[1], sscale.stride(-2),
+                          lead_strides(ss2, shared.leading, gated)[1])
         n_steps_s = steps_of(shared.fmt, K)
     else:
         swt, sscale, sscale_f32, ss2, shared_strides, n_steps_s = wt, scale, scale_f32, s2, (0,) * 5, n_steps
@@ -696,7 +671,7 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
             cfg.num_warps, x.device)) if scratch is not None else 4
     if cfg.max_ctas_per_sm:
         per_sm = min(per_sm, cfg.max_ctas_per_sm)
-    slots = _num_sms(x.device) * per_sm
+    slots = num_sms(x.device) * per_sm
     slots_per_token = topk + (shared is not None) if rows == ROWS_TOKEN else 1
     split = cfg.split or choose_split(R * num_n * slots_per_token, n_steps, slots)
     chunk = triton.cdiv(n_steps, split)

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..formats import QWeight
 from . import gemm, gemv, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
+from .host import num_sms, scale_views
 from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
 
 DECODE_TOKENS = 8
@@ -207,7 +208,7 @@ def decode_configs(T: int, k: int, E: int, I: int, K: int, D: int, fmt_up: str, 
     up = gemm.pick_config(1, I, K, fmt_up, device, gated=True, row_blocks=T * k)
     if down == "pairs":
         return up, gemm.pick_config(1, D, I, fmt_down, device, row_blocks=T * k)
-    target = 2 * gemm.num_sms(device)
+    target = 2 * num_sms(device)
     bk_down = gemm.k_block(fmt_down, I, 256 if _fp4(fmt_down) else 128)
     if up is None or bk_down is None:
         return None, None
@@ -357,7 +358,7 @@ def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_to
 
 def _launch_down_decode(h, w2: QWeight, ids, weights, out, cfg: Config, T: int, k: int):
     N, K = w2.out_features, w2.in_features
-    scale, scale_f32, s2 = gemm._scale_views(w2)
+    scale, scale_f32, s2 = scale_views(w2)
     wt = w2.weight.view(torch.uint8) if w2.fmt != "dense" else w2.weight
     dot, prec, asm_ok = gemm.dot_dtype(h)
     asm = asm_ok if cfg.asm is None else (cfg.asm and asm_ok)
