@@ -5,6 +5,9 @@ for bit there) and fp32 dot operands, so fp32 checks are near-exact. Every test 
 ran (a call counter on `gemv.launch`), so a silent fallback to another kernel or the reference fails.
 """
 
+import inspect
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ import torch.nn.functional as F
 from dsv4.formats import QWeight
 from dsv4.kernels import Ops, gemm, gemv, ops_for, ref
 from dsv4.kernels import moe as tmoe
+from dsv4.kernels import tiles
 from kernel_util import refuse, rel_err, stacked_weight
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
@@ -261,29 +265,82 @@ def test_nvfp4_group_multiplier_asm_is_exact_for_every_scale_byte():
                 assert _bf16_mul(_bf16_mul(half, 0x7B80), 0x7A00) == want_bits, (v, j)
 
 
+_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+_BF16_ONE = 0x3F803F80
+
+
+def _run_ptx(asm: str, args: list[int]) -> list[int]:
+    """Runs the PTX subset of the decoders (mov, shl, and, prmt, mul.rn.bf16x2 on .b32 registers) on Python
+    ints; operands $0.. are outputs then `args`, as in tl.inline_asm_elementwise."""
+    regs, outs = {}, {}
+    nout = len(set(re.findall(r"mul\.rn\.bf16x2 \$(\d+)", asm)))
+    for i, v in enumerate(args):
+        regs[f"${nout + i}"] = v
+
+    def val(tok):
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    for ins in (i.strip() for i in asm.replace("{", ";").replace("}", ";").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, rest = ins.split(None, 1)
+        d, *src = [t.strip() for t in rest.split(",")]
+        if op == "mov.b32":
+            r = val(src[0])
+        elif op == "shl.b32":
+            r = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            r = val(src[0]) & val(src[1])
+        elif op == "prmt.b32":
+            r = _prmt(val(src[0]), val(src[1]), val(src[2]))
+        elif op == "mul.rn.bf16x2":
+            a, b = val(src[0]), val(src[1])
+            r = _bf16_mul(a & 0xFFFF, b & 0xFFFF) | _bf16_mul(a >> 16, b >> 16) << 16
+        else:
+            raise AssertionError(f"unexpected PTX {ins!r}")
+        (outs if d.startswith("$") else regs)[d] = r
+    return [outs[f"${i}"] for i in range(nout)]
+
+
+def _decoder_asm(fn) -> str:
+    """The PTX text of the (single) inline-asm decoder in a jitted function's source."""
+    src = inspect.getsource(fn.fn)
+    return re.search(r'"""(.*?)"""', src[src.index("inline_asm_elementwise"):], re.S).group(1)
+
+
+def _bf16_value(half: int) -> float:   # a bf16 bit pattern, exactly
+    return float(torch.tensor([half << 16], dtype=torch.int64).to(torch.int32).view(torch.float32))
+
+
+def _nibble_value(n: int) -> float:
+    """e2m1 code n as the decoders leave it before their multiplier: e2m1 * 2^-126."""
+    return (-1.0 if n & 8 else 1.0) * _E2M1[n & 7] * 2.0 ** -126
+
+
 def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
-    """The PTX of `gemv._fp4_decode`, read from the kernel source and emulated on every byte value in every
-    byte position of a word (other bytes hold garbage): output i holds byte i's low nibble in its low half and
-    the high nibble in its high half, each e2m1 * 2^-126 as bf16 (the multiplier then scales both)."""
-    import inspect
-    import re
-
-    src = inspect.getsource(gemv._fp4_decode.fn)
-    pre = int(re.search(r"shl\.b32 u, \$4, (\d+);", src).group(1))
-    sels = [int(s, 16) for s in re.findall(r"prmt\.b32 t, u, \$4, (0x[0-9A-Fa-f]+);", src)]
-    shifts = [int(s) for s in re.findall(r"shl\.b32 t, t, (\d+);", src)]
-    masks = [int(s, 16) for s in re.findall(r"and\.b32 t, t, (0x[0-9A-Fa-f]+);", src)]
-    assert len(sels) == len(shifts) == len(masks) == 4
-    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-
-    def value(half: int) -> float:   # a bf16 bit pattern, exactly
-        return float(torch.tensor([half << 16], dtype=torch.int64).to(torch.int32).view(torch.float32))
-
+    """The PTX of `gemv._fp4_decode`, read from the kernel source and run by `_run_ptx` on every byte value in
+    every byte position of a word (other bytes hold garbage), multiplier 1: output i holds byte i's low nibble in
+    its low half and the high nibble in its high half, each e2m1 * 2^-126 as bf16."""
+    asm = _decoder_asm(gemv._fp4_decode)
     for v in range(256):
-        lo, hi = v & 15, v >> 4
-        want = [(-1.0 if n & 8 else 1.0) * e2m1[n & 7] * 2.0 ** -126 for n in (lo, hi)]
+        want = [_nibble_value(v & 15), _nibble_value(v >> 4)]
         for i in range(4):
             word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
-            u = (word << pre) & 0xFFFFFFFF
-            t = ((_prmt(u, word, sels[i]) << shifts[i]) & 0xFFFFFFFF) & masks[i]
-            assert [value(t & 0xFFFF), value(t >> 16)] == want, (v, i)
+            t = _run_ptx(asm, [word, _BF16_ONE])[i]
+            assert [_bf16_value(t & 0xFFFF), _bf16_value(t >> 16)] == want, (v, i)
+
+
+def test_tile_fp4_decoder_asm_splits_low_and_high_nibbles():
+    """The PTX of round one's `tiles._fp4_tile`, run the same way: outputs 0 / 1 hold the low nibbles of bytes
+    (0, 1) / (2, 3), outputs 2 / 3 their high nibbles; each output pair takes its own multiplier operand."""
+    asm = _decoder_asm(tiles._fp4_tile)
+    for v in range(256):
+        for i in range(4):
+            word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
+            out = _run_ptx(asm, [word, _BF16_ONE, _BF16_ONE])
+            nibbles = [(word >> (8 * j)) & 15 for j in range(4)] + [(word >> (8 * j + 4)) & 15 for j in range(4)]
+            got = [_bf16_value(h) for t in out for h in (t & 0xFFFF, t >> 16)]
+            assert got == [_nibble_value(n) for n in nibbles], (v, i)
+    two = 0x40004000   # bf16 2.0 in both halves: $5 scales outputs 0 and 2, $6 outputs 1 and 3
+    out = _run_ptx(asm, [0x22222222, two, _BF16_ONE])
+    assert [_bf16_value(t & 0xFFFF) for t in out] == [2 * _nibble_value(2), _nibble_value(2)] * 2

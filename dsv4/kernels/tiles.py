@@ -69,27 +69,31 @@ def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT
     m3 = tl.broadcast_to(mult[:, :, None], (BN, BK // GS, GS // 2))
     if ASM:
         # One asm instance takes 4 bytes (one b32) and their 4 multipliers (two bf16x2) and returns the 4 low
-        # nibbles and the 4 high nibbles as bf16 pairs. prmt spreads bytes b0,b1 to bits 0..7 / 16..23; each
-        # nibble's sign goes to bit 15/31 and its 3 magnitude bits to bits 8..6 / 24..22 (a bf16 whose value
-        # is e2m1 * 2^-126, exponent 0 giving subnormals), then one mul.bf16x2 applies the multiplier.
+        # nibbles and the 4 high nibbles as bf16 pairs. `prmt` mode 8 replicates a byte's sign bit, so
+        # [S(b1) b1 S(b0) b0] << 2, masked, holds the high nibbles of b0 and b1 as bf16 subnormals (sign at bit
+        # 15 / 31, magnitude bits at 8..6 / 24..22: the value e2m1 * 2^-126); the low nibbles come the same way
+        # from the word shifted left by 4. Then one mul.bf16x2 applies the multipliers.
         lo, hi = tl.inline_asm_elementwise(
             """
             {
-            .reg .b32 t0, t1, u, v, a;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
-            shl.b32 u, t0, 12; shl.b32 v, t0, 6;
-            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
-            mul.rn.bf16x2 $0, a, $5;
-            shl.b32 u, t1, 12; shl.b32 v, t1, 6;
-            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
-            mul.rn.bf16x2 $1, a, $6;
-            shl.b32 u, t0, 8; shl.b32 v, t0, 2;
-            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
-            mul.rn.bf16x2 $2, a, $5;
-            shl.b32 u, t1, 8; shl.b32 v, t1, 2;
-            and.b32 u, u, 0x80008000; and.b32 v, v, 0x01C001C0; or.b32 a, u, v;
-            mul.rn.bf16x2 $3, a, $6;
+            .reg .b32 u, t;
+            shl.b32 u, $4, 4;
+            prmt.b32 t, u, 0, 0x9180;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $0, t, $5;
+            prmt.b32 t, u, 0, 0xB3A2;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $1, t, $6;
+            prmt.b32 t, $4, 0, 0x9180;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $2, t, $5;
+            prmt.b32 t, $4, 0, 0xB3A2;
+            shl.b32 t, t, 2;
+            and.b32 t, t, 0x81C081C0;
+            mul.rn.bf16x2 $3, t, $6;
             }
             """,
             "=r,=r,=r,=r,r,r,r",
