@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from dsv4.formats import QWeight
+from dsv4.formats import QWeight, tileable
+
+LAYOUT_ENV = "DSV4_BENCH_LAYOUT"   # "tiled" (default: what the loader gives the GPU kernels) or "row-major"
+
+
+def bench_layout() -> str:
+    layout = os.environ.get(LAYOUT_ENV, "tiled")
+    if layout not in ("tiled", "row-major"):
+        raise ValueError(f"{LAYOUT_ENV}={layout!r}: expected 'tiled' or 'row-major'")
+    return layout
 
 
 @dataclass(frozen=True)
@@ -55,7 +65,16 @@ LINEAR_FORMATS = {
 def random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Generator,
                    scale_2: float | None = None) -> QWeight:
     """Random valid stored bytes (weights of magnitude ~0.02): every packed byte is two E2M1 codes; block scales
-    stay in a realistic range. `scale_2` pins NVFP4's per-tensor scale (a power of two keeps bf16 exact)."""
+    stay in a realistic range. `scale_2` pins NVFP4's per-tensor scale (a power of two keeps bf16 exact).
+    Stored tile-major where the shape allows, as the loader does on CUDA, unless `bench_layout()` is row-major."""
+    w = _random_qweight(fmt, lead, n, k, device, gen, scale_2)
+    if bench_layout() == "tiled" and not tileable(w.fmt, n, w.weight.shape[-1]):
+        w = w.tile()
+    return w
+
+
+def _random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Generator,
+                    scale_2: float | None) -> QWeight:
     shape = (*lead, n)
 
     def rbytes(*s, lo=0, hi=256):

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (FLASH, LINEAR_FORMATS, PRO, TOY, Timer, copy_bandwidth, nbytes,  # noqa: E402
-                    random_qweight, rel_err)
+from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_layout, copy_bandwidth,  # noqa: E402
+                    nbytes, random_qweight, rel_err)
 
 from dsv4.kernels import Ops, ref, refuse_fallback as _refuse  # noqa: E402
 
@@ -90,7 +90,8 @@ class Run:
 def env(run: Run):
     import triton
 
-    info = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0]}
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": sys.version.split()[0],
+            "weights": bench_layout()}
     if run.device.type == "cuda":
         p = torch.cuda.get_device_properties(0)
         info.update(device=p.name, sms=p.multi_processor_count, mem_gib=round(p.total_memory / 2**30, 1))
@@ -576,7 +577,10 @@ def main():
     ap.add_argument("--toy", action="store_true", help="CPU interpreter dry run at toy shapes")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds after which remaining sections are skipped")
     ap.add_argument("--sections", default="env,copy,precompile,correctness,sweep,linear,moe,model,prefill")
+    ap.add_argument("--layout", choices=("tiled", "row-major"), default="tiled",
+                    help="how the benchmarked weights are stored (formats.tiling; the loader tiles on CUDA)")
     args = ap.parse_args()
+    os.environ[LAYOUT_ENV] = args.layout
     if args.toy:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     run = Run(args)

@@ -254,7 +254,8 @@ def check_values(model: Transformer, plan: dict[str, list]) -> None:
 
 # ------------------------------------------------------------------------------------------ entry points
 def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    kernels: str = "auto", w4a4: bool = False, progress: bool = False) -> Transformer:
+                    kernels: str = "auto", w4a4: bool = False, progress: bool = False,
+                    tile_weights: bool | None = None) -> Transformer:
     device = torch.device(device)
     problems: list[str] = []
     formats = model_formats(ckpt, problems)
@@ -270,17 +271,24 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
     _raise(ckpt, problems)
     fill(model, plan, device, progress)
     check_values(model, plan)
+    if tile_weights is None:   # only the GPU kernels gain from it; the reference would untile at every call
+        tile_weights = device.type == "cuda" and kernels != "ref"
+    if tile_weights:
+        model.tile_weights_()
     return model
 
 
 def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         kernels: str = "auto", w4a4: bool = False, progress: bool = False) -> Transformer:
+         kernels: str = "auto", w4a4: bool = False, progress: bool = False,
+         tile_weights: bool | None = None) -> Transformer:
     """Load a DeepSeek-V4 checkpoint folder (any dialect, any format) as a ready model.
 
     `model.logits(input_ids)` maps LongTensor [B, S] to logits [B, S, vocab] (causal prefill from position 0).
     dtype is the compute dtype (dense weights, activations); quantized weights stay as stored and are
     dequantized exactly. kernels: "auto" (Triton on CUDA), "ref" or "triton". w4a4=True emulates NVFP4
     W4A4 GEMMs (Blackwell numerics) for NVFP4 layers that carry an input_scale; the default is exact
-    weight-only dequantization. progress=True shows a progress bar (bytes read) on stderr.
+    weight-only dequantization. progress=True shows a progress bar (bytes read) on stderr. tile_weights:
+    store quantized weights tile-major, the order the GPU kernels read (`formats.tiling`; same logits,
+    faster decode); None = on CUDA unless kernels="ref".
     """
-    return load_checkpoint(open_checkpoint(path), device, dtype, kernels, w4a4, progress)
+    return load_checkpoint(open_checkpoint(path), device, dtype, kernels, w4a4, progress, tile_weights)

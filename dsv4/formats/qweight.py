@@ -11,7 +11,8 @@ w1/w3 experts where index 0 is w1 = gate and 1 is w3 = up, (2,) for the shared e
 | "nvfp4" | [*L, N, K/2] uint8 (2 codes)  | [*L, N, K/16] float8_e4m3fn             | [*L] float32 each     |
 
 Packed FP4 bytes hold element 2j in the low nibble. Each leading index keeps its own scales: two shards
-stacked together never share one weight_scale_2.
+stacked together never share one weight_scale_2. `tiled`: the weight bytes (and FP4 block scales) are stored
+tile-major (`formats.tiling`), shapes unchanged; `dequantize` and `untiled` give back row-major.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .fp8 import FP8_BLOCK, dequantize_fp8_block
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from .nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
 from .scales import UE8M0_DTYPE
+from .tiling import TILE_BYTES, TILE_ROWS, scale_chunk, tile_bytes, tileable, untile_bytes
 
 FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
 _E4M3 = torch.float8_e4m3fn
@@ -42,6 +44,7 @@ class QWeight:
     scale: torch.Tensor | None = None
     scale_2: torch.Tensor | None = None
     input_scale: torch.Tensor | None = None
+    tiled: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +64,8 @@ class QWeight:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Exact dequantization to [*L, N, K] (exact in fp32; rounded once if `dtype` is narrower)."""
+        if self.tiled:
+            return self.untiled().dequantize(dtype)
         if self.fmt == "dense":
             return self.weight.to(dtype)
         if self.fmt == "fp8":
@@ -68,6 +73,42 @@ class QWeight:
         if self.fmt == "mxfp4":
             return dequantize_mxfp4(self.weight, self.scale, dtype)
         return dequantize_nvfp4(self.weight, self.scale, self.scale_2, dtype)
+
+    def tile(self) -> "QWeight":
+        """The same weight stored tile-major (new tensors; `formats.tiling`). Raises naming why if it can't be."""
+        if self.tiled:
+            return self
+        why = tileable(self.fmt, self.out_features, self.weight.shape[-1])
+        if why:
+            raise ValueError(f"cannot tile a {self.fmt} weight {tuple(self.weight.shape)}: {why}")
+        chunk = scale_chunk(self.fmt)
+        return QWeight(self.fmt, tile_bytes(self.weight, TILE_BYTES),
+                       tile_bytes(self.scale, chunk) if chunk else self.scale, self.scale_2, self.input_scale,
+                       tiled=True)
+
+    def untiled(self) -> "QWeight":
+        """The same weight stored row-major (self if it already is)."""
+        if not self.tiled:
+            return self
+        chunk = scale_chunk(self.fmt)
+        return QWeight(self.fmt, untile_bytes(self.weight, TILE_BYTES), untile_bytes(self.scale, chunk) if chunk else
+                       self.scale, self.scale_2, self.input_scale)
+
+    def index(self, *index: int) -> "QWeight":
+        """The unstacked weight at one leading index (views, no copy; tiling is per matrix, so it stays)."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return QWeight(self.fmt, self.weight[index], pick(self.scale), pick(self.scale_2), pick(self.input_scale),
+                       tiled=self.tiled)
+
+    def rows(self, start: int, stop: int) -> "QWeight":
+        """Output rows [start, stop) of one unstacked FP4 weight (views where the layout allows: row-major, or
+        tiled at whole tiles; else a row-major copy)."""
+        if self.leading or self.fmt not in ("mxfp4", "nvfp4"):
+            raise ValueError(f"rows() takes one unstacked FP4 weight, got {self.fmt} {tuple(self.weight.shape)}")
+        if self.tiled and (start % TILE_ROWS or stop % TILE_ROWS):
+            return self.untiled().rows(start, stop)
+        return QWeight(self.fmt, self.weight[start:stop], self.scale[start:stop], self.scale_2, self.input_scale,
+                       tiled=self.tiled)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale, self.scale_2, self.input_scale)
@@ -115,3 +156,9 @@ class QWeight:
                                  f"got {None if t is None else tuple(t.shape)}")
             if name != "scale" and t.dtype != torch.float32:
                 raise ValueError(f"{what}: {self.fmt} {name} must be float32, got {t.dtype}")
+        if self.tiled:
+            why = tileable(self.fmt, self.out_features, w.shape[-1])
+            rows_contiguous = w.stride(-1) == 1 and w.stride(-2) == w.shape[-1]
+            if why or not rows_contiguous or (scale_chunk(self.fmt) and not self.scale.is_contiguous()):
+                raise ValueError(f"{what}: a tiled {self.fmt} weight {tuple(w.shape)} must be whole contiguous "
+                                 f"tiles: {why or 'strided rows'}")

@@ -25,8 +25,8 @@ import triton.language as tl
 from ..formats import QWeight
 from . import gemv
 from .host import interpreting, lead_strides, num_sms, scale_views
-from .tiles import (FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves, _load_x_tile,
-                    _load_xfp4_halves, epilogue_factor)
+from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves,
+                    _load_x_tile, _load_xfp4_halves, byte_offsets, epilogue_factor)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_SORTED = 0, 1, 2
 EPI_STORE, EPI_ROUTED = 0, 2
@@ -44,7 +44,7 @@ def _qgemm_kernel(
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, A_FP4: tl.constexpr, ROWS: tl.constexpr,
     GATED: tl.constexpr, EPI: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, TILED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -98,17 +98,17 @@ def _qgemm_kernel(
             else:
                 xe, xo = _load_x_halves(x_ptr, xrow, rmask, k0, stride_xm, BM, BK, DOT)
             acc = _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
-                                  FMT, BN, BK, DOT, PREC, ASM)
+                                  FMT, BN, BK, DOT, PREC, ASM, TILED)
             if GATED:
                 acc_u = _accumulate_fp4(acc_u, xe, xo, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0,
-                                        stride_wn, stride_sn, FMT, BN, BK, DOT, PREC, ASM)
+                                        stride_wn, stride_sn, FMT, BN, BK, DOT, PREC, ASM, TILED)
         else:
             xt = _load_x_tile(x_ptr, xrow, rmask, k0, K, stride_xm, BK, EVEN_K, DOT)
             acc = _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
-                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE)
+                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED)
             if GATED:
                 acc_u = _accumulate_8(acc_u, xt, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0, K,
-                                      stride_wn, stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE)
+                                      stride_wn, stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED)
 
     offs_y = yrow.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     omask = rmask[:, None] & nmask[None, :]
@@ -305,8 +305,8 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
         out.stride(-2), ws.stride(0) if ws is not None else 0,
         FMT=fmt, SCALE_F32=scale_f32, A_FP4=x_sf is not None, ROWS=rows, GATED=gated, EPI=epi,
         DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
-        EVEN_K=K % cfg.BK == 0, PROMOTE=scale_f32 or cfg.BM < 64, SPLIT=cfg.split_k > 1, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        EVEN_K=K % cfg.BK == 0, PROMOTE=scale_f32 or cfg.BM < 64, SPLIT=cfg.split_k > 1, TILED=w.tiled,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -340,8 +340,9 @@ class Scratch:
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_yn,
                     FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    ASM: tl.constexpr):
-    """W [N, K] in its stored format -> y [N, K] (y's dtype): one rounding, of the exact fp32 value."""
+                    ASM: tl.constexpr, TILED: tl.constexpr):
+    """W [N, K] in its stored format (row-major or tiled) -> y [N, K] row-major (y's dtype): one rounding, of
+    the exact fp32 value."""
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
     nmask = offs_n < N
     k0 = tl.program_id(1) * BK
@@ -349,14 +350,16 @@ def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, str
     offs_k = k0 + tl.arange(0, BK)
     if FMT >= 2:
         if FMT == 2:
-            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, tl.bfloat16, ASM)
+            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, tl.bfloat16, ASM,
+                               TILED)
         else:
-            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, tl.bfloat16, ASM)
+            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, tl.bfloat16, ASM,
+                               TILED)
         w = tl.join(lo, hi).reshape(BN, BK).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
         mask = nmask[:, None]
     else:
         mask = nmask[:, None] & (offs_k[None, :] < K)
-        raw = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0)
+        raw = tl.load(w_ptr + byte_offsets(rows, offs_k[None, :], stride_wn, TILE_BYTES_C, TILED), mask=mask, other=0)
         srow = s_ptr + (offs_n // 128).to(tl.int64) * stride_sn + k0 // 128
         if SCALE_F32:
             sv = tl.load(srow, mask=nmask, other=0.0)
@@ -380,7 +383,7 @@ def dequantize(w: QWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     _dequant_kernel[(triton.cdiv(N, BN), triton.cdiv(K, BK))](
         wt, scale, s2 if s2 is not None else wt, y, N, K, wt.stride(0), scale.stride(0), y.stride(0),
         FMT=fmt, SCALE_F32=scale_f32, BN=BN, BK=BK, ASM=w.weight.device.type == "cuda" and not interpreting(),
-        num_warps=4)
+        TILED=w.tiled, num_warps=4)
     return y
 
 

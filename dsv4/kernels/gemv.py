@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..formats import QWeight
 from .host import interpreting, lead_strides, num_sms, scale_views
-from .tiles import FMT_CODES, _e2m1_values, epilogue_factor
+from .tiles import FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, epilogue_factor
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
@@ -250,23 +250,36 @@ def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.const
 # ------------------------------------------------------------------------------------ one sub-step
 
 @triton.jit
-def _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT: tl.constexpr, BN: tl.constexpr):
+def _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT: tl.constexpr):
     """Raw bytes of one sub-step: weights as 32-bit words [BN, 16] (4 bytes of one row each) and (FP4) the
-    block-scale bytes as [BN, 2] words (NVFP4: 8 scales) or half-words (MXFP4: 4 scales). Wide loads let the
-    software pipeliner (num_stages > 1) stage both through shared memory; unmasked: the caller clamps rows
-    past N to a real row (never stored)."""
+    block-scale bytes as [BN, 2] words (NVFP4: 8 scales) or half-words (MXFP4: 4 scales). `wrow` / `srow`: the
+    byte offset of every row's sub-step 0, `wk` / `sk`: bytes from one sub-step to the next (`_row_offsets`).
+    Wide loads let the software pipeliner (num_stages > 1) stage both through shared memory; unmasked: the
+    caller clamps rows past N to a real row (never stored)."""
     jj = tl.arange(0, 16)[None, :]
-    prow = (wbase + rows[:, None] * stride_wn + step * 64).to(tl.pointer_type(tl.uint32))
-    b = tl.load(prow + jj)
+    b = tl.load((wbase + wrow[:, None] + step * wk).to(tl.pointer_type(tl.uint32)) + jj)
     if FMT == 3:
-        srow = (sbase + rows[:, None] * stride_sn + step * 8).to(tl.pointer_type(tl.uint32))
-        s = tl.load(srow + tl.arange(0, 2)[None, :])
+        s = tl.load((sbase + srow[:, None] + step * sk).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 2)[None, :])
     elif FMT == 2:
-        srow = (sbase + rows[:, None] * stride_sn + step * 4).to(tl.pointer_type(tl.uint16))
-        s = tl.load(srow + tl.arange(0, 2)[None, :]).to(tl.uint32)
+        s = tl.load((sbase + srow[:, None] + step * sk).to(tl.pointer_type(tl.uint16))
+                    + tl.arange(0, 2)[None, :]).to(tl.uint32)
     else:
         s = b
     return b, s
+
+
+@triton.jit
+def _row_offsets(rows, stride_n, STEP_BYTES: tl.constexpr, TILED: tl.constexpr):
+    """Byte offset of sub-step 0 of every row, and the bytes from one sub-step to the next, of a [N, stride_n]
+    byte array read STEP_BYTES per row and sub-step: row-major, or (TILED) stored tile-major
+    (`formats.tiling`, with STEP_BYTES the chunk), where one sub-step of a tile is one contiguous run."""
+    if TILED:
+        off = (rows // TILE_ROWS_C) * (TILE_ROWS_C * stride_n) + (rows % TILE_ROWS_C) * STEP_BYTES
+        step_bytes = TILE_ROWS_C * STEP_BYTES
+    else:
+        off = rows * stride_n
+        step_bytes = STEP_BYTES
+    return off, step_bytes
 
 
 @triton.jit
@@ -335,7 +348,7 @@ def _fp8_block_scale(sbase, rows_mma, nmask_mma, kblock, stride_sn, SCALE_F32: t
 def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
               stride_xm, stride_wn, stride_sn,
               FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
-              KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr):
+              KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr):
     """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (an FP8 iteration is one
     128-K scale block, s0 even). A missing second step (odd count) re-reads the first step's weights against
     zero x.
@@ -348,24 +361,26 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     KS: tl.constexpr = 128 if FMT >= 2 else 64
     PREFETCH: tl.constexpr = (PF >> (1 if FMT >= 2 else 0)) & 1
+    wrow, wk = _row_offsets(rows, stride_wn, TILE_BYTES_C, TILED)
+    srow, sk = _row_offsets(rows, stride_sn, TILE_BYTES_C * 2 // (16 if FMT == 3 else 32), TILED and FMT >= 2)
     if PREFETCH:
-        b0, c0 = _load_sub(wbase, sbase, rows, s0, stride_wn, stride_sn, FMT, BN)
-        b1, c1 = _load_sub(wbase, sbase, rows, tl.minimum(s0 + 1, s1 - 1), stride_wn, stride_sn, FMT, BN)
+        b0, c0 = _load_sub(wbase, sbase, wrow, srow, s0, wk, sk, FMT)
+        b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(s0 + 1, s1 - 1), wk, sk, FMT)
     for step in range(s0, s1, 2):
         step1 = tl.minimum(step + 1, s1 - 1)
         if not PREFETCH:
-            b0, c0 = _load_sub(wbase, sbase, rows, step, stride_wn, stride_sn, FMT, BN)
-            b1, c1 = _load_sub(wbase, sbase, rows, step1, stride_wn, stride_sn, FMT, BN)
+            b0, c0 = _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT)
+            b1, c1 = _load_sub(wbase, sbase, wrow, srow, step1, wk, sk, FMT)
         x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, KW)
         x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP, KS,
                         DOT, KW)
         blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W, KW,
                        DOT, ASM)
         if PREFETCH:
-            b0, c0 = _load_sub(wbase, sbase, rows, tl.minimum(step + 2, s1 - 1), stride_wn, stride_sn, FMT, BN)
+            b0, c0 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 2, s1 - 1), wk, sk, FMT)
         blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, KW, DOT, ASM)
         if PREFETCH:
-            b1, c1 = _load_sub(wbase, sbase, rows, tl.minimum(step + 3, s1 - 1), stride_wn, stride_sn, FMT, BN)
+            b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 3, s1 - 1), wk, sk, FMT)
         if FMT >= 2:
             acc = blk
         else:
@@ -380,18 +395,18 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
                  stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g,
                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
                  MP: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
-                 PF: tl.constexpr):
+                 PF: tl.constexpr, TILED: tl.constexpr):
     """One unit's partial(s) of one weight: (acc, acc_u, factor, factor_u); acc_u is the up projection when
     GATED (else acc again). The factors undo the decode prescale and apply the routing weight `rw`."""
     acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
-                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM, PF)
+                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM, PF, TILED)
     f = epilogue_factor(s2base, FMT) * rw
     acc_u = acc
     f_u = f
     if GATED:
         acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
                           nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW,
-                          DOT, ASM, PF)
+                          DOT, ASM, PF, TILED)
         f_u = epilogue_factor(s2base + stride_s2g, FMT)
     return acc, acc_u, f, f_u
 
@@ -405,7 +420,8 @@ def _gemv_kernel(
     sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
-    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr,
+    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
+    TILED_S: tl.constexpr,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -466,19 +482,19 @@ def _gemv_kernel(
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
                     tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, KW, DOT, ASM, PF)
+                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, KW, DOT, ASM, PF, TILED_S)
             else:
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                     s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                     stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
-                    MP, W, KW, DOT, ASM, PF)
+                    MP, W, KW, DOT, ASM, PF, TILED)
         else:
             acc, acc_u, f, f_u = _weight_unit(
                 x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                 s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                 stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
-                W, KW, DOT, ASM, PF)
+                W, KW, DOT, ASM, PF, TILED)
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
@@ -646,7 +662,7 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
                   ASM=asm, W=cfg.num_warps, KW=2 if (cfg.num_warps == 4 and cfg.BN % 64 == 0) else 4,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
-                  PF=cfg.prefetch)
+                  PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled)
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
     if maxnreg and not interp:
         consts["maxnreg"] = maxnreg

@@ -162,7 +162,7 @@ def _down_decode_kernel(h_ptr, w_ptr, s_ptr, s2_ptr, ids_ptr, rw_ptr, y_ptr, T, 
                         stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_ym,
                         FMT: tl.constexpr, SCALE_F32: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
                         ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        EVEN_K: tl.constexpr, PROMOTE: tl.constexpr):
+                        EVEN_K: tl.constexpr, PROMOTE: tl.constexpr, TILED: tl.constexpr):
     """y[t, n] = sum_s rw[t, s] * (W2[ids[t, s]] @ h[t*TOPK + s])[n]: one token per program (row 0 of a
     BM-row MMA), its k experts in a loop, the sum in registers."""
     t = tl.program_id(0)
@@ -183,11 +183,11 @@ def _down_decode_kernel(h_ptr, w_ptr, s_ptr, s2_ptr, ids_ptr, rw_ptr, y_ptr, T, 
             if FMT >= 2:
                 xe, xo = _load_x_halves(h_ptr, xrow, rmask, c * BK, stride_hm, BM, BK, DOT)
                 part = _accumulate_fp4(part, xe, xo, wbase, sbase, offs_n, nmask, c * BK, stride_wn, stride_sn,
-                                       FMT, BN, BK, DOT, PREC, ASM)
+                                       FMT, BN, BK, DOT, PREC, ASM, TILED)
             else:
                 xt = _load_x_tile(h_ptr, xrow, rmask, c * BK, K, stride_hm, BK, EVEN_K, DOT)
                 part = _accumulate_8(part, xt, wbase, sbase, offs_n, nmask, c * BK, K, stride_wn, stride_sn,
-                                     FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE)
+                                     FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED)
         f = epilogue_factor(s2_ptr + e * stride_s2e, FMT) * tl.load(rw_ptr + p).to(tl.float32)
         acc += part * f
     yrow = (t + offs_r * 0).to(tl.int64)
@@ -367,5 +367,5 @@ def _launch_down_decode(h, w2: QWeight, ids, weights, out, cfg: Config, T: int, 
         h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0), scale.stride(1),
         s2.stride(0) if s2 is not None else 0, out.stride(0),
         FMT=FMT_CODES[w2.fmt], SCALE_F32=scale_f32, DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN,
-        BK=cfg.BK, EVEN_K=K % cfg.BK == 0, PROMOTE=True, num_warps=cfg.num_warps,
+        BK=cfg.BK, EVEN_K=K % cfg.BK == 0, PROMOTE=True, TILED=w2.tiled, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)

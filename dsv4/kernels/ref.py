@@ -48,6 +48,7 @@ def linear_w4a4(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     if w.fmt != "nvfp4" or w.input_scale is None:
         raise ValueError("W4A4 emulation needs an NVFP4 weight with an input_scale")
     shape = x.shape
+    w = w.untiled()
     x_fp4, x_sf, _ = stage_activation(x.reshape(-1, shape[-1]), w.input_scale)
     alpha = w.input_scale.float() * w.scale_2.float()
     y = w4a4_matmul_ref(x_fp4, x_sf, w.weight, w.scale, alpha, torch.float32)
@@ -56,8 +57,7 @@ def linear_w4a4(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def _stacked_dequant(w: QWeight, index: tuple) -> torch.Tensor:
     """Dequantize one leading index of a stacked QWeight (fp32 [N, K])."""
-    pick = lambda t: None if t is None else t[index]  # noqa: E731
-    return QWeight(w.fmt, w.weight[index], pick(w.scale), pick(w.scale_2), pick(w.input_scale)).dequantize()
+    return w.index(*index).dequantize()
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

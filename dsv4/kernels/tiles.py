@@ -21,11 +21,25 @@ from types import MappingProxyType
 import triton
 import triton.language as tl
 
+from ..formats import TILE_BYTES, TILE_ROWS
+
 FMT_DENSE, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
 FMT_CODES = MappingProxyType({"dense": FMT_DENSE, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4, "nvfp4": FMT_NVFP4})
 
 _TWO_M9 = tl.constexpr(2.0 ** -9)
 _TWO_P117 = tl.constexpr(2.0 ** 117)
+TILE_ROWS_C = tl.constexpr(TILE_ROWS)
+TILE_BYTES_C = tl.constexpr(TILE_BYTES)
+
+
+@triton.jit
+def byte_offsets(rows, cols, stride, CHUNK: tl.constexpr, TILED: tl.constexpr):
+    """Offsets of bytes (rows, cols) of a [N, stride] byte array: row-major, or (TILED) stored tile-major in
+    [TILE_ROWS, CHUNK] tiles (`formats.tiling`: [N / TILE_ROWS, stride / CHUNK, TILE_ROWS, CHUNK])."""
+    if TILED:
+        return ((rows // TILE_ROWS_C) * (TILE_ROWS_C * stride) + (cols // CHUNK) * (TILE_ROWS_C * CHUNK)
+                + (rows % TILE_ROWS_C) * CHUNK + cols % CHUNK)
+    return rows * stride + cols
 
 
 @triton.jit
@@ -112,24 +126,26 @@ def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT
 
 @triton.jit
 def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
+              BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
     offs_j = k0 // 2 + tl.arange(0, BK // 2)
-    b = tl.load(wbase + rows * stride_wn + offs_j[None, :], mask=nmask[:, None], other=0)
+    b = tl.load(wbase + byte_offsets(rows, offs_j[None, :], stride_wn, TILE_BYTES_C, TILED), mask=nmask[:, None],
+                other=0)
     offs_g = k0 // GS + tl.arange(0, BK // GS)
-    s = tl.load(sbase + rows * stride_sn + offs_g[None, :], mask=nmask[:, None], other=0)
+    s = tl.load(sbase + byte_offsets(rows, offs_g[None, :], stride_sn, TILE_BYTES_C * 2 // GS, TILED),
+                mask=nmask[:, None], other=0)
     return _fp4_tile(b, _scale_multiplier(s, FMT, ASM), BN, BK, GS, DOT, ASM)
 
 
 @triton.jit
 def _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
                     FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-                    PREC: tl.constexpr, ASM: tl.constexpr):
+                    PREC: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
     """acc [BM, BN] += x[:, k0:k0+BK] @ W^T for packed FP4 W, with x given as its even / odd K columns."""
     rows = offs_n.to(tl.int64)[:, None]
     if FMT == 2:
-        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, DOT, ASM)
+        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, DOT, ASM, TILED)
     else:
-        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, DOT, ASM)
+        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, DOT, ASM, TILED)
     acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
     return tl.dot(xo, tl.trans(hi), acc, input_precision=PREC)
 
@@ -137,7 +153,8 @@ def _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, str
 @triton.jit
 def _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
                   FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PROMOTE: tl.constexpr):
+                  EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PROMOTE: tl.constexpr,
+                  TILED: tl.constexpr):
     """acc [BM, BN] += xt [BM, BK] @ W[offs_n, k0:k0+BK]^T for FP8 (times each column's block scale, applied
     to the fp32 partial product) or dense W."""
     rows = offs_n.to(tl.int64)[:, None]
@@ -146,7 +163,7 @@ def _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride
         wmask = nmask[:, None]
     else:
         wmask = nmask[:, None] & (offs_k[None, :] < K)
-    raw = tl.load(wbase + rows * stride_wn + offs_k[None, :], mask=wmask, other=0)
+    raw = tl.load(wbase + byte_offsets(rows, offs_k[None, :], stride_wn, TILE_BYTES_C, TILED), mask=wmask, other=0)
     if FMT == 1:
         w = raw.to(tl.float8e4nv, bitcast=True).to(DOT)
         srow = sbase + (offs_n // 128).to(tl.int64) * stride_sn + k0 // 128
@@ -187,7 +204,7 @@ def _load_xfp4_halves(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, B
                       BK: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
     """A W4A4 activation tile, packed NVFP4 [BM, BK/2] + e4m3 [BM, BK/16] -> even / odd values * 2^-9."""
     rows = xrow.to(tl.int64)[:, None]
-    return _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, 3, BM, BK, 16, DOT, ASM)
+    return _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, 3, BM, BK, 16, DOT, ASM, False)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, UE8M0_DTYPE, QWeight
+from ..formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, UE8M0_DTYPE, QWeight, tileable
 from ..kernels import Ops
 
 
@@ -83,6 +83,7 @@ class QLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.leading = in_features, out_features, tuple(leading)
         self.format, self.ops = fmt, ops
+        self.tiled = False   # buffers hold tile-major bytes (`tile_`): set only by the device placement
         # W4A4 emulation applies only where it is defined: NVFP4 weights with a calibrated input_scale.
         self.w4a4 = w4a4 and fmt.fmt == "nvfp4" and fmt.input_scale
         for name, (shape, dt) in fmt.buffers(self.leading, out_features, in_features, dtype).items():
@@ -91,13 +92,26 @@ class QLinear(nn.Module):
     def qweight(self) -> QWeight:
         block_scale = self.weight_scale if self.format.fmt == "nvfp4" else getattr(self, "scale", None)
         return QWeight(self.format.fmt, self.weight, block_scale, getattr(self, "weight_scale_2", None),
-                       getattr(self, "input_scale", None))
+                       getattr(self, "input_scale", None), tiled=self.tiled)
 
     def piece(self, *index: int) -> QWeight:
         """The unstacked QWeight at one leading index (views, no copy)."""
-        q = self.qweight()
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return QWeight(q.fmt, q.weight[index], pick(q.scale), pick(q.scale_2), pick(q.input_scale))
+        return self.qweight().index(*index)
+
+    def tile_(self) -> bool:
+        """Store the weight bytes (and FP4 block scales) tile-major for the GPU kernels (`formats.tiling`), if
+        the format and shape allow; returns whether it did. The buffers then no longer hold checkpoint order:
+        only the device placement calls this."""
+        if self.tiled or tileable(self.format.fmt, self.out_features, self.weight.shape[-1]):
+            return self.tiled
+        t = self.qweight().tile()
+        self.weight = t.weight
+        if self.format.fmt == "nvfp4":
+            self.weight_scale = t.scale
+        elif self.format.fmt == "mxfp4":
+            self.scale = t.scale
+        self.tiled = True
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.ops.linear_w4a4 if self.w4a4 else self.ops.linear)(x, self.qweight())
@@ -121,7 +135,6 @@ def grouped_linear(x: torch.Tensor, layer: QLinear, groups: int) -> torch.Tensor
     if layer.w4a4:
         r = q.out_features // groups
         rows = [slice(g * r, (g + 1) * r) for g in range(groups)]
-        return torch.stack([layer.ops.linear_w4a4(x[..., g, :], QWeight(q.fmt, q.weight[s], q.scale[s], q.scale_2,
-                                                                          q.input_scale))
+        return torch.stack([layer.ops.linear_w4a4(x[..., g, :], q.rows(s.start, s.stop))
                             for g, s in enumerate(rows)], dim=-2)
     return layer.ops.grouped_linear(x, q, groups)

@@ -134,6 +134,12 @@ class Transformer(nn.Module):
         x = blk(streams, self.embed(next_ids), positions, next_ids)
         return self.head_logits(x, (blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale), blk.norm)
 
+    def tile_weights_(self) -> int:
+        """Store every quantized weight whose shape allows it tile-major, the order the GPU kernels read
+        (`formats.tiling`); returns how many layers were tiled. Logits do not change; `state_dict()` then holds
+        tiled bytes, so this is for the device placement only (the loader calls it on CUDA)."""
+        return sum(m.tile_() for m in self.modules() if isinstance(m, QLinear))
+
     def num_parameters(self, include_mtp: bool = False) -> int:
         """Logical (dequantized) parameter count: gate biases in; tid2eid, quantization scales, rope out."""
         n = 0

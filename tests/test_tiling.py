@@ -1,0 +1,151 @@
+"""Tile-major weight storage (`formats.tiling`, `QWeight.tiled`): the layout itself, and every kernel that reads
+weights giving bit-identical results on tiled and row-major copies of the same weight (CPU interpreter)."""
+
+import pytest
+import torch
+
+from dsv4.checkpoint.loader import load
+from dsv4.checkpoint.tiny import make_tiny
+from dsv4.config import ModelConfig
+from dsv4.formats import TILE_BYTES, TILE_ROWS, QWeight, scale_chunk, tile_bytes, untile_bytes
+from dsv4.kernels import gemm, gemv, ref
+from dsv4.kernels import moe as tmoe
+from dsv4.kernels import w4a4
+from dsv4.model.linear import QLinear
+from kernel_util import refuse, stacked_weight
+
+LIMIT = 10.0
+
+
+def test_tiled_order_puts_each_tile_chunk_in_one_run():
+    """Independent of `tile_bytes`' view arithmetic: byte (r, c) of a [*L, N, R] array sits at
+    (r // 64, c // C, r % 64, c % C) of [*L, N / 64, R / C, 64, C]."""
+    n, r, chunk = 128, 192, 64
+    t = torch.randint(0, 256, (3, n, r), dtype=torch.uint8)
+    flat = tile_bytes(t, chunk).reshape(3, -1)
+    for e, row, col in [(0, 0, 0), (1, 63, 191), (2, 64, 65), (0, 127, 128), (1, 70, 5)]:
+        at = (row // TILE_ROWS) * TILE_ROWS * r + (col // chunk) * TILE_ROWS * chunk + (row % TILE_ROWS) * chunk \
+            + col % chunk
+        assert flat[e, at] == t[e, row, col]
+    assert torch.equal(untile_bytes(tile_bytes(t, chunk), chunk), t)
+    assert TILE_BYTES == 64 and scale_chunk("nvfp4") == 8 and scale_chunk("mxfp4") == 4 and scale_chunk("fp8") == 0
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "fp8-f32"])
+def test_tiled_weight_dequantizes_like_the_row_major_one(fmt):
+    w = stacked_weight(fmt, 128, 256, (3, 2))
+    t = w.tile()
+    assert t.tiled and not w.tiled and t.weight.shape == w.weight.shape and t.nbytes() == w.nbytes()
+    assert not torch.equal(t.weight.view(torch.uint8), w.weight.view(torch.uint8))   # the bytes did move
+    assert torch.equal(t.dequantize(), w.dequantize())
+    assert torch.equal(t.index(1, 0).dequantize(), w.index(1, 0).dequantize()) and t.index(1, 0).tiled
+    u = t.untiled()
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731  (float8 bytes)
+    assert not u.tiled and same(u.weight, w.weight) and same(u.scale, w.scale)
+    assert t.tile() is t and w.untiled() is w
+
+
+def test_row_slices_of_a_tiled_weight():
+    w = stacked_weight("nvfp4", 256, 128)
+    t = w.tile()
+    whole = t.rows(64, 192)          # whole tiles: a view, still tiled
+    assert whole.tiled and whole.weight.data_ptr() == t.weight.data_ptr() + 64 * 64
+    part = t.rows(32, 96)            # not whole tiles: a row-major copy
+    assert not part.tiled
+    for s in (whole, part):
+        rows = slice(64, 192) if s is whole else slice(32, 96)
+        assert torch.equal(s.dequantize(), w.dequantize()[rows])
+
+
+def test_tiling_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="100 rows is not a multiple of 64"):
+        stacked_weight("nvfp4", 100, 128).tile()
+    with pytest.raises(ValueError, match="32 bytes per row is not a multiple of 64"):
+        stacked_weight("nvfp4", 64, 64).tile()
+    with pytest.raises(ValueError, match="dense weights are not tiled"):
+        QWeight("dense", torch.zeros(64, 64)).tile()
+    w = stacked_weight("fp8", 128, 256)
+    with pytest.raises(ValueError, match="strided rows"):
+        QWeight("fp8", w.weight[:, :128], w.scale[:, :1], tiled=True)
+    with pytest.raises(ValueError, match="must be whole contiguous tiles"):
+        QWeight("fp8", w.weight[:96], w.scale, tiled=True)
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+def both(fmt, n, k, lead=(), scale=0.05):
+    w = stacked_weight(fmt, n, k, lead, scale)
+    return w, w.tile()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "fp8-f32"])
+@pytest.mark.parametrize("m", [1, 5, 12])
+def test_gemv_reads_tiled_weights(fmt, m):
+    """K = 384: an odd number of FP4 sub-steps (the last step re-read); N = 192: three tiles."""
+    w, t = both(fmt, 192, 384)
+    x = torch.randn(m, 384)
+    for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=3), gemv.GemvConfig(BN=128, num_warps=4),
+                gemv.GemvConfig(prefetch=3)):
+        y = gemm.linear(x, w, config=cfg, fallback=refuse, scratch=gemm.Scratch())
+        assert torch.equal(gemm.linear(x, t, config=cfg, fallback=refuse, scratch=gemm.Scratch()), y)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "fp8-f32"])
+def test_fused_tiles_and_dequantize_read_tiled_weights(fmt):
+    w, t = both(fmt, 128, 512)
+    for m, cfg in [(3, gemm.Config(16, 32, 128)), (3, gemm.Config(16, 64, 256, split_k=2)),
+                   (70, gemm.Config(64, 64, 128))]:
+        x = torch.randn(m, 512)
+        y = gemm.linear(x, w, config=cfg, fallback=refuse, scratch=gemm.Scratch())
+        assert torch.equal(gemm.linear(x, t, config=cfg, fallback=refuse, scratch=gemm.Scratch()), y)
+    assert torch.equal(gemm.dequantize(t, torch.float32), w.dequantize())
+
+
+def test_grouped_linear_reads_tiled_weights():
+    w, t = both("nvfp4", 4 * 64, 128)
+    x = torch.randn(3, 4, 128)
+    assert torch.equal(gemm.grouped_linear(x, t, 4, fallback=refuse), gemm.grouped_linear(x, w, 4, fallback=refuse))
+
+
+def test_w4a4_reads_tiled_weights():
+    w = stacked_weight("nvfp4", 128, 256)
+    w = QWeight(w.fmt, w.weight, w.scale, w.scale_2, torch.tensor(0.01))
+    x = torch.randn(5, 256)
+    y = w4a4.linear_w4a4(x, w, fallback=refuse)
+    assert torch.equal(w4a4.linear_w4a4(x, w.tile(), fallback=refuse), y)
+    assert torch.equal(ref.linear_w4a4(x, w.tile()), ref.linear_w4a4(x, w))
+
+
+@pytest.mark.parametrize("T,kw", [(3, {}), (3, dict(decode="round1", decode_down="fused")),
+                                  (3, dict(decode="round1", decode_down="pairs")), (11, {})],
+                         ids=["gemv-pair", "round1-fused", "round1-pairs", "sorted"])
+def test_moe_reads_tiled_experts(T, kw):
+    E, k, D, I = 5, 2, 128, 128
+    (w13, t13), (w2, t2) = both("nvfp4", I, D, (E, 2), 0.5), both("mxfp4", D, I, (E,), 0.1)
+    (s13, st13), (s2, st2) = both("fp8", I, D, (2,), 0.5), both("nvfp4", D, I, (), 0.1)
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    run = lambda a, b, sh: tmoe.moe(x, ids, w, a, b, LIMIT, fallback=refuse, shared=sh,  # noqa: E731
+                                    scratch=gemm.Scratch(), **kw)
+    y = run(w13, w2, (s13, s2))
+    assert torch.equal(run(t13, t2, (st13, st2)), y)
+    assert torch.equal(run(t13, t2, (s13, s2)), y)          # routed tiled, shared expert row-major
+    assert torch.equal(run(w13, w2, (st13, st2)), y)
+
+
+# ------------------------------------------------------------------------------------------ model
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "official"])
+def test_loaded_model_gives_the_same_logits_tiled(tmp_path, fmt):
+    """A model wide enough for whole tiles (experts, shared expert, attention projections), loaded with and
+    without tiling: the reference untiles, the Triton kernels read the tiles; logits equal bit for bit."""
+    cfg = ModelConfig.tiny(hidden_size=128, moe_intermediate_size=128, q_lora_rank=128)
+    make_tiny(tmp_path / "m", fmt=fmt, cfg=cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 10))
+    for kernels in ("ref", "triton"):
+        plain = load(tmp_path / "m", "cpu", torch.float32, kernels)       # CPU: not tiled by default
+        tiled = load(tmp_path / "m", "cpu", torch.float32, kernels, tile_weights=True)
+        layers = [m for m in tiled.modules() if isinstance(m, QLinear) and m.tiled]
+        assert not any(m.tiled for m in plain.modules() if isinstance(m, QLinear))
+        assert len(layers) >= 40 and any(m.leading for m in layers)    # stacked experts among them
+        assert torch.equal(tiled.logits(ids), plain.logits(ids))
