@@ -7,7 +7,7 @@ import torch
 from dsv4.checkpoint.loader import load
 from dsv4.checkpoint.tiny import make_tiny
 from dsv4.config import ModelConfig
-from dsv4.formats import TILE_BYTES, TILE_ROWS, QWeight, scale_chunk, tile_bytes, untile_bytes
+from dsv4.formats import TILE_BYTES, TILE_ROWS, QWeight, scale_chunk, tile_bytes, tile_bytes_, untile_bytes
 from dsv4.kernels import gemm, gemv, ref
 from dsv4.kernels import moe as tmoe
 from dsv4.kernels import w4a4
@@ -28,6 +28,9 @@ def test_tiled_order_puts_each_tile_chunk_in_one_run():
             + col % chunk
         assert flat[e, at] == t[e, row, col]
     assert torch.equal(untile_bytes(tile_bytes(t, chunk), chunk), t)
+    inplace = t.clone()
+    assert tile_bytes_(inplace, chunk).data_ptr() == inplace.data_ptr()
+    assert torch.equal(inplace, tile_bytes(t, chunk))   # one matrix at a time, same bytes
     assert TILE_BYTES == 64 and scale_chunk("nvfp4") == 8 and scale_chunk("mxfp4") == 4 and scale_chunk("fp8") == 0
 
 

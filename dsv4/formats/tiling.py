@@ -46,6 +46,15 @@ def untile_bytes(t: torch.Tensor, chunk: int) -> torch.Tensor:
     return _permute(t, chunk, to_tiles=False)
 
 
+def tile_bytes_(t: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`tile_bytes` in place, one [N, R] matrix at a time: a stacked expert tensor (several GB) never needs a
+    second copy of itself, only of one matrix."""
+    *lead, n, r = t.shape
+    for m in t.view(-1, n, r) if lead else (t,):
+        m.copy_(tile_bytes(m, chunk))
+    return t
+
+
 def _permute(t: torch.Tensor, chunk: int, to_tiles: bool) -> torch.Tensor:
     *lead, n, r = t.shape
     if n % TILE_ROWS or r % chunk:

@@ -6,7 +6,10 @@ ahead, see `_unit_acc`) or, with `num_stages=2`, through cp.async and one LDS.12
 operand layout (FP4 by default); x (small) is the B operand. Decoded weights never go through shared memory
 and are never shuffled between threads.
 
-Layout trick (no repack of the stored weights). A K step ("sub-step") covers 64 bytes of every weight row
+Weights row-major or tile-major (`QWeight.tiled`, `formats.tiling`: on CUDA the loader stores them tiled, so
+that one sub-step of a 64-row tile is one contiguous 4 KB run instead of 64 runs of 64 bytes; `_row_offsets`).
+
+Layout trick (no repack within a row's bytes). A K step ("sub-step") covers 64 bytes of every weight row
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
 8 rows per warp; each thread decodes its 16 bytes into elements in natural order (FP4: the low then the high
 nibble of every byte, so each bf16x2 register holds two elements that are adjacent in x as well). The MMA A

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, UE8M0_DTYPE, QWeight, tileable
+from ..formats import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, TILE_BYTES, UE8M0_DTYPE, QWeight, scale_chunk, tile_bytes_,
+                       tileable)
 from ..kernels import Ops
 
 
@@ -99,18 +100,17 @@ class QLinear(nn.Module):
         return self.qweight().index(*index)
 
     def tile_(self) -> bool:
-        """Store the weight bytes (and FP4 block scales) tile-major for the GPU kernels (`formats.tiling`), if
-        the format and shape allow; returns whether it did. The buffers then no longer hold checkpoint order:
-        only the device placement calls this."""
-        if self.tiled or tileable(self.format.fmt, self.out_features, self.weight.shape[-1]):
+        """Store the weight bytes (and FP4 block scales) tile-major for the GPU kernels (`formats.tiling`), in
+        place, if the format and shape allow; returns whether it did. The buffers then no longer hold checkpoint
+        order: only the device placement calls this."""
+        fmt = self.format.fmt
+        if self.tiled or tileable(fmt, self.out_features, self.weight.shape[-1]):
             return self.tiled
-        t = self.qweight().tile()
-        self.weight = t.weight
-        if self.format.fmt == "nvfp4":
-            self.weight_scale = t.scale
-        elif self.format.fmt == "mxfp4":
-            self.scale = t.scale
+        tile_bytes_(self.weight, TILE_BYTES)
+        if fmt in ("nvfp4", "mxfp4"):
+            tile_bytes_(self.weight_scale if fmt == "nvfp4" else self.scale, scale_chunk(fmt))
         self.tiled = True
+        self.qweight()   # validates the tiled layout
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
