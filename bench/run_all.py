@@ -30,7 +30,8 @@ from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_la
 
 from dsv4.kernels import Ops, ref, refuse_fallback as _refuse  # noqa: E402
 
-M_LIST = (1, 4, 16, 64)   # decode; prefill M = 4096 is the `prefill` section
+M_LIST = "1,4,16,64,256,4096"   # the sizes (--ms narrows them)
+MOE_TOKENS = "1,4,8,64,512"     # the MoE layer table (--moe-tokens)
 
 
 def strict_ops() -> Ops:
@@ -82,7 +83,10 @@ class Run:
         return torch.randn(m, k, device=self.device, generator=self.gen).to(dtype)
 
     def ms_list(self):
-        return (1, 4, 16, 64, 70) if self.toy else M_LIST
+        return (1, 4, 16, 64, 70) if self.toy else tuple(int(m) for m in self.args.ms.split(","))
+
+    def moe_tokens(self):
+        return (1, 3, 11) if self.toy else tuple(int(t) for t in self.args.moe_tokens.split(","))
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -481,7 +485,7 @@ def moe_table(run: Run):
         per_expert = nbytes(w13) // s.E + nbytes(w2) // s.E
         shared_bytes = nbytes(sw13) + nbytes(sw2)
         bias = torch.zeros(s.E, device=dev)
-        for t in ((1, 3, 11) if run.toy else (1, 4, 8, 64)):
+        for t in run.moe_tokens():
             if run.elapsed() > run.args.budget:
                 return
             rot = 2 if run.toy else 8
@@ -577,6 +581,8 @@ def main():
     ap.add_argument("--toy", action="store_true", help="CPU interpreter dry run at toy shapes")
     ap.add_argument("--budget", type=float, default=500.0, help="seconds after which remaining sections are skipped")
     ap.add_argument("--sections", default="env,copy,precompile,correctness,sweep,linear,moe,model,prefill")
+    ap.add_argument("--ms", default=M_LIST, help="activation rows of the linear table (decode and prefill)")
+    ap.add_argument("--moe-tokens", default=MOE_TOKENS, help="tokens of the MoE layer table")
     ap.add_argument("--layout", choices=("tiled", "row-major"), default="tiled",
                     help="how the benchmarked weights are stored (formats.tiling; the loader tiles on CUDA)")
     args = ap.parse_args()
