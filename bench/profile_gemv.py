@@ -28,9 +28,15 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "w2 bn64 flat": gemv.GemvConfig(persistent=False),
     "no prefetch": gemv.GemvConfig(prefetch=0),
     "prefetch fp4 too": gemv.GemvConfig(prefetch=3),
+    "split 2": gemv.GemvConfig(split=2),
+    "split 4": gemv.GemvConfig(split=4),
+    "split 8": gemv.GemvConfig(split=8),
+    "split 16": gemv.GemvConfig(split=16),
+    "cap 96": gemv.GemvConfig(maxnreg=96),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
-          (PRO, "wq_b", "fp8")]
+          (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),
+          (FLASH, "indexer wq_b", "nvfp4")]
 
 
 def main():
