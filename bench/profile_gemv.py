@@ -1,6 +1,7 @@
 """A/B timings of decode GEMV variants and (optionally) one Nsight Compute profile per variant.
 
     python bench/profile_gemv.py                      # timings (CUDA graph of rotated weights, median)
+    DSV4_BENCH_LAYOUT=row-major python bench/profile_gemv.py   # weights row-major instead of tiled
     ncu --clock-control none -k regex:_gemv_kernel -c 3 python bench/profile_gemv.py --once
 """
 

@@ -78,9 +78,9 @@ def main():
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     for sh, name, fmt in shapes:
         n, k = sh.linears()[name]
-        w0 = random_qweight(fmt, (), n, k, dev, gen)
+        w0 = random_qweight(fmt, (), n, k, dev, gen).untiled()   # row-major, whatever the bench default
         rot = max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
-        ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
+        ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen).untiled() for _ in range(rot - 1)]
         wts = [w.tile() for w in ws]
         xs = [torch.randn(1, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
         mb = nbytes(w0) / 1e6
