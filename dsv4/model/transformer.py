@@ -136,8 +136,9 @@ class Transformer(nn.Module):
 
     def tile_weights_(self) -> int:
         """Store every quantized weight whose shape allows it tile-major, the order the GPU kernels read
-        (`formats.tiling`); returns how many layers are stored tiled (calling it again tiles nothing twice). Logits do not change; `state_dict()` then holds
-        tiled bytes, so this is for the device placement only (the loader calls it on CUDA)."""
+        (`formats.tiling`); returns how many layers are stored tiled (a second call tiles nothing twice).
+        Logits do not change; `state_dict()` then holds tiled bytes, so this is for the device placement only
+        (the loader calls it on CUDA)."""
         return sum(m.tile_() for m in self.modules() if isinstance(m, QLinear))
 
     def num_parameters(self, include_mtp: bool = False) -> int:
