@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.formats import QWeight, tileable
+from dsv4.formats import QWeight, why_untileable
 
 LAYOUT_ENV = "DSV4_BENCH_LAYOUT"   # "tiled" (default: what the loader gives the GPU kernels) or "row-major"
 
@@ -68,7 +68,7 @@ def random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Gen
     stay in a realistic range. `scale_2` pins NVFP4's per-tensor scale (a power of two keeps bf16 exact).
     Stored tile-major where the shape allows, as the loader does on CUDA, unless `bench_layout()` is row-major."""
     w = _random_qweight(fmt, lead, n, k, device, gen, scale_2)
-    if bench_layout() == "tiled" and not tileable(w.fmt, n, w.weight.shape[-1]):
+    if bench_layout() == "tiled" and not why_untileable(w.fmt, n, w.weight.shape[-1]):
         w = w.tile()
     return w
 

@@ -26,7 +26,7 @@ from .fp8 import FP8_BLOCK, dequantize_fp8_block
 from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from .nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
 from .scales import UE8M0_DTYPE
-from .tiling import TILE_BYTES, TILE_ROWS, scale_chunk, tile_bytes, tileable, untile_bytes
+from .tiling import TILE_BYTES, TILE_ROWS, scale_chunk, tile_bytes, tile_bytes_, untile_bytes, why_untileable
 
 FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
 _E4M3 = torch.float8_e4m3fn
@@ -74,17 +74,19 @@ class QWeight:
             return dequantize_mxfp4(self.weight, self.scale, dtype)
         return dequantize_nvfp4(self.weight, self.scale, self.scale_2, dtype)
 
-    def tile(self) -> "QWeight":
-        """The same weight stored tile-major (new tensors; `formats.tiling`). Raises naming why if it can't be."""
+    def tile(self, in_place: bool = False) -> "QWeight":
+        """The same weight stored tile-major (`formats.tiling`): new tensors, or (in_place) this weight's own
+        tensors rewritten one matrix at a time, so a multi-GB stacked tensor never needs a second copy. Raises
+        naming why if it can't be tiled."""
         if self.tiled:
             return self
-        why = tileable(self.fmt, self.out_features, self.weight.shape[-1])
+        why = why_untileable(self.fmt, self.out_features, self.weight.shape[-1])
         if why:
             raise ValueError(f"cannot tile a {self.fmt} weight {tuple(self.weight.shape)}: {why}")
+        move = tile_bytes_ if in_place else tile_bytes
         chunk = scale_chunk(self.fmt)
-        return QWeight(self.fmt, tile_bytes(self.weight, TILE_BYTES),
-                       tile_bytes(self.scale, chunk) if chunk else self.scale, self.scale_2, self.input_scale,
-                       tiled=True)
+        return QWeight(self.fmt, move(self.weight, TILE_BYTES), move(self.scale, chunk) if chunk else self.scale,
+                       self.scale_2, self.input_scale, tiled=True)
 
     def untiled(self) -> "QWeight":
         """The same weight stored row-major (self if it already is)."""
@@ -157,7 +159,7 @@ class QWeight:
             if name != "scale" and t.dtype != torch.float32:
                 raise ValueError(f"{what}: {self.fmt} {name} must be float32, got {t.dtype}")
         if self.tiled:
-            why = tileable(self.fmt, self.out_features, w.shape[-1])
+            why = why_untileable(self.fmt, self.out_features, w.shape[-1])
             rows_contiguous = w.stride(-1) == 1 and w.stride(-2) == w.shape[-1]
             if why or not rows_contiguous or (scale_chunk(self.fmt) and not self.scale.is_contiguous()):
                 raise ValueError(f"{what}: a tiled {self.fmt} weight {tuple(w.shape)} must be whole contiguous "

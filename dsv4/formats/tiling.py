@@ -25,8 +25,8 @@ def scale_chunk(fmt: str) -> int:
     return {"nvfp4": TILE_BYTES * 2 // 16, "mxfp4": TILE_BYTES * 2 // 32}.get(fmt, 0)
 
 
-def tileable(fmt: str, n: int, row_bytes: int) -> str | None:
-    """None if a [*, n, row_bytes] weight of this format can be tiled, else why not."""
+def why_untileable(fmt: str, n: int, row_bytes: int) -> str | None:
+    """Why a [*, n, row_bytes] weight of this format cannot be tiled, or None if it can."""
     if fmt not in ("fp8", "mxfp4", "nvfp4"):
         return f"{fmt} weights are not tiled"
     if n % TILE_ROWS:

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..formats import (FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, TILE_BYTES, UE8M0_DTYPE, QWeight, scale_chunk, tile_bytes_,
-                       tileable)
+from ..formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, UE8M0_DTYPE, QWeight, why_untileable
 from ..kernels import Ops
 
 
@@ -101,17 +100,12 @@ class QLinear(nn.Module):
 
     def tile_(self) -> bool:
         """Store the weight bytes (and FP4 block scales) tile-major for the GPU kernels (`formats.tiling`), in
-        place, if the format and shape allow; returns whether it did. The buffers then no longer hold checkpoint
-        order: only the device placement calls this."""
-        fmt = self.format.fmt
-        if self.tiled or tileable(fmt, self.out_features, self.weight.shape[-1]):
-            return self.tiled
-        tile_bytes_(self.weight, TILE_BYTES)
-        if fmt in ("nvfp4", "mxfp4"):
-            tile_bytes_(self.weight_scale if fmt == "nvfp4" else self.scale, scale_chunk(fmt))
-        self.tiled = True
-        self.qweight()   # validates the tiled layout
-        return True
+        place, if the format and shape allow; returns whether they are. The buffers then no longer hold
+        checkpoint order: only the device placement calls this."""
+        if not self.tiled and not why_untileable(self.format.fmt, self.out_features, self.weight.shape[-1]):
+            self.qweight().tile(in_place=True)   # rewrites this layer's own buffers
+            self.tiled = True
+        return self.tiled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.ops.linear_w4a4 if self.w4a4 else self.ops.linear)(x, self.qweight())
