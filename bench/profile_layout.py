@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
 
 from dsv4.kernels import gemm, gemv  # noqa: E402
+from dsv4.kernels.tiles import byte_offsets  # noqa: E402
 
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (FLASH, "expert w1/w3", "nvfp4"), (PRO, "wo_b", "fp8"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4")]
@@ -39,12 +40,9 @@ def _read_kernel(w_ptr, out_ptr, N, stride_n, CHUNK, n_steps, BN: tl.constexpr, 
     u = tl.program_id(0)
     tile, ks = u // splits, u % splits
     rows = tile * BN + tl.arange(0, BN)
-    if TILED:
-        off = (rows // BN) * (BN * stride_n) + (rows % BN) * 64
-        sb = BN * 64
-    else:
-        off = rows * stride_n
-        sb = 64
+    zero = tl.full((), 0, tl.int32)   # a 0-d tensor, not 0: the interpreter has no int % constexpr
+    off = byte_offsets(rows, zero, stride_n, 64, TILED)   # the kernels' own addressing
+    sb = byte_offsets(zero, zero + 64, stride_n, 64, TILED)
     acc = tl.zeros((BN, 16), dtype=tl.uint32)
     for step in tl.range(ks * CHUNK, tl.minimum(ks * CHUNK + CHUNK, n_steps), num_stages=STAGES):
         acc ^= tl.load((w_ptr + off[:, None] + step * sb).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 16)[None, :])

@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--gated", action="store_true")
     ap.add_argument("--mp", type=int, default=16, help="x rows per unit (the MMA N)")
     ap.add_argument("--prefetch", type=int, default=1, help="GemvConfig.prefetch (bit mask: 1 FP8, 2 FP4)")
-    ap.add_argument("--tiled", action="store_true", help="weights stored tile by tile (gemv._row_offsets)")
+    ap.add_argument("--tiled", action="store_true", help="weights stored tile by tile (formats.tiling)")
     ap.add_argument("--shared", default=None, help="the shared expert's format in the same launch (MoE)")
     args = ap.parse_args()
     for fmt in args.formats:

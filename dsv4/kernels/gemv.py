@@ -7,7 +7,8 @@ operand layout (FP4 by default); x (small) is the B operand. Decoded weights nev
 and are never shuffled between threads.
 
 Weights row-major or tile-major (`QWeight.tiled`, `formats.tiling`: on CUDA the loader stores them tiled, so
-that one sub-step of a 64-row tile is one contiguous 4 KB run instead of 64 runs of 64 bytes; `_row_offsets`).
+that one sub-step of a 64-row tile is one contiguous 4 KB run instead of 64 runs of 64 bytes;
+`tiles.byte_offsets`).
 
 Layout trick (no repack within a row's bytes). A K step ("sub-step") covers 64 bytes of every weight row
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
@@ -52,7 +53,7 @@ import triton.language as tl
 
 from ..formats import QWeight
 from .host import interpreting, lead_strides, num_sms, scale_views
-from .tiles import FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, epilogue_factor
+from .tiles import FMT_CODES, TILE_BYTES_C, _e2m1_values, byte_offsets, epilogue_factor
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
@@ -256,7 +257,7 @@ def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.const
 def _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT: tl.constexpr):
     """Raw bytes of one sub-step: weights as 32-bit words [BN, 16] (4 bytes of one row each) and (FP4) the
     block-scale bytes as [BN, 2] words (NVFP4: 8 scales) or half-words (MXFP4: 4 scales). `wrow` / `srow`: the
-    byte offset of every row's sub-step 0, `wk` / `sk`: bytes from one sub-step to the next (`_row_offsets`).
+    byte offset of every row's sub-step 0, `wk` / `sk`: bytes from one sub-step to the next.
     Wide loads let the software pipeliner (num_stages > 1) stage both through shared memory; unmasked: the
     caller clamps rows past N to a real row (never stored)."""
     jj = tl.arange(0, 16)[None, :]
@@ -269,20 +270,6 @@ def _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT: tl.constexpr):
     else:
         s = b
     return b, s
-
-
-@triton.jit
-def _row_offsets(rows, stride_n, STEP_BYTES: tl.constexpr, TILED: tl.constexpr):
-    """Byte offset of sub-step 0 of every row, and the bytes from one sub-step to the next, of a [N, stride_n]
-    byte array read STEP_BYTES per row and sub-step: row-major, or (TILED) stored tile-major
-    (`formats.tiling`, with STEP_BYTES the chunk), where one sub-step of a tile is one contiguous run."""
-    if TILED:
-        off = (rows // TILE_ROWS_C) * (TILE_ROWS_C * stride_n) + (rows % TILE_ROWS_C) * STEP_BYTES
-        step_bytes = TILE_ROWS_C * STEP_BYTES
-    else:
-        off = rows * stride_n
-        step_bytes = STEP_BYTES
-    return off, step_bytes
 
 
 @triton.jit
@@ -364,8 +351,14 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     KS: tl.constexpr = 128 if FMT >= 2 else 64
     PREFETCH: tl.constexpr = (PF >> (1 if FMT >= 2 else 0)) & 1
-    wrow, wk = _row_offsets(rows, stride_wn, TILE_BYTES_C, TILED)
-    srow, sk = _row_offsets(rows, stride_sn, TILE_BYTES_C * 2 // (16 if FMT == 3 else 32), TILED and FMT >= 2)
+    # each row's sub-step 0 (byte column 0) and the distance from one sub-step to the next (byte column
+    # STEP of row 0) in the weight and FP4 scale arrays, row-major or tiled (`formats.tiling`)
+    SSTEP: tl.constexpr = TILE_BYTES_C * 2 // (16 if FMT == 3 else 32)
+    zero = tl.full((), 0, tl.int32)   # a 0-d tensor, not 0: the interpreter has no int % constexpr
+    wrow = byte_offsets(rows, zero, stride_wn, TILE_BYTES_C, TILED)
+    wk = byte_offsets(zero, zero + TILE_BYTES_C, stride_wn, TILE_BYTES_C, TILED)
+    srow = byte_offsets(rows, zero, stride_sn, SSTEP, TILED and FMT >= 2)
+    sk = byte_offsets(zero, zero + SSTEP, stride_sn, SSTEP, TILED and FMT >= 2)
     if PREFETCH:
         b0, c0 = _load_sub(wbase, sbase, wrow, srow, s0, wk, sk, FMT)
         b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(s0 + 1, s1 - 1), wk, sk, FMT)
