@@ -1,6 +1,6 @@
 """How fast can a kernel only *read* a weight-sized buffer? The ceiling any decode GEMV works under.
 
-    python bench/profile_read.py [--mb 4.7,16.8,56.6,117.4] [--out DIR]
+    python bench/profile_read.py [--mb 4.7,16.8,56.6,117.4] [--pdl off,wait,overlap] [--out DIR]
 
 A grid of G programs streams the buffer in contiguous chunks of CH bytes per loop iteration (each program one
 contiguous slice of whole chunks; G = programs per SM x SMs, fewer when the buffer has fewer chunks), XOR-
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,13 +29,22 @@ from common import Timer, copy_bandwidth  # noqa: E402
 
 
 @triton.jit
-def _stream_kernel(ptr, out_ptr, words_per_prog, CW: tl.constexpr, STAGES: tl.constexpr):
+def _stream_kernel(ptr, out_ptr, words_per_prog, CW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
+    if PDL > 0:
+        gdc_launch_dependents()
+    if PDL == 1:
+        gdc_wait()
     base = ptr.to(tl.pointer_type(tl.uint32)) + pid.to(tl.int64) * words_per_prog
     acc = tl.zeros((CW,), dtype=tl.uint32)
     for i in tl.range(0, words_per_prog, CW, num_stages=STAGES):
         acc ^= tl.load(base + i + tl.arange(0, CW))
+    if PDL == 2:
+        gdc_wait()
     tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
+
+
+PDL_MODES = {"off": 0, "wait": 1, "overlap": 2}
 
 
 def main():
@@ -44,6 +54,7 @@ def main():
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--per-sm", default="4,8,16")
+    ap.add_argument("--pdl", default="off", help="comma list of off, wait, overlap (see the module docstring)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -55,15 +66,16 @@ def main():
     for mb in (float(m) for m in args.mb.split(",")):
         nbytes = int(mb * 1e6)
         rot = max(2, min(48, -(-200 * 2**20 // nbytes)))
-        best = None
+        best = {}
         src = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(rot)]
         dst = [torch.empty_like(s) for s in src]
         ms = timer.per_call_ms([lambda s=s, d=d: d.copy_(s) for s, d in zip(src, dst)])
         print(f"{mb:6.1f} MB torch copy: {ms * 1e3:7.1f} us, {2 * nbytes / (ms * 1e-3) / 1e9:5.0f} GB/s "
               f"(read + write)", flush=True)
         rows.append(dict(mb=mb, kind="copy", us=ms * 1e3))
-        for ch, warps, stages, per_sm in itertools.product(*(map(int, a.split(",")) for a in
-                                                             (args.chunks, args.warps, args.stages, args.per_sm))):
+        for pdl, ch, warps, stages, per_sm in itertools.product(
+                args.pdl.split(","), *(map(int, a.split(",")) for a in (args.chunks, args.warps, args.stages,
+                                                                        args.per_sm))):
             g = min(sms * per_sm, nbytes // ch)
             words = (nbytes // 4 // max(g, 1)) // (ch // 4) * (ch // 4)   # per program, whole chunks
             if g == 0 or words == 0:
@@ -71,21 +83,25 @@ def main():
             bufs = [torch.empty(g * words * 4, dtype=torch.uint8, device=dev) for _ in range(rot)]
             out = torch.empty(g, dtype=torch.int32, device=dev)
             try:
-                ms = timer.per_call_ms([lambda b=b: _stream_kernel[(g,)](b, out, words, CW=ch // 4, STAGES=stages,
-                                                                         num_warps=warps) for b in bufs])
+                ms = timer.per_call_ms([lambda b=b: _stream_kernel[(g,)](
+                    b, out, words, CW=ch // 4, STAGES=stages, PDL=PDL_MODES[pdl], num_warps=warps,
+                    launch_pdl=pdl != "off") for b in bufs])
             except Exception as e:
-                print(f"  CH {ch} warps {warps} stages {stages} per-SM {per_sm}: FAILED {e!r}"[:300], flush=True)
+                print(f"  PDL {pdl} CH {ch} warps {warps} stages {stages} per-SM {per_sm}: FAILED {e!r}"[:300],
+                      flush=True)
                 continue
             gbps = g * words * 4 / (ms * 1e-3) / 1e9
-            rows.append(dict(mb=mb, kind="read", read_mb=g * words * 4 / 1e6, chunk=ch, warps=warps, stages=stages,
-                             per_sm=per_sm, programs=g, us=ms * 1e3, pct=100 * gbps / copy))
-            if best is None or gbps > best[0]:
-                best = (gbps, ch, warps, stages, per_sm, ms, g * words * 4 / 1e6)
-            print(f"  CH {ch:5d} warps {warps} stages {stages} per-SM {per_sm:2d}: {ms * 1e3:7.1f} us "
+            rows.append(dict(mb=mb, kind="read", pdl=pdl, read_mb=g * words * 4 / 1e6, chunk=ch, warps=warps,
+                             stages=stages, per_sm=per_sm, programs=g, us=ms * 1e3, pct=100 * gbps / copy))
+            if pdl not in best or gbps > best[pdl][0]:
+                best[pdl] = (gbps, ch, warps, stages, per_sm, ms, g * words * 4 / 1e6)
+            print(f"  PDL {pdl:7s} CH {ch:5d} warps {warps} stages {stages} per-SM {per_sm:2d}: {ms * 1e3:7.1f} us "
                   f"{gbps:5.0f} GB/s ({100 * gbps / copy:3.0f}%)", flush=True)
             del bufs
-        print(f"{mb:6.1f} MB best read ({best[6]:.1f} MB read): {best[0]:5.0f} GB/s ({100 * best[0] / copy:3.0f}%) at "
-              f"CH {best[1]} warps {best[2]} stages {best[3]} per-SM {best[4]}: {best[5] * 1e3:.1f} us", flush=True)
+        for pdl, b in best.items():
+            print(f"{mb:6.1f} MB best read, PDL {pdl} ({b[6]:.1f} MB read): {b[0]:5.0f} GB/s "
+                  f"({100 * b[0] / copy:3.0f}%) at CH {b[1]} warps {b[2]} stages {b[3]} per-SM {b[4]}: "
+                  f"{b[5] * 1e3:.1f} us", flush=True)
         del src, dst
     if args.out:
         Path(args.out, "read.json").write_text(json.dumps(dict(copy=copy, rows=rows), indent=1))
