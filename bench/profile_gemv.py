@@ -34,6 +34,11 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "split 8": gemv.GemvConfig(split=8),
     "split 16": gemv.GemvConfig(split=16),
     "cap 96": gemv.GemvConfig(maxnreg=96),
+    "no pdl": gemv.GemvConfig(pdl=False),
+    "pdl l2 0": gemv.GemvConfig(pdl_l2=0),
+    "pdl l2 1": gemv.GemvConfig(pdl_l2=1),
+    "pdl l2 4": gemv.GemvConfig(pdl_l2=4),
+    "pdl l2 8": gemv.GemvConfig(pdl_l2=8),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),
@@ -59,11 +64,13 @@ def main():
         ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
         xs = [torch.randn(1, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
         ref = torch.nn.functional.linear(xs[0].float(), w0.dequantize(torch.float32))
+        y_default = gemm.linear(xs[0], w0, config=VARIANTS["default"], fallback=None, scratch=scratch)
         for vname in args.variants.split(","):
             cfg = VARIANTS[vname]
             try:
                 y = gemm.linear(xs[0], w0, config=cfg, fallback=None, scratch=scratch)
                 err = float((y.float() - ref).norm() / ref.norm())
+                same = "=" if torch.equal(y, y_default) else "DIFFERS from default"
                 if args.once:
                     torch.cuda.synchronize()
                     print(f"{vname}: err {err:.1e}", flush=True)
@@ -72,7 +79,7 @@ def main():
                                         for x, w in zip(xs, ws)])
                 gbps = nbytes(w0) / (ms * 1e-3) / 1e9
                 print(f"{sh.name:8s} {name:13s} {fmt:5s} {vname:18s}: {ms * 1e3:7.1f} us "
-                      f"{gbps:6.0f} GB/s ({100 * gbps / copy:3.0f}%) err {err:.1e}", flush=True)
+                      f"{gbps:6.0f} GB/s ({100 * gbps / copy:3.0f}%) err {err:.1e} {same}", flush=True)
             except Exception as e:  # report and go on: one variant must not cost the call
                 print(f"{vname}: FAILED {e!r}"[:300], flush=True)
         del ws

@@ -284,6 +284,35 @@ def correctness(run: Run):
             x = run.x(t, s.D)
             err = rel_err(run.ops.mlp(x, w13, w2, 10.0), ref.mlp(x, w13, w2, 10.0))
             record(f"shared mlp {s.name} {fmt} T={t}", err, 1e-2)
+    # programmatic dependent launch: chains of dependent GEMVs (each reads the output of the one before; one
+    # torch op between two of them), eager and in one CUDA graph, give the bits of the same chain without PDL
+    if dev.type == "cuda":
+        for fmt in ("nvfp4", "fp8"):
+            chain_w = [random_qweight(fmt, (), 4096, 4096, dev, gen) for _ in range(4)]
+
+            def chain(x, cfg):
+                h = x
+                for i, w in enumerate(chain_w):
+                    h = gemm.linear(h, w, config=cfg, fallback=_refuse, scratch=run.scratch)
+                    if i == 1:
+                        h = h / h.float().abs().amax().clamp_min(1.0).to(h.dtype)
+                return h
+
+            for m in (1, 8):
+                x = run.x(m, 4096)
+                plain = chain(x, gemv.GemvConfig(pdl=False))
+                eager = chain(x, gemv.GemvConfig(pdl=True))
+                xs = x.clone()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    graphed = chain(xs, gemv.GemvConfig(pdl=True))
+                g.replay()
+                torch.cuda.synchronize()
+                record(f"pdl chain of 4 dependent gemvs {fmt} M={m} (eager, graph)", 0.0, 0.0,
+                       exact=bool(torch.equal(eager, plain) and torch.equal(graphed, plain)),
+                       written=bool(torch.isfinite(plain).all()))
+                del g
+            del chain_w
     # W4A4: staging is bit-identical, the GEMM matches its reference
     n, k = sh.linears()["wo_b"]
     w = random_qweight("nvfp4", (), n, k, dev, gen)

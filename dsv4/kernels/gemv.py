@@ -30,6 +30,10 @@ bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m
 2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
 each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is undone once in the epilogue.
 
+Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
+its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
+writes; before the wait it only L2-prefetches the first weight bytes of its first dense unit.
+
 Work: units (row block, N tile, K split) on a persistent grid (the resident CTA count); split-K partials go
 to an fp32 workspace and the last arriving unit of an output tile sums them in split order (deterministic,
 one launch; semaphores from `gemm.Scratch`, re-armed by the kernel).
@@ -50,10 +54,11 @@ from types import MappingProxyType
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import QWeight
 from .host import interpreting, lead_strides, num_sms, scale_views
-from .tiles import FMT_CODES, TILE_BYTES_C, _e2m1_values, byte_offsets, epilogue_factor
+from .tiles import FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
@@ -417,7 +422,7 @@ def _gemv_kernel(
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
-    TILED_S: tl.constexpr,
+    TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -430,6 +435,15 @@ def _gemv_kernel(
     total = R * num_n * splits
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
+    if PDL:
+        # programmatic dependent launch: the next kernel may take SM slots as this one's CTAs finish; this one
+        # waits for the previous kernel before it reads x, ids or scratch, or writes anything. Before the wait
+        # it only prefetches its first dense unit's weights into L2 (no kernel writes them)
+        gdc_launch_dependents()
+        if PDL_L2 > 0 and ROWS == 0 and TILED:
+            _prefetch_unit_l2(w_ptr, s_ptr, tl.minimum(tl.program_id(0), total - 1), splits, num_n, SPLIT, CHUNK,
+                              n_steps, stride_wn, stride_sn, stride_wg, stride_sg, FMT, GATED, BN, PDL_L2)
+        gdc_wait()
     for u in range(tl.program_id(0), total, tl.num_programs(0)):
         j = u % splits
         tile = u // splits
@@ -521,6 +535,37 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_unit_l2(w_ptr, s_ptr, u, splits, num_n, SPLIT, CHUNK, n_steps, stride_wn, stride_sn, stride_wg,
+                      stride_sg, FMT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, STEPS: tl.constexpr):
+    """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (one 128-byte line per
+    element, clamped to the unit's own sub-steps) and, for FP4, their block scales (tiled alongside)."""
+    j = u % splits
+    n0 = ((u // splits) % num_n) * BN
+    s0 = (j % SPLIT) * CHUNK
+    steps = tl.minimum(tl.minimum(CHUNK, n_steps - s0), STEPS)
+    STEP_LINES: tl.constexpr = TILE_ROWS_C * TILE_BYTES_C // 128
+    lines = tl.minimum(tl.arange(0, STEPS * STEP_LINES), steps * STEP_LINES - 1) * 128
+    w = w_ptr + byte_offsets(n0, s0 * TILE_BYTES_C, stride_wn, TILE_BYTES_C, True) + lines
+    _prefetch_l2(w)
+    if GATED:
+        _prefetch_l2(w + stride_wg)
+    if FMT >= 2:
+        SSTEP: tl.constexpr = TILE_BYTES_C * 2 // (16 if FMT == 3 else 32)
+        S_LINES: tl.constexpr = TILE_ROWS_C * SSTEP // 128
+        slines = tl.minimum(tl.arange(0, STEPS * S_LINES), steps * S_LINES - 1) * 128
+        sc = s_ptr + byte_offsets(n0, s0 * SSTEP, stride_sn, SSTEP, True) + slines
+        _prefetch_l2(sc)
+        if GATED:
+            _prefetch_l2(sc + stride_sg)
+
+
+@triton.jit
 def _epilogue(y_ptr, offs_y, omask, acc, acc_u, f, f_u, limit, GATED: tl.constexpr):
     if GATED:
         g = tl.minimum(acc * f, limit)
@@ -542,7 +587,12 @@ class GemvConfig:
     spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
     measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10). Register prefetch of
     the weights (round four, runs 14 and 18): FP8 V4-Pro wo_b 51 -> 42 us; FP4 slower in every variant tried (more
-    live registers for the same 16 warps per SM), so it is on for FP8 only."""
+    live registers for the same 16 warps per SM), so it is on for FP8 only.
+
+    Programmatic dependent launch (round six, runs 41-44): back to back, dense GEMVs are 2-4 % faster on
+    V4-Pro shapes and 8-11 % on V4-Flash's (launch latency and the first DRAM round trip overlap the previous
+    kernel's tail); an L2 prefetch of 1-2 sub-steps before the wait helps, 8 hurts. The MoE pair measured level
+    to 5 % slower with it at 4-8 tokens, so `kernels.moe` launches it without."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # 4 = one warpgroup (wgmma, BN a multiple of 64); else mma.sync
@@ -553,6 +603,9 @@ class GemvConfig:
                               # LDS.128 in the operand layout: the next K step is in flight while one decodes)
     asm: bool | None = None   # None: ASM wherever the operands are bf16 on a GPU
     prefetch: int = 1         # register prefetch of the weights (see _unit_acc), a bit mask: 1 FP8, 2 FP4
+    pdl: bool = True          # programmatic dependent launch where the GPU has it (sm_90+; never interpreted)
+    pdl_l2: int = 2           # with pdl: sub-steps (4 KB each, a power of 2) of the first dense unit of tile-major
+                              # weights prefetched into L2 before the wait; 0 = none
 
 
 UNIT_OVERHEAD_STEPS = 3   # per-unit fixed cost (index math, pipeline fill, epilogue) in sub-steps, from SASS
@@ -608,6 +661,12 @@ def choose_split(units_per_split: int, n_steps: int, slots: int, max_split: int 
     return best
 
 
+def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
+    """Programmatic dependent launch: asked for, on a CUDA GPU with `griddepcontrol` (sm_90+), not interpreted."""
+    return (cfg.pdl and device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def resident_ctas(kernel, num_warps: int, device: torch.device) -> int:
     """CTAs of a compiled kernel that fit on one SM at once (registers, shared memory, threads)."""
     props = torch.cuda.get_device_properties(device)
@@ -658,7 +717,10 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
                   ASM=asm, W=cfg.num_warps, KW=2 if (cfg.num_warps == 4 and cfg.BN % 64 == 0) else 4,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
-                  PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled)
+                  PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
+                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2)
+    if consts["PDL"]:
+        consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
     if maxnreg and not interp:
         consts["maxnreg"] = maxnreg

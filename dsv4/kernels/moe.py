@@ -296,9 +296,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         sw13, sw2 = shared if shared is not None else (None, None)
         rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-        gemv.launch(x, w13, h, gemv.GemvConfig(), M=rows, rows=gemv.ROWS_PAIR, R=rows, gated=True, x_div=k,
+        cfg = gemv.GemvConfig(pdl=False)   # measured level or slower with it (gemv.GemvConfig)
+        gemv.launch(x, w13, h, cfg, M=rows, rows=gemv.ROWS_PAIR, R=rows, gated=True, x_div=k,
                     ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch)
-        gemv.launch(h, w2, out, gemv.GemvConfig(), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
+        gemv.launch(h, w2, out, cfg, M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
                     rw=weights.reshape(-1), shared=sw2, pairs=P, scratch=scratch)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)

@@ -1,0 +1,95 @@
+"""Programmatic dependent launch in the decode GEMV (`GemvConfig.pdl`).
+
+The interpreter cannot run `griddepcontrol`, and CI has no GPU, so these tests compile `_gemv_kernel` for
+sm_90 (Triton's own LLVM; no GPU needed) in a subprocess without TRITON_INTERPRET, and read its PTX: with PDL
+the kernel must trigger the next launch and must wait for the previous kernel before its first global load
+(x, ids, scratch), store or atomic. Only L2 prefetches of weight bytes may come before the wait. The H200
+check that a chain of dependent GEMVs gives the same bits with and without PDL is in bench/run_all.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4.kernels import gemv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# compiles the kernel with the given constexprs and prints, per case, the PTX lines that matter
+_COMPILE = r"""
+import json, re, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4.kernels import gemv
+
+PTRS = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64",
+            rw_ptr="*fp32", ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32", sw_ptr="*u8", ss_ptr="*u8",
+            ss2_ptr="*fp32")
+MEMORY = re.compile(r"\b(ld\.global|cp\.async|st\.global|atom\.|red\.|ld\.volatile)")
+out = {}
+for name, rows, pdl, tiled, shared in json.loads(sys.argv[1]):
+    fn = gemv._gemv_kernel
+    consts = dict(FMT=3, SCALE_F32=False, ROWS=rows, GATED=rows == 1, BN=64, MP=8, DOT=tl.bfloat16, ASM=True,
+                  W=2, KW=4, SHARED=shared, FMT_S=1 if shared else 3, SCALE_F32_S=False, PF=1, TILED=tiled,
+                  TILED_S=tiled, PDL=pdl, PDL_L2=2)
+    sig = {n: ("constexpr" if n in consts else PTRS.get(n, "i32")) for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=2, num_stages=2, launch_pdl=pdl))
+    lines = [l.strip() for l in k.asm["ptx"].splitlines()]
+    first = lambda pred: next((i for i, l in enumerate(lines) if pred(l)), None)
+    out[name] = dict(trigger=first(lambda l: "griddepcontrol.launch_dependents" in l),
+                     wait=first(lambda l: "griddepcontrol.wait" in l),
+                     memory=first(lambda l: MEMORY.search(l) is not None and not l.startswith("//")),
+                     prefetch=first(lambda l: "prefetch.global.L2" in l),
+                     launch_pdl=bool(k.metadata.launch_pdl))
+print("RESULT " + json.dumps(out))
+"""
+
+CASES = [("dense tiled", 0, True, True, False), ("dense row-major", 0, True, False, False),
+         ("moe pair + shared", 1, True, True, True), ("moe token", 2, True, True, False),
+         ("dense tiled, no pdl", 0, False, True, False)]
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CASES)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, f"sm_90 compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[2]])
+def test_pdl_waits_before_the_first_global_access(ptx, case):
+    r = ptx[case]
+    assert r["launch_pdl"], "the kernel must be launched with the PDL attribute"
+    assert r["trigger"] is not None and r["wait"] is not None, r
+    assert r["memory"] is not None, "no global memory access found: the PTX scan is broken"
+    assert r["trigger"] < r["wait"] < r["memory"], r
+
+
+def test_pdl_prefetches_only_dense_tiled_units_before_the_wait(ptx):
+    assert ptx["dense tiled"]["prefetch"] is not None and ptx["dense tiled"]["prefetch"] < ptx["dense tiled"]["wait"]
+    # row-major weights and the MoE modes (whose expert ids another kernel writes) prefetch nothing
+    for case in ("dense row-major", "moe pair + shared", "moe token"):
+        assert ptx[case]["prefetch"] is None, case
+
+
+def test_no_pdl_means_no_griddepcontrol(ptx):
+    r = ptx["dense tiled, no pdl"]
+    assert r["trigger"] is None and r["wait"] is None and r["prefetch"] is None and not r["launch_pdl"]
+
+
+def test_pdl_is_off_where_it_cannot_run():
+    cfg = gemv.GemvConfig()
+    assert cfg.pdl, "PDL is the default"
+    assert not gemv.pdl_enabled(cfg, torch.device("cpu"))
+    assert not gemv.pdl_enabled(gemv.GemvConfig(pdl=False), torch.device("cpu"))
