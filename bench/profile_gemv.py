@@ -22,7 +22,6 @@ from dsv4.kernels import gemm, gemv  # noqa: E402
 
 VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "default": gemv.GemvConfig(),
-    "w4 bn128": gemv.GemvConfig(BN=128, num_warps=4, maxnreg=0),
     "w2 bn64 noregcap": gemv.GemvConfig(maxnreg=0),
     "w2 bn64 st1": gemv.GemvConfig(num_stages=1),
     "w2 bn64 st3": gemv.GemvConfig(num_stages=3),

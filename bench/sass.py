@@ -39,7 +39,7 @@ def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: b
                  pdl_l2: int = 4):
     fn = gemv._gemv_kernel
     consts = dict(FMT={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp,
-                  DOT=tl.bfloat16, ASM=True, W=warps, KW=2 if (warps == 4 and bn % 64 == 0) else 4,
+                  DOT=tl.bfloat16, ASM=True, W=warps,
                   SHARED=shared is not None, FMT_S={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[shared or fmt], SCALE_F32_S=False, PF=prefetch,
                   TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2)
     sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}

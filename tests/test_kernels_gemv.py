@@ -52,10 +52,10 @@ def test_linear_matches_reference(launches, fmt, m, n, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("cfg", [gemv.GemvConfig(), gemv.GemvConfig(BN=128, num_warps=4)], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("cfg", [gemv.GemvConfig(), gemv.GemvConfig(BN=128, num_warps=4)], ids=["w2", "w4 bn128"])
 def test_dequantization_is_exact(launches, fmt, cfg):
     """x = identity rows: each output is one weight element, so the decoders' nibble and byte order, the K and
-    row re-indexing (both operand orders), the scales and the epilogue factor must reproduce QWeight.dequantize
+    row re-indexing (2 and 4 warps), the scales and the epilogue factor must reproduce QWeight.dequantize
     bit for bit."""
     w = make_weight(fmt, 70, 256)
     exact = w.dequantize(torch.float32).T

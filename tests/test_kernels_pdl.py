@@ -36,7 +36,7 @@ out = {}
 for name, rows, pdl, tiled, shared in json.loads(sys.argv[1]):
     fn = gemv._gemv_kernel
     consts = dict(FMT=3, SCALE_F32=False, ROWS=rows, GATED=rows == 1, BN=64, MP=8, DOT=tl.bfloat16, ASM=True,
-                  W=2, KW=4, SHARED=shared, FMT_S=1 if shared else 3, SCALE_F32_S=False, PF=1, TILED=tiled,
+                  W=2, SHARED=shared, FMT_S=1 if shared else 3, SCALE_F32_S=False, PF=1, TILED=tiled,
                   TILED_S=tiled, PDL=pdl, PDL_L2=2)
     sig = {n: ("constexpr" if n in consts else PTRS.get(n, "i32")) for n in fn.arg_names}
     k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),

@@ -1,10 +1,10 @@
 """Decode GEMV (at most 16 activation rows per weight): y = x @ W^T computed as y^T = W x^T (swap-AB).
 
-The weight tile is the A operand of the MMA (mma.sync with 2 warps by default, or one warpgroup's wgmma),
-streamed from global memory into registers - directly (LDG.128; FP8 by default, prefetched a loop iteration
-ahead, see `_unit_acc`) or, with `num_stages=2`, through cp.async and one LDS.128 per 16 bytes already in the
-operand layout (FP4 by default); x (small) is the B operand. Decoded weights never go through shared memory
-and are never shuffled between threads.
+The weight tile is the A operand of the MMA (mma.sync, 2 warps by default), streamed from global memory into
+registers - directly (LDG.128; FP8 by default, prefetched a loop iteration ahead, see `_unit_acc`) or, with
+`num_stages=2`, through cp.async and one LDS.128 per 16 bytes already in the operand layout (FP4 by default);
+x (small) is the B operand. Decoded weights never go through shared memory and are never shuffled between
+threads.
 
 Weights row-major or tile-major (`QWeight.tiled`, `formats.tiling`: on CUDA the loader stores them tiled, so
 that one sub-step of a 64-row tile is one contiguous 4 KB run instead of 64 runs of 64 bytes;
@@ -14,14 +14,14 @@ Layout trick (no repack within a row's bytes). A K step ("sub-step") covers 64 b
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
 8 rows per warp; each thread decodes its 16 bytes into elements in natural order (FP4: the low then the high
 nibble of every byte, so each bf16x2 register holds two elements that are adjacent in x as well). The MMA A
-operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block, k = 2c, 2c+1, 2c+8, 2c+9 (wgmma)
-or Triton's relabelled 4c .. 4c+3 (mma.sync, kWidth 4) in thread c = lane % 4. A dot does not care in which
-order K is summed, and output rows may be stored anywhere, so `_to_mma` re-indexes the decoded tile (rows
-and K) so that each thread already holds exactly its operand fragment - the reshape/permute is register
-renaming only (checked in SASS: bench/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The
-weights are loaded as 32-bit words (4 bytes of one row) and each PTX decoder instance takes one word
-(`pack=1`): with `pack > 1` Triton groups consecutive *registers*, which in the operand layout mix rows r and
-r + 32 (seen on the H200: garbage results, 2026-11-30).
+operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block, Triton's relabelled k = 4c .. 4c+3
+(mma.sync, kWidth 4) in thread c = lane % 4. A dot does not care in which order K is summed, and output rows
+may be stored anywhere, so `_to_mma` re-indexes the decoded tile (rows and K) so that each thread already
+holds exactly its operand fragment - the reshape/permute is register renaming only (checked in SASS:
+bench/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The weights are loaded as 32-bit words
+(4 bytes of one row) and each PTX decoder instance takes one word (`pack=1`): with `pack > 1` Triton groups
+consecutive *registers*, which in the operand layout mix rows r and r + 32 (seen on the H200: garbage
+results, 2026-11-30).
 
 Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 1 shift + 4 x (prmt, shift, and, bf16x2 mul);
 FP8 4 values = 2 x (prmt, shift, and, bf16x2 mul). FP4 block-scale multipliers are formed once per scale
@@ -209,34 +209,31 @@ def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
 # ------------------------------------------------------------------------------ operand re-indexing
 
 @triton.jit
-def _k_order(t, R: tl.constexpr, KS: tl.constexpr, KW: tl.constexpr):
+def _k_order(t, R: tl.constexpr, KS: tl.constexpr):
     """[R, KS] rows whose element KS/4 c + i belongs to thread c (load order) -> the MMA's K order, the same
-    for the weights (`_to_mma`) and x (`_x_kmajor`). KW = 2 (wgmma's register fragment): KS/4 c + 4b + 2h + e
-    -> 16b + 8h + 2c + e. KW = 4 (Triton's mma.sync operand, 4 consecutive k per thread):
-    KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e; the two words of one k block then lie 8 bytes apart
-    in x, which is where a 16-byte shared-memory load of x puts the MMA's operand pair (the plain 16b + 4c
-    order cost ptxas 54 register moves per loop iteration)."""
+    for the weights (`_to_mma`) and x (`_x_kmajor`). Triton's mma.sync operand holds 4 consecutive k per
+    thread: KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e; the two words of one k block then lie 8 bytes
+    apart in x, which is where a 16-byte shared-memory load of x puts the MMA's operand pair (the plain
+    16b + 4c order cost ptxas 54 register moves per loop iteration). Any order is correct (both operands get
+    it); only mma.sync's makes it free. With 4 warps and BN 128 Triton picks wgmma instead, whose fragment this
+    order does not match (it had its own until round six; 2.3x slower, run 39)."""
     NB: tl.constexpr = KS // 16
-    if KW == 2:
-        t = tl.permute(t.reshape(R, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(R, KS)
-    else:
-        t = tl.permute(t.reshape(R, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(R, KS)
-    return t
+    return tl.permute(t.reshape(R, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(R, KS)
 
 
 @triton.jit
-def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, KS: tl.constexpr):
+def _to_mma(t, BN: tl.constexpr, W: tl.constexpr, KS: tl.constexpr):
     """A decoded [BN, KS] tile (KS = 64 FP8 / 128 FP4 elements per row, thread c of a row holding elements
     KS/4 c .. KS/4 (c + 1) - 1) from load order to MMA A-operand order (register renaming, see the module
     docstring); W warps. Rows: load row l + 8w + 8W r0 + 16W r1 -> l + 8 r0 + 16 w + 16W r1; K: `_k_order`."""
     t = tl.permute(t.reshape(BN // (16 * W), 2, W, 8, KS), (0, 2, 1, 3, 4)).reshape(BN, KS)
-    return _k_order(t, BN, KS, KW)
+    return _k_order(t, BN, KS)
 
 
 @triton.jit
-def _x_kmajor(x, MP: tl.constexpr, KS: tl.constexpr, KW: tl.constexpr):
+def _x_kmajor(x, MP: tl.constexpr, KS: tl.constexpr):
     """x [MP, KS] in natural order -> [KS, MP] in the K order `_to_mma` gives the weights."""
-    return tl.trans(_k_order(x, MP, KS, KW))
+    return tl.trans(_k_order(x, MP, KS))
 
 
 @triton.jit
@@ -247,13 +244,12 @@ def _mma_rows(offs, BN: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr,
-               KW: tl.constexpr):
+def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
     """x columns k0 .. k0 + KS - 1 of one sub-step as the dot's B operand [KS, MP], in the K order of
     `_to_mma` tiles."""
     x = tl.load(x_ptr + xrow.to(tl.int64)[:, None] * stride_xm + k0 + tl.arange(0, KS)[None, :],
                 mask=rmask[:, None], other=0.0).to(DOT)
-    return _x_kmajor(x, MP, KS, KW)
+    return _x_kmajor(x, MP, KS)
 
 
 # ------------------------------------------------------------------------------------ one sub-step
@@ -317,15 +313,15 @@ def _group_multipliers(s, FMT: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
-def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
-             DOT: tl.constexpr, ASM: tl.constexpr):
+def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+             ASM: tl.constexpr):
     """acc [BN, MP] += decoded sub-step tile @ xs (the sub-step's x, from `_x_subtile`)."""
     if FMT >= 2:
         w = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
-        acc = tl.dot(_to_mma(w.to(DOT), BN, W, KW, 128), xs, acc)
+        acc = tl.dot(_to_mma(w.to(DOT), BN, W, 128), xs, acc)
     else:
         w = _fp8_decode(b, BN, ASM)
-        acc = tl.dot(_to_mma(w.to(DOT), BN, W, KW, 64), xs, acc)
+        acc = tl.dot(_to_mma(w.to(DOT), BN, W, 64), xs, acc)
     return acc
 
 
@@ -343,7 +339,7 @@ def _fp8_block_scale(sbase, rows_mma, nmask_mma, kblock, stride_sn, SCALE_F32: t
 def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
               stride_xm, stride_wn, stride_sn,
               FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
-              KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr):
+              DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr):
     """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (an FP8 iteration is one
     128-K scale block, s0 even). A missing second step (odd count) re-reads the first step's weights against
     zero x.
@@ -372,14 +368,14 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
         if not PREFETCH:
             b0, c0 = _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT)
             b1, c1 = _load_sub(wbase, sbase, wrow, srow, step1, wk, sk, FMT)
-        x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, KW)
+        x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT)
         x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP, KS,
-                        DOT, KW)
-        blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W, KW,
+                        DOT)
+        blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W,
                        DOT, ASM)
         if PREFETCH:
             b0, c0 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 2, s1 - 1), wk, sk, FMT)
-        blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, KW, DOT, ASM)
+        blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM)
         if PREFETCH:
             b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 3, s1 - 1), wk, sk, FMT)
         if FMT >= 2:
@@ -395,18 +391,18 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
 def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma, nmask_mma, s0, s1, rw,
                  stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g,
                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-                 MP: tl.constexpr, W: tl.constexpr, KW: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
+                 MP: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
                  PF: tl.constexpr, TILED: tl.constexpr):
     """One unit's partial(s) of one weight: (acc, acc_u, factor, factor_u); acc_u is the up projection when
     GATED (else acc again). The factors undo the decode prescale and apply the routing weight `rw`."""
     acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
-                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW, DOT, ASM, PF, TILED)
+                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, DOT, ASM, PF, TILED)
     f = epilogue_factor(s2base, FMT) * rw
     acc_u = acc
     f_u = f
     if GATED:
         acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
-                          nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, KW,
+                          nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W,
                           DOT, ASM, PF, TILED)
         f_u = epilogue_factor(s2base + stride_s2g, FMT)
     return acc, acc_u, f, f_u
@@ -420,7 +416,7 @@ def _gemv_kernel(
     stride_ym,
     sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr, KW: tl.constexpr,
+    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr,
 ):
@@ -492,19 +488,19 @@ def _gemv_kernel(
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
                     tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, KW, DOT, ASM, PF, TILED_S)
+                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S)
             else:
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                     s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                     stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
-                    MP, W, KW, DOT, ASM, PF, TILED)
+                    MP, W, DOT, ASM, PF, TILED)
         else:
             acc, acc_u, f, f_u = _weight_unit(
                 x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                 s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                 stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
-                W, KW, DOT, ASM, PF, TILED)
+                W, DOT, ASM, PF, TILED)
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
@@ -595,7 +591,7 @@ class GemvConfig:
     to 5 % slower with it at 4-8 tokens, so `kernels.moe` launches it without."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
-    num_warps: int = 2        # 4 = one warpgroup (wgmma, BN a multiple of 64); else mma.sync
+    num_warps: int = 2        # mma.sync; with 4 and BN 128 Triton picks wgmma (correct, not laid out for: slow)
     max_ctas_per_sm: int = 0  # persistent grid = SMs x resident CTAs (from the compiled kernel); > 0 caps it
     persistent: bool = True   # False: one program per unit (the hardware schedules them)
     maxnreg: int = -1         # register cap per thread: -1 = 128 unless gated with 16 rows (it would spill); 0 = none
@@ -714,7 +710,7 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     asm = (not interp) and dot == tl.bfloat16 and (cfg.asm is None or cfg.asm)
     MP = max(8, triton.next_power_of_2(max(1, M if rows == ROWS_DENSE else 1)))   # the MMA's N: 8 or 16
     consts = dict(FMT=FMT_CODES[w.fmt], SCALE_F32=scale_f32, ROWS=rows, GATED=gated, BN=cfg.BN, MP=MP, DOT=dot,
-                  ASM=asm, W=cfg.num_warps, KW=2 if (cfg.num_warps == 4 and cfg.BN % 64 == 0) else 4,
+                  ASM=asm, W=cfg.num_warps,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
