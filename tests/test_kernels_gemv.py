@@ -213,6 +213,42 @@ def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared
                     ids=ids, shared=make_weight(shared_fmt, I + 8, D, (2,)), pairs=P)
 
 
+@pytest.mark.parametrize("sms", [256, 4])
+def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_wave(monkeypatch, sms):
+    """A sub-step is 64 bytes of a row in every format, so an FP8 shared expert has twice the sub-steps of FP4
+    experts of the same shape. Where all units still fit in one wave (256 SMs here) it gets twice the K
+    splits, so each of its units streams as many bytes as a routed one; with more waves (4 SMs) it keeps the
+    routed split. An FP4 shared expert always keeps it. Results are the reference's either way."""
+    seen = []
+    real = gemv._gemv_kernel
+
+    class Recording:
+        arg_names = real.arg_names
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append(dict(zip(real.arg_names, args)))
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recording())
+    monkeypatch.setattr(gemv, "num_sms", lambda device: sms)
+    E, k, D, I, T = 5, 2, 512, 256, 2
+    for shared_fmt, ratio in (("fp8", 2 if sms == 256 else 1), ("nvfp4", 1)):
+        w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
+        shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
+        x = torch.randn(T, D)
+        w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+        seen.clear()
+        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+        assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+        assert len(seen) == 2
+        for a in seen:
+            assert a["SPLIT_S"] == ratio * a["SPLIT"], (shared_fmt, a["SPLIT"], a["SPLIT_S"])
+            if ratio == 2:
+                assert a["CHUNK_S"] == a["CHUNK"], (shared_fmt, a["CHUNK"], a["CHUNK_S"])
+
+
 def test_moe_with_an_unfit_shared_expert_adds_the_mlp(launches):
     """A shared expert the GEMV pair cannot take (9 tokens here: the sorted path) runs as the table's MLP."""
     E, k, D, I, T = 4, 2, 128, 128, 9

@@ -408,13 +408,13 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
     return acc, acc_u, f, f_u
 
 
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "n_steps_s"])
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s"])
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
     stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
     stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
+    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
@@ -423,12 +423,18 @@ def _gemv_kernel(
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
 
-    SHARED (the MoE's shared expert in the same launch, its own format FMT_S and pointers sw/ss/ss2):
-    ROWS_PAIR pairs P .. R - 1 are the shared expert's rows (x row r - P); ROWS_TOKEN tokens get one more
-    slot, TOPK, which reads h row P + token with routing weight 1."""
+    SHARED (the MoE's shared expert in the same launch, its own format FMT_S and pointers sw/ss/ss2, its own
+    SPLIT_S K splits of CHUNK_S sub-steps, so that its units stream about as many bytes as a routed one):
+    ROWS_PAIR pairs P .. R - 1 are the shared expert's rows (x row r - P), their units after all routed ones;
+    ROWS_TOKEN tokens get SPLIT_S more splits j >= TOPK * SPLIT, the slot TOPK, which reads h row P + token
+    with routing weight 1."""
     num_n = tl.cdiv(N, BN)
-    splits = SPLIT * (TOPK + SHARED) if ROWS == 2 else SPLIT
+    splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
     total = R * num_n * splits
+    routed_units = total   # ROWS_PAIR with SHARED: units of the routed pairs, then SPLIT_S per shared tile
+    if ROWS == 1 and SHARED:
+        routed_units = P * num_n * SPLIT
+        total = routed_units + (R - P) * num_n * SPLIT_S
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
     if PDL:
@@ -441,11 +447,17 @@ def _gemv_kernel(
                               n_steps, stride_wn, stride_sn, stride_wg, stride_sg, FMT, GATED, BN, PDL_L2)
         gdc_wait()
     for u in range(tl.program_id(0), total, tl.num_programs(0)):
+        nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the loop's type)
         j = u % splits
         tile = u // splits
+        if ROWS == 1 and SHARED:
+            if u >= routed_units:
+                nsplit = SPLIT_S + u * 0
+                j = (u - routed_units) % SPLIT_S
+                tile = P * num_n + (u - routed_units) // SPLIT_S
         pid_n = tile % num_n
         r = tile // num_n
-        ks = j % SPLIT
+        ks = j if ROWS == 1 else j % SPLIT   # ROWS_PAIR: j < SPLIT (routed) or < SPLIT_S (shared)
         on_shared = r < 0   # a false scalar of the loop's type
         # rows of x this unit reads, rows of y it writes, and the weight (expert) it streams
         if ROWS == 0:
@@ -467,9 +479,10 @@ def _gemv_kernel(
             rw = 1.0
         else:
             rmask = offs_r == 0
-            slot = j // SPLIT
+            slot = tl.minimum(j // SPLIT, TOPK)
             if SHARED:
                 on_shared = slot == TOPK
+                ks = tl.where(on_shared, j - TOPK * SPLIT, ks)
             pair = r * TOPK + tl.minimum(slot, TOPK - 1)
             yrow = r + offs_r * 0
             xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
@@ -504,7 +517,7 @@ def _gemv_kernel(
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
-        if splits > 1:
+        if nsplit > 1:
             # park the scaled partial, count arrivals; the last unit of the tile sums all in split order
             offs_ws = yrow.to(tl.int64)[None, :] * N + rows_mma[:, None]
             plane = M.to(tl.int64) * N
@@ -515,11 +528,11 @@ def _gemv_kernel(
             tl.debug_barrier()
             cnt = cnt_ptr + tile
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == splits - 1:
+            if arrived == nsplit - 1:
                 acc = tl.zeros((BN, MP), dtype=tl.float32)
                 if GATED:
                     acc_u = tl.zeros((BN, MP), dtype=tl.float32)
-                for i in range(0, splits):
+                for i in range(0, nsplit):
                     part = ws_ptr + i * (2 * plane if GATED else plane)
                     acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
                     if GATED:
@@ -723,13 +736,12 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     cnt = scratch.counters(x.device, R * num_n) if scratch is not None else \
         torch.zeros(R * num_n, dtype=torch.int32, device=x.device)
 
-    def kernel_args(split, chunk, ws):
-        chunk_s = triton.cdiv(n_steps_s, split)
+    def kernel_args(split, chunk, split_s, chunk_s, ws):
         return (x, wt, scale, s2 if s2 is not None else wt, y, ids if ids is not None else wt,
                 rw if rw is not None else wt, ws, cnt,
                 M, N, R, split, topk, chunk, n_steps, float(limit), x_div, group_r, x_gstride,
                 x.stride(0), swe, swg, wt.stride(-2), sse, ssg, scale.stride(-2), s2e, s2g, y.stride(0),
-                swt, sscale, ss2 if ss2 is not None else swt, max(1, pairs), chunk_s + chunk_s % 2, n_steps_s,
+                swt, sscale, ss2 if ss2 is not None else swt, max(1, pairs), chunk_s, split_s, n_steps_s,
                 *shared_strides)
 
     if interp:
@@ -737,23 +749,44 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     else:
         key = (x.device, tuple(sorted((k, str(v)) for k, v in consts.items())))
         per_sm = scratch.resident(key, lambda: resident_ctas(
-            _gemv_kernel.warmup(*kernel_args(1, n_steps, cnt.view(torch.float32)), grid=(1,), **consts),
+            _gemv_kernel.warmup(*kernel_args(1, n_steps, 1, n_steps_s, cnt.view(torch.float32)), grid=(1,),
+                                **consts),
             cfg.num_warps, x.device)) if scratch is not None else 4
     if cfg.max_ctas_per_sm:
         per_sm = min(per_sm, cfg.max_ctas_per_sm)
     slots = num_sms(x.device) * per_sm
-    slots_per_token = topk + (shared is not None) if rows == ROWS_TOKEN else 1
-    split = cfg.split or choose_split(R * num_n * slots_per_token, n_steps, slots)
+    routed_rows = pairs if rows == ROWS_PAIR and shared is not None else R
+    slots_per_row = topk + (shared is not None) if rows == ROWS_TOKEN else 1
+    split = cfg.split or choose_split(R * num_n * slots_per_row, n_steps, slots)
     chunk = triton.cdiv(n_steps, split)
     chunk += chunk % 2   # even: FP8 splits hold whole 128-K scale blocks, FP4 splits whole step pairs
     split = triton.cdiv(n_steps, chunk)
-    splits = split * slots_per_token
-    units = R * num_n * splits
+
+    def plan(split_s):
+        chunk_s = triton.cdiv(n_steps_s, split_s)
+        chunk_s += chunk_s % 2
+        split_s = triton.cdiv(n_steps_s, chunk_s)
+        if rows == ROWS_TOKEN:   # (units, partials per output tile)
+            parts = split * topk + (split_s if shared is not None else 0)
+            return R * num_n * parts, parts, split_s, chunk_s
+        return (num_n * (routed_rows * split + (R - routed_rows) * split_s),
+                max(split, split_s) if shared is not None else split, split_s, chunk_s)
+
+    units, parts, split_s, chunk_s = plan(split)
+    # a sub-step is 64 bytes of a row in every format, so an FP8 shared expert beside FP4 experts has twice
+    # their sub-steps per unit and sets the launch's tail. Where all units still fit in one wave, it gets
+    # proportionally more splits (V4-Flash MoE at 1 token: 49.2 -> 45.5 us); with more waves the extra units
+    # and partials measured slower (bench/RESULTS.md, round six)
+    ratio = n_steps_s // n_steps if shared is not None else 0
+    if ratio > 1 and not cfg.split:
+        balanced = plan(split * ratio)
+        if balanced[0] <= slots:
+            units, parts, split_s, chunk_s = balanced
     ws = cnt.view(torch.float32)   # unused without splits (the kernel still needs typed pointers)
-    if splits > 1:
-        ws = torch.empty(splits * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)
+    if parts > 1:
+        ws = torch.empty(parts * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)
     nprog = units if (interp or not cfg.persistent) else max(1, min(units, slots))
-    args = kernel_args(split, chunk, ws)
+    args = kernel_args(split, chunk, split_s, chunk_s, ws)
     _gemv_kernel[(nprog,)](*args, **consts)
 
 
