@@ -465,36 +465,42 @@ def linear_table(run: Run):
     run.res["linear"] = rows
     copy = run.res.get("copy_gbps", 1.0)
     cublas = {}
-    for sh, name, fmt, n, k in linear_cases(run):
-        for m in run.ms_list():
-            if run.elapsed() > run.args.budget:
-                return
-            if run.toy and name == "wo_a" and m > gemv.MAX_ROWS:
-                continue   # above the GEMV's rows wo_a is Triton dequantize + cuBLAS bmm: CUDA only
-            try:  # wo_a runs as the model runs it: Ops.grouped_linear, x [M, groups, K]
-                ms, cfg = time_linear(run, fmt, n, k, m, groups=sh.o_groups if name == "wo_a" else 0)
-                if (n, k, m) not in cublas:
-                    cublas[(n, k, m)] = time_cublas(run, n, k, m)
-            except Exception as e:
-                print(f"  {sh.name} {name} {fmt} M={m}: FAILED {e!r}"[:400], flush=True)
-                run.res["errors"].append(f"linear {sh.name} {name} {fmt} M={m}: {e!r}"[:400])
-                continue
-            wbytes = nbytes(random_qweight(fmt, (), n, k, run.device, run.gen))
-            gemv_us = None   # below the dispatch threshold: the GEMV forced, for the record
-            if m <= 16 and name != "wo_a" and isinstance(cfg, str) and wbytes < gemv.PREFERRED_BYTES[fmt]:
-                gemv_us = 1e3 * time_linear(run, fmt, n, k, m, cfg=gemv.GemvConfig())[0]
-            cb = cublas[(n, k, m)]
-            flops = 2 * m * n * k
-            row = dict(model=sh.name, linear=name, fmt=fmt, N=n, K=k, M=m, us=ms * 1e3, weight_mb=wbytes / 1e6,
-                       gbps=wbytes / (ms * 1e-3) / 1e9, pct_copy=100 * wbytes / (ms * 1e-3) / 1e9 / copy,
-                       tflops=flops / (ms * 1e-3) / 1e12, cublas_us=cb * 1e3,
-                       cublas_gbps=2 * n * k / (cb * 1e-3) / 1e9, cublas_tflops=flops / (cb * 1e-3) / 1e12,
-                       speedup=cb / ms, config=cfg if isinstance(cfg, str) else asdict(cfg), gemv_us=gemv_us)
-            rows.append(row)
-            print(f"  {sh.name:8s} {name:13s} {fmt:5s} M={m:<5d} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s "
-                  f"({row['pct_copy']:3.0f}% copy) {row['tflops']:6.1f} TF | cuBLAS {row['cublas_us']:9.1f} us "
-                  f"{row['cublas_tflops']:6.1f} TF | x{row['speedup']:.2f}"
-                  + ("" if gemv_us is None else f" | GEMV forced {gemv_us:.1f} us"), flush=True)
+    # decode sizes (M <= 256: CUDA graphs) of every shape first, then the prefill sizes: measured after a
+    # minute of M = 4096 GEMMs, the next shape's M = 1 GEMV ran up to 17 % slower (run 44; the GPU's clocks)
+    cases = list(linear_cases(run))
+    plan = [(i, m) for prefill in (False, True) for i in range(len(cases)) for m in run.ms_list()
+            if (m > 256) == prefill]
+    for i, m in plan:
+        sh, name, fmt, n, k = cases[i]
+        if run.elapsed() > run.args.budget:
+            break
+        if run.toy and name == "wo_a" and m > gemv.MAX_ROWS:
+            continue   # above the GEMV's rows wo_a is Triton dequantize + cuBLAS bmm: CUDA only
+        try:  # wo_a runs as the model runs it: Ops.grouped_linear, x [M, groups, K]
+            ms, cfg = time_linear(run, fmt, n, k, m, groups=sh.o_groups if name == "wo_a" else 0)
+            if (n, k, m) not in cublas:
+                cublas[(n, k, m)] = time_cublas(run, n, k, m)
+        except Exception as e:
+            print(f"  {sh.name} {name} {fmt} M={m}: FAILED {e!r}"[:400], flush=True)
+            run.res["errors"].append(f"linear {sh.name} {name} {fmt} M={m}: {e!r}"[:400])
+            continue
+        wbytes = nbytes(random_qweight(fmt, (), n, k, run.device, run.gen))
+        gemv_us = None   # below the dispatch threshold: the GEMV forced, for the record
+        if m <= 16 and name != "wo_a" and isinstance(cfg, str) and wbytes < gemv.PREFERRED_BYTES[fmt]:
+            gemv_us = 1e3 * time_linear(run, fmt, n, k, m, cfg=gemv.GemvConfig())[0]
+        cb = cublas[(n, k, m)]
+        flops = 2 * m * n * k
+        row = dict(model=sh.name, linear=name, fmt=fmt, N=n, K=k, M=m, us=ms * 1e3, weight_mb=wbytes / 1e6,
+                   gbps=wbytes / (ms * 1e-3) / 1e9, pct_copy=100 * wbytes / (ms * 1e-3) / 1e9 / copy,
+                   tflops=flops / (ms * 1e-3) / 1e12, cublas_us=cb * 1e3,
+                   cublas_gbps=2 * n * k / (cb * 1e-3) / 1e9, cublas_tflops=flops / (cb * 1e-3) / 1e12,
+                   speedup=cb / ms, config=cfg if isinstance(cfg, str) else asdict(cfg), gemv_us=gemv_us)
+        rows.append(dict(row, case=i))
+        print(f"  {sh.name:8s} {name:13s} {fmt:5s} M={m:<5d} {row['us']:9.1f} us {row['gbps']:6.0f} GB/s "
+              f"({row['pct_copy']:3.0f}% copy) {row['tflops']:6.1f} TF | cuBLAS {row['cublas_us']:9.1f} us "
+              f"{row['cublas_tflops']:6.1f} TF | x{row['speedup']:.2f}"
+              + ("" if gemv_us is None else f" | GEMV forced {gemv_us:.1f} us"), flush=True)
+    rows.sort(key=lambda x: (x["case"], x["M"]))   # the table in shape order
 
 
 def moe_table(run: Run):
