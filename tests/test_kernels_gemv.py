@@ -249,6 +249,33 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
                 assert a["CHUNK_S"] == a["CHUNK"], (shared_fmt, a["CHUNK"], a["CHUNK_S"])
 
 
+H200_SLOTS = 132 * 8   # SMs x resident CTAs of the default GEMV
+
+
+@pytest.mark.parametrize("case,args,want", [
+    # V4-Flash gate/up at 1 token: FP4 experts split 4, the FP8 shared expert 8: every unit 8 sub-steps
+    ("flash up T=1", (gemv.ROWS_PAIR, 7, 6, 6, 32, 32, 64), (1024, 8, 4, 8, 8, 8)),
+    # V4-Pro gate/up: split 3 leaves 40-step shared units, balanced 3 / 6 needs two waves: 2 / 4 wins
+    ("pro up T=1", (gemv.ROWS_PAIR, 7, 6, 6, 48, 56, 112), (768, 4, 2, 28, 4, 28)),
+    ("flash down T=1", (gemv.ROWS_TOKEN, 1, 1, 6, 64, 16, 32), (1024, 16, 2, 8, 4, 8)),
+    ("pro down T=1", (gemv.ROWS_TOKEN, 1, 1, 6, 112, 24, 48), (896, 8, 1, 24, 2, 24)),
+    # more than one wave: the shared expert keeps the routed split (balancing measured slower there)
+    ("pro down T=4", (gemv.ROWS_TOKEN, 4, 4, 6, 112, 24, 48), (3136, 7, 1, 24, 1, 48)),
+    ("flash up T=8", (gemv.ROWS_PAIR, 56, 48, 6, 32, 32, 64), (1792, 1, 1, 32, 1, 64)),
+])
+def test_split_plans_at_v4_shapes(case, args, want):
+    """(units, partials, split, chunk, split_s, chunk_s) at V4 MoE shapes on an H200's 1056 slots."""
+    assert gemv.plan_splits(*args, H200_SLOTS) == want
+
+
+def test_split_plans_without_a_shared_expert_or_with_a_forced_split():
+    assert gemv.plan_splits(gemv.ROWS_DENSE, 1, 1, 1, 1024, 12, 0, H200_SLOTS)[:4] == (1024, 1, 1, 12)
+    assert gemv.plan_splits(gemv.ROWS_DENSE, 1, 1, 1, 64, 32, 0, H200_SLOTS)[2] == \
+        gemv.choose_split(64, 32, H200_SLOTS)
+    # forced: the shared expert takes the same split, nothing is balanced
+    assert gemv.plan_splits(gemv.ROWS_PAIR, 7, 6, 6, 32, 32, 64, H200_SLOTS, forced=2) == (448, 2, 2, 16, 2, 32)
+
+
 def test_moe_with_an_unfit_shared_expert_adds_the_mlp(launches):
     """A shared expert the GEMV pair cannot take (9 tokens here: the sorted path) runs as the table's MLP."""
     E, k, D, I, T = 4, 2, 128, 128, 9

@@ -414,7 +414,8 @@ def _gemv_kernel(
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
     stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
     stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn, stride_ss2g,
+    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
+    stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
@@ -676,6 +677,51 @@ def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_steps: int, n_steps_s: int,
+                slots: int, forced: int = 0) -> tuple[int, int, int, int, int, int]:
+    """(units, partials per output tile, split, chunk, split_s, chunk_s) of one launch: R row blocks (of which
+    `routed_rows` stream the routed weight, the rest the shared expert's with n_steps_s sub-steps; 0 = none),
+    ROWS_TOKEN slots of `topk` routed experts plus the shared one. Chunks are whole step pairs.
+
+    The routed split is `forced` or `choose_split`'s, and the shared expert gets the same. A sub-step is 64
+    bytes of a row in every format, so an FP8 shared expert beside FP4 experts then has twice their sub-steps
+    per unit and sets the launch's tail: plans whose shared units are as long as the routed ones replace it
+    where one fits in one wave and costs less (cost = waves x (longest unit + UNIT_OVERHEAD_STEPS)). V4-Flash
+    MoE at 1 token: 49.2 -> 45.5 us; with more waves the extra units and partials measured slower
+    (bench/RESULTS.md, round six), so those are not tried."""
+    shared = n_steps_s > 0
+    slots_per_row = topk + shared if rows == ROWS_TOKEN else 1
+
+    def plan(split, split_s):
+        chunk = triton.cdiv(n_steps, split)
+        chunk += chunk % 2   # even: FP8 splits hold whole 128-K scale blocks, FP4 splits whole step pairs
+        split = triton.cdiv(n_steps, chunk)
+        chunk_s = triton.cdiv(max(n_steps_s, 1), split_s)
+        chunk_s += chunk_s % 2
+        split_s = triton.cdiv(max(n_steps_s, 1), chunk_s)
+        if rows == ROWS_TOKEN:
+            parts = split * topk + (split_s if shared else 0)
+            units = R * num_n * parts
+        else:
+            parts = max(split, split_s) if shared else split
+            units = num_n * (routed_rows * split + (R - routed_rows) * split_s)
+        longest = max(chunk, chunk_s) if shared else chunk
+        cost = triton.cdiv(units, slots) * (longest + UNIT_OVERHEAD_STEPS)
+        return (units, parts, split, chunk, split_s, chunk_s), cost
+
+    split = forced or choose_split(R * num_n * slots_per_row, n_steps, slots)
+    best, best_cost = plan(split, split)
+    ratio = n_steps_s // n_steps
+    if ratio > 1 and not forced:
+        for s in range(1, max(1, n_steps // 2) + 1):
+            balanced, cost = plan(s, s * ratio)
+            if balanced[0] > slots:
+                break   # units only grow with the split
+            if cost < best_cost:
+                best, best_cost = balanced, cost
+    return best
+
+
 def resident_ctas(kernel, num_warps: int, device: torch.device) -> int:
     """CTAs of a compiled kernel that fit on one SM at once (registers, shared memory, threads)."""
     props = torch.cuda.get_device_properties(device)
@@ -756,32 +802,8 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
         per_sm = min(per_sm, cfg.max_ctas_per_sm)
     slots = num_sms(x.device) * per_sm
     routed_rows = pairs if rows == ROWS_PAIR and shared is not None else R
-    slots_per_row = topk + (shared is not None) if rows == ROWS_TOKEN else 1
-    split = cfg.split or choose_split(R * num_n * slots_per_row, n_steps, slots)
-    chunk = triton.cdiv(n_steps, split)
-    chunk += chunk % 2   # even: FP8 splits hold whole 128-K scale blocks, FP4 splits whole step pairs
-    split = triton.cdiv(n_steps, chunk)
-
-    def plan(split_s):
-        chunk_s = triton.cdiv(n_steps_s, split_s)
-        chunk_s += chunk_s % 2
-        split_s = triton.cdiv(n_steps_s, chunk_s)
-        if rows == ROWS_TOKEN:   # (units, partials per output tile)
-            parts = split * topk + (split_s if shared is not None else 0)
-            return R * num_n * parts, parts, split_s, chunk_s
-        return (num_n * (routed_rows * split + (R - routed_rows) * split_s),
-                max(split, split_s) if shared is not None else split, split_s, chunk_s)
-
-    units, parts, split_s, chunk_s = plan(split)
-    # a sub-step is 64 bytes of a row in every format, so an FP8 shared expert beside FP4 experts has twice
-    # their sub-steps per unit and sets the launch's tail. Where all units still fit in one wave, it gets
-    # proportionally more splits (V4-Flash MoE at 1 token: 49.2 -> 45.5 us); with more waves the extra units
-    # and partials measured slower (bench/RESULTS.md, round six)
-    ratio = n_steps_s // n_steps if shared is not None else 0
-    if ratio > 1 and not cfg.split:
-        balanced = plan(split * ratio)
-        if balanced[0] <= slots:
-            units, parts, split_s, chunk_s = balanced
+    units, parts, split, chunk, split_s, chunk_s = plan_splits(
+        rows, R, routed_rows, topk, num_n, n_steps, n_steps_s if shared is not None else 0, slots, cfg.split)
     ws = cnt.view(torch.float32)   # unused without splits (the kernel still needs typed pointers)
     if parts > 1:
         ws = torch.empty(parts * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)
