@@ -812,11 +812,23 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     _gemv_kernel[(nprog,)](*args, **consts)
 
 
+# FP4 weights at least this large stream with 3 pipeline stages: with programmatic dependent launch, V4-Pro wq_b
+# / wo_b NVFP4 (50 / 59 MB) 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash wq_b / wo_b (19 MB) 2-3 % slower, FP8 level
+# (bench/RESULTS.md, runs 51-52)
+THREE_STAGE_FP4_BYTES = 40e6
+
+
+def default_config(w: QWeight) -> GemvConfig:
+    """The dense GEMV's configuration for a weight: GemvConfig() but 3 stages for large FP4 weights."""
+    large_fp4 = w.fmt in ("mxfp4", "nvfp4") and w.nbytes() >= THREE_STAGE_FP4_BYTES
+    return GemvConfig(num_stages=3) if large_fp4 else GemvConfig()
+
+
 def linear(x: torch.Tensor, w: QWeight, cfg: GemvConfig | None = None, out: torch.Tensor | None = None,
            scratch=None) -> torch.Tensor:
-    """y = x @ W^T for x [M <= 64, K] (the caller checked `supported`)."""
+    """y = x @ W^T for x [M <= 64, K] (the caller checked `supported`); `cfg` None: `default_config(w)`."""
     M, N = x.shape[0], w.out_features
-    cfg = cfg or GemvConfig()
+    cfg = cfg or default_config(w)
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         launch(x, w, y, cfg, M=M, scratch=scratch)
