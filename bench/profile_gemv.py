@@ -33,6 +33,10 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "split 8": gemv.GemvConfig(split=8),
     "split 16": gemv.GemvConfig(split=16),
     "cap 96": gemv.GemvConfig(maxnreg=96),
+    "st4": gemv.GemvConfig(num_stages=4),
+    "st3 split 2": gemv.GemvConfig(num_stages=3, split=2),
+    "st4 split 1": gemv.GemvConfig(num_stages=4, split=1),
+    "st4 split 2": gemv.GemvConfig(num_stages=4, split=2),
     "no pdl": gemv.GemvConfig(pdl=False),
     "pdl l2 0": gemv.GemvConfig(pdl_l2=0),
     "pdl l2 1": gemv.GemvConfig(pdl_l2=1),
@@ -41,7 +45,7 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),
-          (FLASH, "indexer wq_b", "nvfp4")]
+          (FLASH, "indexer wq_b", "nvfp4"), (FLASH, "indexer wq_b", "fp8")]
 
 
 def main():
