@@ -88,6 +88,13 @@ def test_no_pdl_means_no_griddepcontrol(ptx):
     assert r["trigger"] is None and r["wait"] is None and r["prefetch"] is None and not r["launch_pdl"]
 
 
+@pytest.mark.parametrize("bad", [3, 6, -1])
+def test_pdl_prefetch_must_be_a_power_of_two(bad):
+    with pytest.raises(ValueError, match="pdl_l2"):
+        gemv.GemvConfig(pdl_l2=bad)
+    assert gemv.GemvConfig(pdl_l2=0).pdl_l2 == 0 and gemv.GemvConfig(pdl_l2=8).pdl_l2 == 8
+
+
 def test_pdl_is_off_where_it_cannot_run():
     cfg = gemv.GemvConfig()
     assert cfg.pdl, "PDL is the default"

@@ -617,6 +617,10 @@ class GemvConfig:
     pdl_l2: int = 2           # with pdl: sub-steps (4 KB each, a power of 2) of the first dense unit of tile-major
                               # weights prefetched into L2 before the wait; 0 = none
 
+    def __post_init__(self):
+        if self.pdl_l2 < 0 or self.pdl_l2 & (self.pdl_l2 - 1):
+            raise ValueError(f"GemvConfig.pdl_l2 must be 0 or a power of two (sub-steps), got {self.pdl_l2}")
+
 
 UNIT_OVERHEAD_STEPS = 3   # per-unit fixed cost (index math, pipeline fill, epilogue) in sub-steps, from SASS
 
@@ -812,9 +816,9 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     _gemv_kernel[(nprog,)](*args, **consts)
 
 
-# FP4 weights at least this large stream with 3 pipeline stages: with programmatic dependent launch, V4-Pro wq_b
-# / wo_b NVFP4 (50 / 59 MB) 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash wq_b / wo_b (19 MB) 2-3 % slower, FP8 level
-# (bench/RESULTS.md, runs 51-52)
+# FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages: with programmatic
+# dependent launch, V4-Pro wq_b / wo_b NVFP4 (56 / 66 MB) 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash wq_b / wo_b
+# (19 MB) 2-3 % slower, FP8 level (bench/RESULTS.md, runs 51-52)
 THREE_STAGE_FP4_BYTES = 40e6
 
 
