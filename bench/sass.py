@@ -96,7 +96,7 @@ def main():
         per_iter = args.bn * (256 if fmt != "fp8" else 128) / (32 * args.warps) * (2 if args.gated else 1)
         n = sum(ops.values())
         print(f"{fmt}: {n} instructions per loop iteration = {n / per_iter:.2f} per weight element and thread; "
-              f"registers {regs}; spill instructions {spills}; "
+              f"registers {regs}; spill instructions {spills}; shuffles {ops['SHFL']}; "
               f"{dict(ops.most_common(12))}")
 
 

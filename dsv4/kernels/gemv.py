@@ -14,8 +14,9 @@ Layout trick (no repack within a row's bytes). A K step ("sub-step") covers 64 b
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
 8 rows per warp; each thread decodes its 16 bytes into elements in natural order (FP4: the low then the high
 nibble of every byte, so each bf16x2 register holds two elements that are adjacent in x as well). The MMA A
-operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block, Triton's relabelled k = 4c .. 4c+3
-(mma.sync, kWidth 4) in thread c = lane % 4. A dot does not care in which order K is summed, and output rows
+operand wants rows lane/4 + 8h + 16w in a thread and, per 16-wide k block, in thread c = lane % 4 either
+Triton's relabelled k = 4c .. 4c+3 (kWidth 4, Triton <= 3.7) or the instruction's own 2c, 2c+1, 2c+8, 2c+9
+(kWidth 2, Triton >= 3.8; `MMA_K_WIDTH`). A dot does not care in which order K is summed, and output rows
 may be stored anywhere, so `_to_mma` re-indexes the decoded tile (rows and K) so that each thread already
 holds exactly its operand fragment - the reshape/permute is register renaming only (checked in SASS:
 bench/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The weights are loaded as 32-bit words
@@ -61,6 +62,9 @@ from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
+# k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
+# instruction's own 2 from 3.8 (SASS of Triton 3.6, 3.7.1, 3.8.0, 3.9.0; `_k_order` follows it)
+MMA_K_WIDTH = tl.constexpr(4 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8) else 2)
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
                         # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
 
@@ -211,13 +215,17 @@ def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _k_order(t, R: tl.constexpr, KS: tl.constexpr):
     """[R, KS] rows whose element KS/4 c + i belongs to thread c (load order) -> the MMA's K order, the same
-    for the weights (`_to_mma`) and x (`_x_kmajor`). Triton's mma.sync operand holds 4 consecutive k per
-    thread: KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e; the two words of one k block then lie 8 bytes
-    apart in x, which is where a 16-byte shared-memory load of x puts the MMA's operand pair (the plain
-    16b + 4c order cost ptxas 54 register moves per loop iteration). Any order is correct (both operands get
-    it); only mma.sync's makes it free. With 4 warps and BN 128 Triton picks wgmma instead, whose fragment this
-    order does not match (it had its own until round six; 2.3x slower, run 39)."""
+    for the weights (`_to_mma`) and x (`_x_kmajor`), matching the mma.sync operand layout Triton picks for bf16
+    (`MMA_K_WIDTH`, from its version). kWidth 4 (4 consecutive k per thread; Triton <= 3.7):
+    KS/4 c + 8j + 4g + 2h + e -> 32j + 16h + 4c + 2g + e; the two words of one k block then lie 8 bytes apart
+    in x, which is where a 16-byte shared-memory load of x puts the MMA's operand pair (the plain 16b + 4c
+    order cost ptxas 54 register moves per loop iteration). kWidth 2 (the instruction's own fragment, k = 2c,
+    2c+1, 2c+8, 2c+9; Triton >= 3.8): KS/4 c + 4b + 2h + e -> 16b + 8h + 2c + e. Any order gives the same
+    result (both operands get it); the wrong one costs shuffles: 1181-1330 instead of ~770 SASS instructions
+    per NVFP4 loop iteration (bench/sass.py)."""
     NB: tl.constexpr = KS // 16
+    if MMA_K_WIDTH == 2:
+        return tl.permute(t.reshape(R, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(R, KS)
     return tl.permute(t.reshape(R, 4, NB // 2, 2, 2, 2), (0, 2, 4, 1, 3, 5)).reshape(R, KS)
 
 

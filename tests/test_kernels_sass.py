@@ -1,0 +1,40 @@
+"""The decode GEMV's K loop as the installed Triton compiles it for sm_90 (no GPU needed: Triton's own LLVM,
+ptxas and cuobjdump, through `bench/sass.py` in a subprocess without TRITON_INTERPRET).
+
+The register-renaming layout trick (`gemv._k_order`, `gemv.MMA_K_WIDTH`) only pays if the decoded weights
+reach the MMA without shuffles between threads. Triton 3.8 changed the bf16 mma.sync operand layout and the
+loop grew from ~770 to ~1330 instructions per NVFP4 iteration (128 SHFL) until the K order followed it; a
+Triton upgrade that breaks it again fails here instead of only on the GPU.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINE = re.compile(r"^(\w+): (\d+) instructions per loop iteration = ([\d.]+) per weight element and thread; "
+                  r"registers (\d+); spill instructions (\d+); shuffles (\d+);")
+
+
+@pytest.fixture(scope="module")
+def loops():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "nvfp4", "mxfp4", "fp8", "--mp", "8",
+                           "--tiled"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    found = {m.group(1): m for m in map(LINE.match, proc.stdout.splitlines()) if m}
+    assert set(found) == {"nvfp4", "mxfp4", "fp8"}, \
+        f"bench/sass.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return found
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_decode_loop_has_no_shuffles_and_no_spills(loops, fmt):
+    m = loops[fmt]
+    assert int(m.group(6)) == 0, f"{fmt}: {m.group(6)} SHFL in the K loop (the K order no longer matches)"
+    assert int(m.group(5)) == 0, f"{fmt}: {m.group(5)} spill instructions"
+    # about 3 instructions per weight element (Triton 3.6-3.9: 2.78-3.02); the broken layout cost 4.5-5.2
+    assert float(m.group(3)) < 3.3, m.group(0)
