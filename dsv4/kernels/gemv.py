@@ -59,7 +59,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import QWeight
 from .host import interpreting, lead_strides, num_sms, scale_views
-from .tiles import FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor
+from .tiles import (FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor,
+                    scale_chunk_c)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
@@ -362,7 +363,7 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     PREFETCH: tl.constexpr = (PF >> (1 if FMT >= 2 else 0)) & 1
     # each row's sub-step 0 (byte column 0) and the distance from one sub-step to the next (byte column
     # STEP of row 0) in the weight and FP4 scale arrays, row-major or tiled (`formats.tiling`)
-    SSTEP: tl.constexpr = TILE_BYTES_C * 2 // (16 if FMT == 3 else 32)
+    SSTEP: tl.constexpr = scale_chunk_c(FMT)
     zero = tl.full((), 0, tl.int32)   # a 0-d tensor, not 0: the interpreter has no int % constexpr
     wrow = byte_offsets(rows, zero, stride_wn, TILE_BYTES_C, TILED)
     wk = byte_offsets(zero, zero + TILE_BYTES_C, stride_wn, TILE_BYTES_C, TILED)
@@ -561,26 +562,29 @@ def _prefetch_l2(ptrs):
 @triton.jit
 def _prefetch_unit_l2(w_ptr, s_ptr, u, splits, num_n, SPLIT, CHUNK, n_steps, stride_wn, stride_sn, stride_wg,
                       stride_sg, FMT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, STEPS: tl.constexpr):
-    """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (one 128-byte line per
-    element, clamped to the unit's own sub-steps) and, for FP4, their block scales (tiled alongside)."""
+    """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (clamped to the unit's
+    own sub-steps) and, for FP4, their block scales (tiled alongside)."""
     j = u % splits
     n0 = ((u // splits) % num_n) * BN
     s0 = (j % SPLIT) * CHUNK
     steps = tl.minimum(tl.minimum(CHUNK, n_steps - s0), STEPS)
-    STEP_LINES: tl.constexpr = TILE_ROWS_C * TILE_BYTES_C // 128
-    lines = tl.minimum(tl.arange(0, STEPS * STEP_LINES), steps * STEP_LINES - 1) * 128
-    w = w_ptr + byte_offsets(n0, s0 * TILE_BYTES_C, stride_wn, TILE_BYTES_C, True) + lines
-    _prefetch_l2(w)
-    if GATED:
-        _prefetch_l2(w + stride_wg)
+    _prefetch_tiled_run(w_ptr, n0, s0, steps, stride_wn, stride_wg, TILE_BYTES_C, STEPS, GATED)
     if FMT >= 2:
-        SSTEP: tl.constexpr = TILE_BYTES_C * 2 // (16 if FMT == 3 else 32)
-        S_LINES: tl.constexpr = TILE_ROWS_C * SSTEP // 128
-        slines = tl.minimum(tl.arange(0, STEPS * S_LINES), steps * S_LINES - 1) * 128
-        sc = s_ptr + byte_offsets(n0, s0 * SSTEP, stride_sn, SSTEP, True) + slines
-        _prefetch_l2(sc)
-        if GATED:
-            _prefetch_l2(sc + stride_sg)
+        _prefetch_tiled_run(s_ptr, n0, s0, steps, stride_sn, stride_sg, scale_chunk_c(FMT), STEPS, GATED)
+
+
+@triton.jit
+def _prefetch_tiled_run(ptr, n0, s0, steps, stride, stride_g, CHUNK: tl.constexpr, STEPS: tl.constexpr,
+                        GATED: tl.constexpr):
+    """Prefetch into L2 sub-steps [s0, s0 + steps) (steps <= STEPS) of tile row n0 of a tile-major array with
+    CHUNK bytes per row and sub-step: one contiguous run, one 128-byte line per element (and the same run
+    stride_g further on when GATED: the up projection)."""
+    LINES: tl.constexpr = TILE_ROWS_C * CHUNK // 128
+    lines = tl.minimum(tl.arange(0, STEPS * LINES), steps * LINES - 1) * 128
+    p = ptr + byte_offsets(n0, s0 * CHUNK, stride, CHUNK, True) + lines
+    _prefetch_l2(p)
+    if GATED:
+        _prefetch_l2(p + stride_g)
 
 
 @triton.jit

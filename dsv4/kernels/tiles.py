@@ -21,7 +21,7 @@ from types import MappingProxyType
 import triton
 import triton.language as tl
 
-from ..formats import TILE_BYTES, TILE_ROWS
+from ..formats import TILE_BYTES, TILE_ROWS, scale_chunk
 
 FMT_DENSE, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
 FMT_CODES = MappingProxyType({"dense": FMT_DENSE, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4, "nvfp4": FMT_NVFP4})
@@ -30,6 +30,17 @@ _TWO_M9 = tl.constexpr(2.0 ** -9)
 _TWO_P117 = tl.constexpr(2.0 ** 117)
 TILE_ROWS_C = tl.constexpr(TILE_ROWS)
 TILE_BYTES_C = tl.constexpr(TILE_BYTES)
+
+
+# `formats.scale_chunk` indexed by kernel format code (Triton's dependency hashing takes constexprs, not calls)
+_SCALE_CHUNKS_C = tl.constexpr(tuple(scale_chunk(name) for name in sorted(FMT_CODES, key=FMT_CODES.get)))
+
+
+@triton.constexpr_function
+def scale_chunk_c(fmt: int) -> int:
+    """`formats.scale_chunk` for a kernel format code (`FMT_CODES`), at compile time: the block-scale bytes per
+    row stored with one TILE_BYTES weight chunk (NVFP4 8, MXFP4 4; 0 where scales are not tiled)."""
+    return _SCALE_CHUNKS_C.value[fmt]
 
 
 @triton.jit
@@ -131,7 +142,7 @@ def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.const
     b = tl.load(wbase + byte_offsets(rows, offs_j[None, :], stride_wn, TILE_BYTES_C, TILED), mask=nmask[:, None],
                 other=0)
     offs_g = k0 // GS + tl.arange(0, BK // GS)
-    s = tl.load(sbase + byte_offsets(rows, offs_g[None, :], stride_sn, TILE_BYTES_C * 2 // GS, TILED),
+    s = tl.load(sbase + byte_offsets(rows, offs_g[None, :], stride_sn, scale_chunk_c(FMT), TILED),
                 mask=nmask[:, None], other=0)
     return _fp4_tile(b, _scale_multiplier(s, FMT, ASM), BN, BK, GS, DOT, ASM)
 
