@@ -36,7 +36,7 @@ NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stri
 
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
-                 pdl_l2: int = 4):
+                 pdl_l2: int = gemv.GemvConfig().pdl_l2):
     fn = gemv._gemv_kernel
     consts = dict(FMT={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp,
                   DOT=tl.bfloat16, ASM=True, W=warps,

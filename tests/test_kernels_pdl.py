@@ -1,9 +1,9 @@
 """Programmatic dependent launch in the decode GEMV (`GemvConfig.pdl`).
 
 The interpreter cannot run `griddepcontrol`, and CI has no GPU, so these tests compile `_gemv_kernel` for
-sm_90 (Triton's own LLVM; no GPU needed) in a subprocess without TRITON_INTERPRET, and read its PTX: with PDL
-the kernel must trigger the next launch and must wait for the previous kernel before its first global load
-(x, ids, scratch), store or atomic. Only L2 prefetches of weight bytes may come before the wait. The H200
+sm_90 (Triton's own LLVM; no GPU needed; `bench/sass.py`) in a subprocess without TRITON_INTERPRET, and read
+its PTX: with PDL the kernel must trigger the next launch and must wait for the previous kernel before its
+first global load (x, ids, scratch), store or atomic. Only L2 prefetches of weight bytes may come before the wait. The H200
 check that a chain of dependent GEMVs gives the same bits with and without PDL is in bench/run_all.py.
 """
 
@@ -20,27 +20,18 @@ from dsv4.kernels import gemv
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# compiles the kernel with the given constexprs and prints, per case, the PTX lines that matter
+# compiles the kernel (NVFP4 routed weights, 2 warps, MMA N = 8; an FP8 shared expert where asked) through
+# bench/sass.py's compile_gemv and prints, per case, the PTX lines that matter
 _COMPILE = r"""
 import json, re, sys
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from dsv4.kernels import gemv
+sys.path.insert(0, "bench")
+import sass
 
-PTRS = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64",
-            rw_ptr="*fp32", ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32", sw_ptr="*u8", ss_ptr="*u8",
-            ss2_ptr="*fp32")
 MEMORY = re.compile(r"\b(ld\.global|cp\.async|st\.global|atom\.|red\.|ld\.volatile)")
 out = {}
 for name, rows, pdl, tiled, shared in json.loads(sys.argv[1]):
-    fn = gemv._gemv_kernel
-    consts = dict(FMT=3, SCALE_F32=False, ROWS=rows, GATED=rows == 1, BN=64, MP=8, DOT=tl.bfloat16, ASM=True,
-                  W=2, SHARED=shared, FMT_S=1 if shared else 3, SCALE_F32_S=False, PF=1, TILED=tiled,
-                  TILED_S=tiled, PDL=pdl, PDL_L2=2)
-    sig = {n: ("constexpr" if n in consts else PTRS.get(n, "i32")) for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=2, num_stages=2, launch_pdl=pdl))
+    k = sass.compile_gemv("nvfp4", 2, 64, 2, rows, rows == 1, 128, mp=8, shared="fp8" if shared else None,
+                          tiled=tiled, pdl=pdl)
     lines = [l.strip() for l in k.asm["ptx"].splitlines()]
     first = lambda pred: next((i for i, l in enumerate(lines) if pred(l)), None)
     out[name] = dict(trigger=first(lambda l: "griddepcontrol.launch_dependents" in l),
