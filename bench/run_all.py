@@ -333,9 +333,10 @@ def _rotations(nbytes_one: int, budget: int = 200 * 2**20, cap: int = 48) -> int
 
 
 def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
-    """ms per call of gemm.linear on rotated weights (one CUDA graph for m <= 256). cfg: a gemm.Config (round
-    one's fused kernel with those tiles), a gemv.GemvConfig (the decode GEMV), or None / "default" (exactly what
-    Ops.linear does). groups > 0 times Ops.grouped_linear (x [m, groups, k / groups... the weight's K])."""
+    """(ms per call, cfg, bytes of one weight) of gemm.linear on rotated weights (one CUDA graph for m <= 256).
+    cfg: a gemm.Config (round one's fused kernel with those tiles), a gemv.GemvConfig (the decode GEMV), or None
+    / "default" (exactly what Ops.linear does). groups > 0 times Ops.grouped_linear (x [m, groups, k / groups...
+    the weight's K])."""
     from dsv4.kernels import gemm
     dev, gen = run.device, run.gen
     w0 = random_qweight(fmt, (), n, k, dev, gen)
@@ -352,7 +353,7 @@ def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
                  for x, w in zip(xs, ws)]
     ms = run.timer.per_call_ms(calls, graph=m <= 256)
     del ws
-    return ms, cfg
+    return ms, cfg, nbytes(w0)
 
 
 def time_cublas(run: Run, n, k, m):
@@ -408,11 +409,10 @@ def sweep(run: Run):
     run.res["sweep"] = out
     for variant, shape, fmt, n, k, cfg in grid_plan(run):
         try:
-            ms_, _ = time_linear(run, fmt, n, k, 1, cfg=cfg)
+            ms_, _, wbytes = time_linear(run, fmt, n, k, 1, cfg=cfg)
         except Exception as e:
             print("  sweep config failed", variant, shape, repr(e)[:300], flush=True)
             continue
-        wbytes = nbytes(random_qweight(fmt, (), n, k, run.device, run.gen))
         row = dict(variant=variant, shape=shape, fmt=fmt, M=1, config=asdict(cfg), us=ms_ * 1e3,
                    gbps=wbytes / (ms_ * 1e-3) / 1e9)
         out.append(row)
@@ -429,8 +429,8 @@ def prefill_compare(run: Run):
     for name, fmt in (("expert w1/w3", "nvfp4"), ("expert w2", "mxfp4"), ("wo_b", "fp8"), ("wq_b", "nvfp4")):
         n, k = sh.linears()[name]
         m = 70 if run.toy else 4096
-        fused, cfg = time_linear(run, fmt, n, k, m, cfg=gemm.pick_config(m, n, k, fmt, run.device))
-        default, _ = time_linear(run, fmt, n, k, m, cfg="default")
+        fused, cfg, _ = time_linear(run, fmt, n, k, m, cfg=gemm.pick_config(m, n, k, fmt, run.device))
+        default, _, _ = time_linear(run, fmt, n, k, m, cfg="default")
         cb = time_cublas(run, n, k, m)
         fl = 2 * m * n * k
         rows.append(dict(shape=f"{sh.name} {name}", fmt=fmt, M=m, fused_tflops=fl / fused / 1e9,
@@ -448,7 +448,7 @@ def crossover(run: Run):
                           (run.models[-1], "wo_b", "nvfp4"), (run.models[-1], "expert w2", "mxfp4")):
         n, k = sh.linears()[name]
         for m in ((16, 33) if run.toy else (16, 24, 32, 48, 64)):
-            fused, _ = time_linear(run, fmt, n, k, m, cfg=gemm.pick_config(m, n, k, fmt, run.device))
+            fused, _, _ = time_linear(run, fmt, n, k, m, cfg=gemm.pick_config(m, n, k, fmt, run.device))
             ws = [random_qweight(fmt, (), n, k, run.device, run.gen) for _ in range(4)]
             xs = [run.x(m, k) for _ in range(4)]
             deq = run.timer.per_call_ms([(lambda x=x, w=w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype)))
@@ -477,14 +477,13 @@ def linear_table(run: Run):
         if run.toy and name == "wo_a" and m > gemv.MAX_ROWS:
             continue   # above the GEMV's rows wo_a is Triton dequantize + cuBLAS bmm: CUDA only
         try:  # wo_a runs as the model runs it: Ops.grouped_linear, x [M, groups, K]
-            ms, cfg = time_linear(run, fmt, n, k, m, groups=sh.o_groups if name == "wo_a" else 0)
+            ms, cfg, wbytes = time_linear(run, fmt, n, k, m, groups=sh.o_groups if name == "wo_a" else 0)
             if (n, k, m) not in cublas:
                 cublas[(n, k, m)] = time_cublas(run, n, k, m)
         except Exception as e:
             print(f"  {sh.name} {name} {fmt} M={m}: FAILED {e!r}"[:400], flush=True)
             run.res["errors"].append(f"linear {sh.name} {name} {fmt} M={m}: {e!r}"[:400])
             continue
-        wbytes = nbytes(random_qweight(fmt, (), n, k, run.device, run.gen))
         gemv_us = None   # below the dispatch threshold: the GEMV forced, for the record
         if m <= 16 and name != "wo_a" and isinstance(cfg, str) and wbytes < gemv.PREFERRED_BYTES[fmt]:
             gemv_us = 1e3 * time_linear(run, fmt, n, k, m, cfg=gemv.GemvConfig())[0]
