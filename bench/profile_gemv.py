@@ -42,6 +42,9 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "pdl l2 1": gemv.GemvConfig(pdl_l2=1),
     "pdl l2 4": gemv.GemvConfig(pdl_l2=4),
     "pdl l2 8": gemv.GemvConfig(pdl_l2=8),
+    "gcol": gemv.GemvConfig(group_cols=True),
+    "st3 gcol": gemv.GemvConfig(num_stages=3, group_cols=True),
+    "st3 gcol cap 96": gemv.GemvConfig(num_stages=3, group_cols=True, maxnreg=96),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),

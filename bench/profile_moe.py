@@ -1,6 +1,6 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
-    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--pdl]
+    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--pdl] [--no-gcol]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
@@ -8,6 +8,8 @@ token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair inclu
 routing weights and the top-k sum fused) against the bytes each reads, and the pair as `kernels.moe` runs it.
 Split 0 is the launch's own choice (`gemv.choose_split`); other splits are forced (per slot for down).
 --pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`), checked equal to the plain pair.
+--no-gcol: the pair once more without `GemvConfig.group_cols` (a multiply per FP4 weight pair instead), with the
+relative difference of the outputs (the two sum in different orders).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main():
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--splits", default="0,2,3,4,6,8")
     ap.add_argument("--pdl", action="store_true", help="also time the pair with GemvConfig(pdl=True)")
+    ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -55,13 +58,13 @@ def main():
             up_bytes = touched * nbytes(w13) / s.E + nbytes(sw13)
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 
-            def up(i, split, pdl=False):
-                gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl), M=P + T,
+            def up(i, split, pdl=False, gcol=True):
+                gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol), M=P + T,
                             rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k, ids=ids[i], limit=10.0,
                             shared=sw13, pairs=P, scratch=scratch)
 
-            def down(i, split, pdl=False):
-                gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl), M=T,
+            def down(i, split, pdl=False, gcol=True):
+                gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol), M=T,
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i], rw=rws[i], shared=sw2, pairs=P,
                             scratch=scratch)
 
@@ -83,6 +86,16 @@ def main():
                 pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
                 print(f"{s.name:8s} T={T:<3d} both, PDL         : {ms * 1e3:7.1f} us {pct:4.0f}% of copy {same}",
                       flush=True)
+            if args.no_gcol:
+                up(0, 0), down(0, 0)
+                plain = outs[0].float().clone()
+                up(0, 0, gcol=False), down(0, 0, gcol=False)
+                diff = float((outs[0].float() - plain).norm() / plain.norm())
+                ms = timer.per_call_ms([lambda i=i: (up(i, 0, gcol=False), down(i, 0, gcol=False))
+                                        for i in range(rot)])
+                pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
+                print(f"{s.name:8s} T={T:<3d} both, no gcol     : {ms * 1e3:7.1f} us {pct:4.0f}% of copy "
+                      f"(rel. diff {diff:.1e})", flush=True)
         del w13, w2, sw13, sw2
 
 

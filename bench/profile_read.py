@@ -108,8 +108,8 @@ def main():
               f"(read + write)", flush=True)
         rows.append(dict(mb=mb, kind="copy", us=ms * 1e3))
         for loader, pdl, ch, warps, stages, per_sm in itertools.product(
-                args.loader.split(","), args.pdl.split(","), *(map(int, a.split(",")) for a in (args.chunks, args.warps, args.stages,
-                                                                        args.per_sm))):
+                args.loader.split(","), args.pdl.split(","),
+                *(map(int, a.split(",")) for a in (args.chunks, args.warps, args.stages, args.per_sm))):
             g = min(sms * per_sm, nbytes // ch)
             words = (nbytes // 4 // max(g, 1)) // (ch // 4) * (ch // 4)   # per program, whole chunks
             if g == 0 or words == 0:
@@ -124,11 +124,13 @@ def main():
                       flush=True)
                 continue
             gbps = g * words * 4 / (ms * 1e-3) / 1e9
-            rows.append(dict(mb=mb, kind="read", loader=loader, pdl=pdl, read_mb=g * words * 4 / 1e6, chunk=ch, warps=warps,
+            rows.append(dict(mb=mb, kind="read", loader=loader, pdl=pdl, read_mb=g * words * 4 / 1e6, chunk=ch,
+                             warps=warps,
                              stages=stages, per_sm=per_sm, programs=g, us=ms * 1e3, pct=100 * gbps / copy))
             if (loader, pdl) not in best or gbps > best[loader, pdl][0]:
                 best[loader, pdl] = (gbps, ch, warps, stages, per_sm, ms, g * words * 4 / 1e6)
-            print(f"  {loader:3s} PDL {pdl:7s} CH {ch:5d} warps {warps} stages {stages} per-SM {per_sm:2d}: {ms * 1e3:7.1f} us "
+            print(f"  {loader:3s} PDL {pdl:7s} CH {ch:5d} warps {warps} stages {stages} per-SM {per_sm:2d}: "
+                  f"{ms * 1e3:7.1f} us "
                   f"{gbps:5.0f} GB/s ({100 * gbps / copy:3.0f}%)", flush=True)
             del bufs
         for (loader, pdl), b in best.items():

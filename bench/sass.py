@@ -36,12 +36,12 @@ NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stri
 
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
-                 pdl_l2: int = gemv.GemvConfig().pdl_l2):
+                 pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False):
     fn = gemv._gemv_kernel
     consts = dict(FMT={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp,
                   DOT=tl.bfloat16, ASM=True, W=warps,
                   SHARED=shared is not None, FMT_S={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[shared or fmt], SCALE_F32_S=False, PF=prefetch,
-                  TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2)
+                  TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol)
     sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize
@@ -87,11 +87,12 @@ def main():
     ap.add_argument("--prefetch", type=int, default=1, help="GemvConfig.prefetch (bit mask: 1 FP8, 2 FP4)")
     ap.add_argument("--tiled", action="store_true", help="weights stored tile by tile (formats.tiling)")
     ap.add_argument("--pdl", action="store_true", help="GemvConfig.pdl (programmatic dependent launch)")
+    ap.add_argument("--gcol", action="store_true", help="GemvConfig.group_cols (FP4, one x row; needs --mp 8)")
     ap.add_argument("--shared", default=None, help="the shared expert's format in the same launch (MoE)")
     args = ap.parse_args()
     for fmt in args.formats:
         k = compile_gemv(fmt, args.warps, args.bn, args.stages, args.rows, args.gated, args.maxnreg, args.mp, args.shared,
-                        args.prefetch, args.tiled, args.pdl)
+                        args.prefetch, args.tiled, args.pdl, gcol=args.gcol)
         ops, spills, regs = loop_counts(k.asm["cubin"])
         per_iter = args.bn * (256 if fmt != "fp8" else 128) / (32 * args.warps) * (2 if args.gated else 1)
         n = sum(ops.values())

@@ -66,6 +66,55 @@ def test_dequantization_is_exact(launches, fmt, cfg):
     assert len(launches) == 2
 
 
+@pytest.fixture
+def gcol_seen(monkeypatch):
+    """The GCOL constexpr of every GEMV kernel launch."""
+    seen = []
+    real = gemv._gemv_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **consts):
+                seen.append(consts["GCOL"])
+                return real[grid](*args, **consts)
+            return run
+
+    monkeypatch.setattr(gemv, "_gemv_kernel", Spy())
+    return seen
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_group_columns_are_exact_for_one_fp4_row(gcol_seen, fmt):
+    """One x row, FP4 weights: the MMA's columns carry the scale groups (`_group_cols`); with x a one-hot row
+    every output is one weight element, so decode, group masks, scales and the final column sum must give
+    QWeight.dequantize bit for bit - a column in each scale group of both sub-steps, and a split."""
+    w = make_weight(fmt, 70, 256)
+    exact = w.dequantize(torch.float32).T
+    for col in (0, 17, 34, 51, 68, 85, 102, 119, 127, 128, 143, 200, 255):
+        for cfg in (gemv.GemvConfig(group_cols=True), gemv.GemvConfig(group_cols=True, split=2)):
+            y = gemv.linear(torch.eye(256)[col:col + 1], w, cfg, scratch=gemm.Scratch())
+            assert torch.equal(y, exact[col:col + 1]), col
+    assert set(gcol_seen) == {True}
+
+
+def test_group_columns_serve_exactly_the_one_row_fp4_launches(gcol_seen):
+    """By default GCOL is on for both MoE launches (one x row per unit) and off for dense calls; asked for, it
+    serves dense FP4 calls of one row, but not two rows or FP8. Every result matches the reference."""
+    x = torch.randn(2, 384)
+    on = gemv.GemvConfig(group_cols=True)
+    for fmt, m, cfg, want in (("nvfp4", 1, on, True), ("mxfp4", 1, on, True), ("nvfp4", 1, gemv.GemvConfig(), False),
+                              ("nvfp4", 2, on, False), ("fp8", 1, on, False)):
+        w = make_weight(fmt, 70, 384)
+        y = gemv.linear(x[:m], w, cfg)
+        assert gcol_seen[-1] is want and rel_err(y, ref.linear(x[:m], w)) < 1e-6, (fmt, m)
+    E, k, D, I, T = 4, 2, 128, 128, 2
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("mxfp4", D, I, (E,), 0.1)
+    xm = torch.randn(T, D)
+    rw, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    y = tmoe.moe(xm, ids, rw, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=gemm.Scratch())
+    assert gcol_seen[-2:] == [True, True] and rel_err(y, ref.moe(xm, ids, rw, w13, w2, LIMIT)) < 1e-6
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_split_k_rearms_and_bf16(launches, fmt):
     w = make_weight(fmt, 64, 512)
@@ -352,7 +401,7 @@ def _run_ptx(asm: str, args: list[int]) -> list[int]:
     """Runs the PTX subset of the decoders (mov, shl, and, prmt, mul.rn.bf16x2 on .b32 registers) on Python
     ints; operands $0.. are outputs then `args`, as in tl.inline_asm_elementwise."""
     regs, outs = {}, {}
-    nout = len(set(re.findall(r"mul\.rn\.bf16x2 \$(\d+)", asm)))
+    nout = len(set(re.findall(r"[a-z0-9.]+\s+\$(\d+),", asm)))   # operands an instruction writes
     for i, v in enumerate(args):
         regs[f"${nout + i}"] = v
 
@@ -406,6 +455,19 @@ def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
         for i in range(4):
             word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
             t = _run_ptx(asm, [word, _BF16_ONE])[i]
+            assert [_bf16_value(t & 0xFFFF), _bf16_value(t >> 16)] == want, (v, i)
+
+
+def test_raw_fp4_decoder_asm_is_the_decoder_without_its_multiply():
+    """The PTX of `gemv._fp4_decode_raw` (the group-column path) gives `_fp4_decode`'s pairs with multiplier 1:
+    e2m1 * 2^-126 as bf16, natural order, on every byte value in every byte position."""
+    asm = _decoder_asm(gemv._fp4_decode_raw)
+    assert "mul" not in asm
+    for v in range(256):
+        want = [_nibble_value(v & 15), _nibble_value(v >> 4)]
+        for i in range(4):
+            word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
+            t = _run_ptx(asm, [word])[i]
             assert [_bf16_value(t & 0xFFFF), _bf16_value(t >> 16)] == want, (v, i)
 
 

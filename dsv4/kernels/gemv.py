@@ -31,6 +31,16 @@ bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m
 2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
 each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is undone once in the epilogue.
 
+Group columns (`GemvConfig.group_cols`; by default in the MoE launches, whose units each read one x row): with
+FP4 weights, column m of the MMA's x operand holds only the 16 x values of the sub-step's scale group m (times
+2^64), so the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weights enter unscaled
+(E2M1 * 2^-126: `prmt`, shift and AND per pair, no multiply) and one FFMA per group applies the block scales to
+D (`_group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal range
+for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
+3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the
+pipeliner would not stage them). Measured (bench/RESULTS.md run 55): MoE pair 3-5 % faster, dense V4-Pro
+wq_b / wo_b at M = 1 7-13 % slower, hence off for dense calls.
+
 Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
 its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
 writes; before the wait it only L2-prefetches the first weight bytes of its first dense unit.
@@ -63,6 +73,7 @@ from .tiles import (FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_off
                     scale_chunk_c)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
+FP4_FORMATS = ("mxfp4", "nvfp4")
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
 # instruction's own 2 from 3.8 (SASS of Triton 3.6, 3.7.1, 3.8.0, 3.9.0; `_k_order` follows it)
 MMA_K_WIDTH = tl.constexpr(4 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8) else 2)
@@ -152,6 +163,54 @@ def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
         e5 = _e2m1_values((b >> 20) & 15) * mult
         e6 = _e2m1_values((b >> 24) & 15) * mult
         e7 = _e2m1_values(b >> 28) * mult
+    return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN)
+
+
+@triton.jit
+def _fp4_decode_raw(b, BN: tl.constexpr, ASM: tl.constexpr):
+    """`_fp4_decode` without the block multipliers: [BN, 128] of E2M1 value * 2^-126 in natural order (bf16
+    with ASM, subnormal for +-0.5, else fp32): `prmt`, shift and AND per pair, no multiply (for the group
+    columns, module docstring)."""
+    if ASM:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 u, t;
+            shl.b32 u, $4, 4;
+            prmt.b32 t, u, $4, 0xC480;
+            shl.b32 t, t, 2;
+            and.b32 $0, t, 0x81C081C0;
+            prmt.b32 t, u, $4, 0xD591;
+            shl.b32 t, t, 2;
+            and.b32 $1, t, 0x81C081C0;
+            prmt.b32 t, u, $4, 0xE6A2;
+            shl.b32 t, t, 2;
+            and.b32 $2, t, 0x81C081C0;
+            prmt.b32 t, u, $4, 0xF7B3;
+            shl.b32 t, t, 2;
+            and.b32 $3, t, 0x81C081C0;
+            }
+            """,
+            "=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            is_pure=True,
+            pack=1,
+        )
+        e0, e1 = _bf16_pair(p0)
+        e2, e3 = _bf16_pair(p1)
+        e4, e5 = _bf16_pair(p2)
+        e6, e7 = _bf16_pair(p3)
+    else:
+        tiny = 2.0 ** -126
+        e0 = _e2m1_values(b & 15) * tiny
+        e1 = _e2m1_values((b >> 4) & 15) * tiny
+        e2 = _e2m1_values((b >> 8) & 15) * tiny
+        e3 = _e2m1_values((b >> 12) & 15) * tiny
+        e4 = _e2m1_values((b >> 16) & 15) * tiny
+        e5 = _e2m1_values((b >> 20) & 15) * tiny
+        e6 = _e2m1_values((b >> 24) & 15) * tiny
+        e7 = _e2m1_values(b >> 28) * tiny
     return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN)
 
 
@@ -253,33 +312,48 @@ def _mma_rows(offs, BN: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
+def _x_subtile(x_ptr, xrow, rmask, k0, stride_xm, MP: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr,
+               GROUP: tl.constexpr):
     """x columns k0 .. k0 + KS - 1 of one sub-step as the dot's B operand [KS, MP], in the K order of
-    `_to_mma` tiles."""
-    x = tl.load(x_ptr + xrow.to(tl.int64)[:, None] * stride_xm + k0 + tl.arange(0, KS)[None, :],
-                mask=rmask[:, None], other=0.0).to(DOT)
-    return _x_kmajor(x, MP, KS)
+    `_to_mma` tiles. GROUP > 0 (the group columns, module docstring): column m holds only scale group m's GROUP
+    columns of the single x row (xrow uniform), times 2^64."""
+    k = tl.arange(0, KS)[None, :]
+    if GROUP > 0:
+        mask = rmask[:, None] & (k // GROUP == tl.arange(0, MP)[:, None])
+    else:
+        mask = rmask[:, None]
+    x = tl.load(x_ptr + xrow.to(tl.int64)[:, None] * stride_xm + k0 + k, mask=mask, other=0.0)
+    if GROUP > 0:
+        x = x.to(tl.float32) * (2.0 ** 64)   # exact; keeps every product in fp32's normal range
+    return _x_kmajor(x.to(DOT), MP, KS)
 
 
 # ------------------------------------------------------------------------------------ one sub-step
 
 @triton.jit
-def _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT: tl.constexpr):
-    """Raw bytes of one sub-step: weights as 32-bit words [BN, 16] (4 bytes of one row each) and (FP4) the
-    block-scale bytes as [BN, 2] words (NVFP4: 8 scales) or half-words (MXFP4: 4 scales). `wrow` / `srow`: the
-    byte offset of every row's sub-step 0, `wk` / `sk`: bytes from one sub-step to the next.
+def _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT: tl.constexpr, SCALES: tl.constexpr = True):
+    """Raw bytes of one sub-step: weights as 32-bit words [BN, 16] (4 bytes of one row each) and (FP4, SCALES)
+    the block-scale words of `_load_scales` (else the weights again). `wrow` / `srow`: the byte offset of every
+    row's sub-step 0, `wk` / `sk`: bytes from one sub-step to the next.
     Wide loads let the software pipeliner (num_stages > 1) stage both through shared memory; unmasked: the
     caller clamps rows past N to a real row (never stored)."""
     jj = tl.arange(0, 16)[None, :]
     b = tl.load((wbase + wrow[:, None] + step * wk).to(tl.pointer_type(tl.uint32)) + jj)
+    s = b
+    if SCALES and FMT >= 2:
+        s = _load_scales(sbase, srow, step, sk, FMT)
+    return b, s
+
+
+@triton.jit
+def _load_scales(sbase, srow, step, sk, FMT: tl.constexpr):
+    """FP4 block-scale bytes of one sub-step as [BN, 2] words (NVFP4: 8 scales) or half-words (MXFP4: 4)."""
     if FMT == 3:
         s = tl.load((sbase + srow[:, None] + step * sk).to(tl.pointer_type(tl.uint32)) + tl.arange(0, 2)[None, :])
-    elif FMT == 2:
+    else:
         s = tl.load((sbase + srow[:, None] + step * sk).to(tl.pointer_type(tl.uint16))
                     + tl.arange(0, 2)[None, :]).to(tl.uint32)
-    else:
-        s = b
-    return b, s
+    return s
 
 
 @triton.jit
@@ -322,10 +396,34 @@ def _group_multipliers(s, FMT: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
+def _group_scales(s, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
+    """Scale words of a sub-step [BN, 2] -> fp32 [BN, 8] in `_to_mma` row order: column g is the factor from
+    the group columns' partials of K columns 16g .. 16g + 15 (x * 2^64 times E2M1 * 2^-126) to the tile prescale
+    that `tiles.epilogue_factor` undoes, less the 2^53 that `_unit_acc` applies to the column sum. NVFP4 (a
+    group per column): the e4m3 scale; MXFP4 (a group per two columns): 2^(e - 134), a normal fp32 for exponent
+    bytes 8 .. 254 (block scales 2^-119 .. 2^127)."""
+    # built like `_group_multipliers`: the scale word of every weight word [BN, 16] (thread c of a row holds
+    # words 4c .. 4c + 3, groups 2c and 2c + 1: the D columns it holds), then one value per group
+    if FMT == 3:
+        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
+        byte = ((sw >> (((tl.arange(0, 16) // 2) % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
+        per_word = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
+        e = ((sw >> (((tl.arange(0, 16) // 4) % 2) * 8)[None, :]) & 0xFF).to(tl.int32)
+        per_word = ((e - 7) << 23).to(tl.float32, bitcast=True)
+    f, _ = tl.split(per_word.reshape(BN, 8, 2))
+    return tl.permute(f.reshape(BN // (16 * W), 2, W, 8, 8), (0, 2, 1, 3, 4)).reshape(BN, 8)
+
+
+@triton.jit
 def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, GCOL: tl.constexpr):
     """acc [BN, MP] += decoded sub-step tile @ xs (the sub-step's x, from `_x_subtile`)."""
-    if FMT >= 2:
+    if GCOL:
+        d = tl.dot(_to_mma(_fp4_decode_raw(b, BN, ASM).to(DOT), BN, W, 128), xs)
+        acc += d * _group_scales(s, FMT, BN, W)
+    elif FMT >= 2:
         w = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
         acc = tl.dot(_to_mma(w.to(DOT), BN, W, 128), xs, acc)
     else:
@@ -348,7 +446,7 @@ def _fp8_block_scale(sbase, rows_mma, nmask_mma, kblock, stride_sn, SCALE_F32: t
 def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
               stride_xm, stride_wn, stride_sn,
               FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
-              DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr):
+              DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr, GCOL: tl.constexpr):
     """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (an FP8 iteration is one
     128-K scale block, s0 even). A missing second step (odd count) re-reads the first step's weights against
     zero x.
@@ -357,9 +455,16 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     pipeliner, num_stages > 1, stages them and x through shared memory but waits for them at the top of the
     next iteration). With prefetch (PF bit 0 for FP8, bit 1 for FP4 weights) a sub-step's registers are
     refilled with the weights two sub-steps on as soon as they are decoded, so the loads stay in flight across
-    the next decode (the last prefetches re-read step s1 - 1)."""
+    the next decode (the last prefetches re-read step s1 - 1).
+
+    GCOL with FP4 weights (one x row, xrow uniform): the group columns (module docstring); the partial is
+    returned in column 0."""
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     KS: tl.constexpr = 128 if FMT >= 2 else 64
+    GC: tl.constexpr = GCOL and FMT >= 2
+    XG: tl.constexpr = 16 if GC else 0
+    if GC:
+        rmask = xrow * 0 == 0   # one x row, read by every MMA column (each its own scale groups)
     PREFETCH: tl.constexpr = (PF >> (1 if FMT >= 2 else 0)) & 1
     # each row's sub-step 0 (byte column 0) and the distance from one sub-step to the next (byte column
     # STEP of row 0) in the weight and FP4 scale arrays, row-major or tiled (`formats.tiling`)
@@ -372,25 +477,37 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     if PREFETCH:
         b0, c0 = _load_sub(wbase, sbase, wrow, srow, s0, wk, sk, FMT)
         b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(s0 + 1, s1 - 1), wk, sk, FMT)
+    elif GC:
+        # the scales feed no dot operand here, so the pipeliner would leave their loads unstaged: they are
+        # loaded a loop iteration ahead into registers instead
+        n0 = _load_scales(sbase, srow, s0, sk, FMT)
+        n1 = _load_scales(sbase, srow, tl.minimum(s0 + 1, s1 - 1), sk, FMT)
     for step in range(s0, s1, 2):
         step1 = tl.minimum(step + 1, s1 - 1)
         if not PREFETCH:
-            b0, c0 = _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT)
-            b1, c1 = _load_sub(wbase, sbase, wrow, srow, step1, wk, sk, FMT)
-        x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT)
+            b0, c0 = _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT, not GC)
+            b1, c1 = _load_sub(wbase, sbase, wrow, srow, step1, wk, sk, FMT, not GC)
+            if GC:
+                c0 = n0
+                c1 = n1
+                n0 = _load_scales(sbase, srow, tl.minimum(step + 2, s1 - 1), sk, FMT)
+                n1 = _load_scales(sbase, srow, tl.minimum(step + 3, s1 - 1), sk, FMT)
+        x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, XG)
         x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP, KS,
-                        DOT)
+                        DOT, XG)
         blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W,
-                       DOT, ASM)
+                       DOT, ASM, GC)
         if PREFETCH:
             b0, c0 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 2, s1 - 1), wk, sk, FMT)
-        blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM)
+        blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM, GC)
         if PREFETCH:
             b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 3, s1 - 1), wk, sk, FMT)
         if FMT >= 2:
             acc = blk
         else:
             acc += blk * _fp8_block_scale(sbase, rows_mma, nmask_mma, step // 2, stride_sn, SCALE_F32)[:, None]
+    if GC:   # the group columns' sum, and the 2^53 that `_group_scales` leaves out
+        acc = tl.where(tl.arange(0, MP)[None, :] == 0, tl.sum(acc, axis=1)[:, None] * (2.0 ** 53), 0.0)
     return acc
 
 
@@ -401,18 +518,18 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
                  stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g,
                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
                  MP: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr,
-                 PF: tl.constexpr, TILED: tl.constexpr):
+                 PF: tl.constexpr, TILED: tl.constexpr, GCOL: tl.constexpr):
     """One unit's partial(s) of one weight: (acc, acc_u, factor, factor_u); acc_u is the up projection when
     GATED (else acc again). The factors undo the decode prescale and apply the routing weight `rw`."""
     acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
-                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, DOT, ASM, PF, TILED)
+                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, DOT, ASM, PF, TILED, GCOL)
     f = epilogue_factor(s2base, FMT) * rw
     acc_u = acc
     f_u = f
     if GATED:
         acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
                           nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W,
-                          DOT, ASM, PF, TILED)
+                          DOT, ASM, PF, TILED, GCOL)
         f_u = epilogue_factor(s2base + stride_s2g, FMT)
     return acc, acc_u, f, f_u
 
@@ -428,7 +545,7 @@ def _gemv_kernel(
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
-    TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr,
+    TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -472,7 +589,7 @@ def _gemv_kernel(
         # rows of x this unit reads, rows of y it writes, and the weight (expert) it streams
         if ROWS == 0:
             rmask = offs_r < M
-            xrow = offs_r
+            xrow = offs_r if not GCOL else offs_r * 0   # GCOL: M == 1, every MMA column reads x row 0
             yrow = offs_r
             e = r * 0
             rw = 1.0
@@ -511,19 +628,19 @@ def _gemv_kernel(
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
                     tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S)
+                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S, GCOL)
             else:
                 acc, acc_u, f, f_u = _weight_unit(
                     x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                     s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                     stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
-                    MP, W, DOT, ASM, PF, TILED)
+                    MP, W, DOT, ASM, PF, TILED, GCOL)
         else:
             acc, acc_u, f, f_u = _weight_unit(
                 x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                 s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                 stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
-                W, DOT, ASM, PF, TILED)
+                W, DOT, ASM, PF, TILED, GCOL)
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
@@ -628,6 +745,10 @@ class GemvConfig:
     pdl: bool = True          # programmatic dependent launch where the GPU has it (sm_90+; never interpreted)
     pdl_l2: int = 2           # with pdl: sub-steps (4 KB each, a power of 2) of the first dense unit of tile-major
                               # weights prefetched into L2 before the wait; 0 = none
+    group_cols: bool | None = None   # FP4 weights, one x row per unit: the MMA's columns carry the scale
+                              # groups (module docstring) instead of a multiply per weight pair. None: in the MoE
+                              # row modes only (run 55: MoE pair 3-5 % faster, dense V4-Pro wq_b / wo_b at
+                              # M = 1 7-13 % slower); True: dense calls of one row too
 
     def __post_init__(self):
         if self.pdl_l2 < 0 or self.pdl_l2 & (self.pdl_l2 - 1):
@@ -789,7 +910,10 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
-                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2)
+                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2,
+                  GCOL=(rows != ROWS_DENSE if cfg.group_cols is None else cfg.group_cols)
+                  and (rows != ROWS_DENSE or M == 1) and MP == 8 and (
+                      w.fmt in FP4_FORMATS or (shared is not None and shared.fmt in FP4_FORMATS)))
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
