@@ -45,6 +45,7 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "gcol": gemv.GemvConfig(group_cols=True),
     "st3 gcol": gemv.GemvConfig(num_stages=3, group_cols=True),
     "st3 gcol cap 96": gemv.GemvConfig(num_stages=3, group_cols=True, maxnreg=96),
+    "gcol no pdl": gemv.GemvConfig(group_cols=True, pdl=False),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),
