@@ -1,0 +1,111 @@
+"""Same-machine A/B of the MoE decode pair: this tree's kernels against another commit's, interleaved.
+
+    python bench/ab_moe.py --export COMMIT DIR      # here, with git: COMMIT's package as DIR/dsv4_ref
+    python bench/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3]      # on the GPU
+
+Calls on the device tool can land on different H200s (copy bandwidth 4249 vs 4274 GB/s), so a change worth a
+few percent is only measured against its predecessor in one process. Both packages get the same weights, inputs
+and routings (made by this tree's `bench/common.py`); each repeat times the reference pair, then this tree's,
+each as `kernels.moe` launches it (gate/up over (token, slot) pairs with the FP8 shared expert, then down with
+the routing weights and the top-k sum), and the outputs are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import io
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
+
+from dsv4.kernels import gemm, gemv  # noqa: E402
+
+
+def export(commit: str, out: Path):
+    """COMMIT's `dsv4` package as out/dsv4_ref (its absolute self-imports renamed)."""
+    tar = subprocess.run(["git", "archive", commit, "dsv4"], cwd=ROOT, check=True, capture_output=True).stdout
+    dest = out / "dsv4_ref"
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        for m in t.getmembers():
+            if m.isfile() and m.name.endswith(".py"):
+                path = dest / Path(m.name).relative_to("dsv4")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                text = t.extractfile(m).read().decode()
+                path.write_text(text.replace("from dsv4.", "from dsv4_ref.")
+                                .replace("import dsv4.", "import dsv4_ref."))
+    print(f"{commit} -> {dest}")
+
+
+def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
+    """The MoE decode pair as `kernels.moe` launches it, with package `mod`'s gemv."""
+    T, P = x.shape[0], ids.numel()
+    cfg = mod.GemvConfig(pdl=False)
+    mod.launch(x, w13, h, cfg, M=P + T, rows=mod.ROWS_PAIR, R=P + T, gated=True, x_div=k, ids=ids, limit=10.0,
+               shared=sw13, pairs=P, scratch=scratch)
+    mod.launch(h, w2, out, cfg, M=T, rows=mod.ROWS_TOKEN, R=T, topk=k, ids=ids, rw=rw, shared=sw2, pairs=P,
+               scratch=scratch)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--export", nargs=2, metavar=("COMMIT", "DIR"))
+    ap.add_argument("--ref", help="a folder holding dsv4_ref (from --export)")
+    ap.add_argument("--tokens", default="1,4,8")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.export:
+        return export(args.export[0], Path(args.export[1]))
+    sys.path.insert(0, str(Path(args.ref).resolve()))
+    ref_gemv = importlib.import_module("dsv4_ref.kernels.gemv")
+    ref_gemm = importlib.import_module("dsv4_ref.kernels.gemm")
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer = Timer(dev)
+    copy = copy_bandwidth(dev)
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    sides = (("ref", ref_gemv, ref_gemm.Scratch()), ("new", gemv, gemm.Scratch()))
+    for s in (FLASH, PRO):
+        w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
+        w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
+        sw13 = random_qweight("fp8", (2,), s.I, s.D, dev, gen)
+        sw2 = random_qweight("fp8", (), s.D, s.I, dev, gen)
+        for T in (int(t) for t in args.tokens.split(",")):
+            rot, P = 8, T * s.k
+            xs = [torch.randn(T, s.D, device=dev, generator=gen).bfloat16() for _ in range(rot)]
+            ids = [torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(T)])
+                   for _ in range(rot)]
+            rws = [torch.rand(T * s.k, device=dev, generator=gen) for _ in range(rot)]
+            hs = [torch.empty(P + T, s.I, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
+            outs = [torch.empty(T, s.D, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
+            touched = sum(i.unique().numel() for i in ids) / rot
+            floor_bytes = touched * (nbytes(w13) + nbytes(w2)) / s.E + nbytes(sw13) + nbytes(sw2)
+            got = {}
+            for name, mod, scratch in sides:
+                pair(mod, xs[0], w13, w2, sw13, sw2, ids[0], rws[0], hs[0], outs[0], s.k, scratch)
+                got[name] = outs[0].float().clone()
+            diff = float((got["new"] - got["ref"]).norm() / got["ref"].norm())
+            times = {name: [] for name, _, _ in sides}
+            for _ in range(args.repeats):
+                for name, mod, scratch in sides:
+                    times[name].append(1e3 * timer.per_call_ms(
+                        [lambda i=i, mod=mod, scratch=scratch: pair(mod, xs[i], w13, w2, sw13, sw2, ids[i], rws[i],
+                                                                     hs[i], outs[i], s.k, scratch)
+                         for i in range(rot)]))
+            row = "  ".join(f"{name} {min(v):7.1f}-{max(v):7.1f} us "
+                            f"({100 * floor_bytes / (min(v) * 1e-6) / 1e9 / copy:3.0f}%)" for name, v in times.items())
+            print(f"{s.name:8s} T={T:<3d} {row}  new/ref {min(times['new']) / min(times['ref']):.3f}  "
+                  f"rel. diff {diff:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
