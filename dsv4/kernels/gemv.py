@@ -38,8 +38,10 @@ FP4 weights, column m of the MMA's x operand holds only the 16 x values of the s
 D (`_group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal range
 for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
 3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the
-pipeliner would not stage them). Measured (bench/RESULTS.md run 55): MoE pair 3-5 % faster, dense V4-Pro
-wq_b / wo_b at M = 1 7-13 % slower, hence off for dense calls.
+pipeliner would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense
+V4-Pro wq_b / wo_b at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in
+time (ncu: 17 % of stall samples on them); staging them with the weights, loading them through inline PTX or
+prefetching them into L2 measured slower still.
 
 Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
 its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
@@ -747,8 +749,8 @@ class GemvConfig:
                               # weights prefetched into L2 before the wait; 0 = none
     group_cols: bool | None = None   # FP4 weights, one x row per unit: the MMA's columns carry the scale
                               # groups (module docstring) instead of a multiply per weight pair. None: in the MoE
-                              # row modes only (run 55: MoE pair 3-5 % faster, dense V4-Pro wq_b / wo_b at
-                              # M = 1 7-13 % slower); True: dense calls of one row too
+                              # row modes only (runs 55-62: MoE pair up to 5 % faster, dense V4-Pro wq_b /
+                              # wo_b at M = 1 7-13 % slower); True: dense calls of one row too
 
     def __post_init__(self):
         if self.pdl_l2 < 0 or self.pdl_l2 & (self.pdl_l2 - 1):
