@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
 from dsv4.kernels import gemm, gemv  # noqa: E402
 
@@ -80,14 +80,8 @@ def main():
         sw13 = random_qweight("fp8", (2,), s.I, s.D, dev, gen)
         sw2 = random_qweight("fp8", (), s.D, s.I, dev, gen)
         for T in (int(t) for t in args.tokens.split(",")):
-            rot, P = 8, T * s.k
-            xs = [torch.randn(T, s.D, device=dev, generator=gen).bfloat16() for _ in range(rot)]
-            ids = [torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(T)])
-                   for _ in range(rot)]
-            rws = [torch.rand(T * s.k, device=dev, generator=gen) for _ in range(rot)]
-            hs = [torch.empty(P + T, s.I, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
-            outs = [torch.empty(T, s.D, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
-            touched = sum(i.unique().numel() for i in ids) / rot
+            rot = 8
+            xs, ids, rws, hs, outs, touched = moe_decode_inputs(s, T, rot, dev, gen)
             floor_bytes = touched * (nbytes(w13) + nbytes(w2)) / s.E + nbytes(sw13) + nbytes(sw2)
             got = {}
             for name, mod, scratch in sides:

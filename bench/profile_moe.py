@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
+from common import (FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes,  # noqa: E402
+                    random_qweight)
 
 from dsv4.kernels import gemm, gemv  # noqa: E402
 
@@ -48,13 +49,7 @@ def main():
         sw2 = random_qweight("fp8", (), s.D, s.I, dev, gen)
         for T in (int(t) for t in args.tokens.split(",")):
             rot, P = (2 if args.toy else 8), T * s.k
-            xs = [torch.randn(T, s.D, device=dev, generator=gen).bfloat16() for _ in range(rot)]
-            ids = [torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(T)])
-                   for _ in range(rot)]
-            rws = [torch.rand(T * s.k, device=dev, generator=gen) for _ in range(rot)]
-            hs = [torch.empty(P + T, s.I, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
-            outs = [torch.empty(T, s.D, device=dev, dtype=torch.bfloat16) for _ in range(rot)]
-            touched = sum(i.unique().numel() for i in ids) / rot
+            xs, ids, rws, hs, outs, touched = moe_decode_inputs(s, T, rot, dev, gen)
             up_bytes = touched * nbytes(w13) / s.E + nbytes(sw13)
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 

@@ -446,10 +446,10 @@ def _nibble_value(n: int) -> float:
 
 
 def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
-    """The PTX of `gemv._fp4_decode`, read from the kernel source and run by `_run_ptx` on every byte value in
+    """The PTX of `gemv._fp4_decode` (`gemv.FP4_PTX`), run by `_run_ptx` on every byte value in
     every byte position of a word (other bytes hold garbage), multiplier 1: output i holds byte i's low nibble in
     its low half and the high nibble in its high half, each e2m1 * 2^-126 as bf16."""
-    asm = _decoder_asm(gemv._fp4_decode)
+    asm = gemv.FP4_PTX.value
     for v in range(256):
         want = [_nibble_value(v & 15), _nibble_value(v >> 4)]
         for i in range(4):
@@ -459,9 +459,9 @@ def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
 
 
 def test_raw_fp4_decoder_asm_is_the_decoder_without_its_multiply():
-    """The PTX of `gemv._fp4_decode_raw` (the group-column path) gives `_fp4_decode`'s pairs with multiplier 1:
-    e2m1 * 2^-126 as bf16, natural order, on every byte value in every byte position."""
-    asm = _decoder_asm(gemv._fp4_decode_raw)
+    """`gemv.FP4_PTX_RAW` (the group-column path) gives `FP4_PTX`'s pairs with multiplier 1: e2m1 * 2^-126 as
+    bf16, natural order, on every byte value in every byte position."""
+    asm = gemv.FP4_PTX_RAW.value
     assert "mul" not in asm
     for v in range(256):
         want = [_nibble_value(v & 15), _nibble_value(v >> 4)]

@@ -31,17 +31,17 @@ bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m
 2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
 each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is undone once in the epilogue.
 
-Group columns (`GemvConfig.group_cols`; by default in the MoE launches, whose units each read one x row): with
-FP4 weights, column m of the MMA's x operand holds only the 16 x values of the sub-step's scale group m (times
-2^64), so the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weights enter unscaled
-(E2M1 * 2^-126: `prmt`, shift and AND per pair, no multiply) and one FFMA per group applies the block scales to
-D (`_group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal range
-for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
-3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the
-pipeliner would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense
-V4-Pro wq_b / wo_b at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in
-time (ncu: 17 % of stall samples on them); staging them with the weights, loading them through inline PTX or
-prefetching them into L2 measured slower still.
+Group columns (`GemvConfig.group_cols`; by default in the MoE launches, whose units each read one x row): with FP4
+weights, column m of the MMA's x operand holds only the 16 x values of the sub-step's scale group m (times 2^64),
+so the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weights enter unscaled (E2M1 *
+2^-126: `prmt`, shift and AND per pair, no multiply: `FP4_PTX_RAW`) and one FFMA per group applies the block
+scales to D (`_group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal
+range for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions
+(Triton 3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the
+pipeliner would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense V4-Pro
+wq_b / wo_b at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in time (ncu: 17
+% of stall samples on them); staging them with the weights, loading them through inline PTX or prefetching them
+into L2 measured slower still.
 
 Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
 its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
@@ -108,11 +108,27 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr):
     return tl.permute(q, (0, 1, 4, 3, 2)).reshape(BN, 128)      # [BN, 16, e, pair, half] -> natural
 
 
+def _fp4_ptx(scaled: bool) -> str:
+    """The PTX of `_fp4_decode` (operands: $0..$3 out, $4 the word, $5 the multiplier when `scaled`): per byte i,
+    `prmt` (selector 0xC480 + 0x1111 i), << 2, the sign + magnitude mask, then the multiply or not."""
+    lines = ["{", ".reg .b32 u, t;", "shl.b32 u, $4, 4;"]
+    for i in range(4):
+        lines += [f"prmt.b32 t, u, $4, 0x{0xC480 + 0x1111 * i:04X};", "shl.b32 t, t, 2;"]
+        lines += ["and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 ${i}, t, $5;"] if scaled else \
+            [f"and.b32 ${i}, t, 0x81C081C0;"]
+    return "\n".join(lines + ["}"])
+
+
+FP4_PTX = tl.constexpr(_fp4_ptx(True))
+FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False))   # no multiply: the group columns (module docstring)
+
+
 @triton.jit
-def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
+def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr = True):
     """Packed FP4 weights [BN, 16] uint32 (four adjacent bytes of one row each) and their block multipliers ->
     [BN, 128] in natural order (bf16 with ASM, else fp32): element 2j / 2j + 1 is the low / high nibble of
-    byte j times its multiplier.
+    byte j times its multiplier. Not SCALED (the group columns, module docstring): E2M1 value * 2^-126 (with ASM
+    no multiply at all, a bf16 subnormal for +-0.5; else times `mult`, which the caller sets to 2^-126).
 
     ASM, one 32-bit word per instance, one bf16x2 per byte i (elements 2i, 2i + 1, adjacent in x too, so x
     fragments are plain words): `prmt` builds [S(w_i) w_i S(u_i) u_i] from the word w and u = w << 4 (mode 8
@@ -120,38 +136,17 @@ def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
     nibble in the high half as bf16 subnormals (sign at bit 15 / 31, magnitude bits at 8..6 / 24..22). One
     mul.bf16x2 applies the multiplier (a word never straddles a scale group). Element positions come from
     memory (a uint32 is four bytes of one row), never from Triton's register order, on which `pack > 1`
-    would depend.
+    would depend (`FP4_PTX`, `FP4_PTX_RAW`).
     """
     if ASM:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b32 u, t;
-            shl.b32 u, $4, 4;
-            prmt.b32 t, u, $4, 0xC480;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $0, t, $5;
-            prmt.b32 t, u, $4, 0xD591;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $1, t, $5;
-            prmt.b32 t, u, $4, 0xE6A2;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $2, t, $5;
-            prmt.b32 t, u, $4, 0xF7B3;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $3, t, $5;
-            }
-            """,
-            "=r,=r,=r,=r,r,r",
-            [b, mult],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-            is_pure=True,
-            pack=1,
-        )
+        if SCALED:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_PTX, "=r,=r,=r,=r,r,r", [b, mult],
+                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                                       is_pure=True, pack=1)
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_PTX_RAW, "=r,=r,=r,=r,r", [b],
+                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+                                                       is_pure=True, pack=1)
         e0, e1 = _bf16_pair(p0)
         e2, e3 = _bf16_pair(p1)
         e4, e5 = _bf16_pair(p2)
@@ -165,54 +160,6 @@ def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr):
         e5 = _e2m1_values((b >> 20) & 15) * mult
         e6 = _e2m1_values((b >> 24) & 15) * mult
         e7 = _e2m1_values(b >> 28) * mult
-    return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN)
-
-
-@triton.jit
-def _fp4_decode_raw(b, BN: tl.constexpr, ASM: tl.constexpr):
-    """`_fp4_decode` without the block multipliers: [BN, 128] of E2M1 value * 2^-126 in natural order (bf16
-    with ASM, subnormal for +-0.5, else fp32): `prmt`, shift and AND per pair, no multiply (for the group
-    columns, module docstring)."""
-    if ASM:
-        p0, p1, p2, p3 = tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b32 u, t;
-            shl.b32 u, $4, 4;
-            prmt.b32 t, u, $4, 0xC480;
-            shl.b32 t, t, 2;
-            and.b32 $0, t, 0x81C081C0;
-            prmt.b32 t, u, $4, 0xD591;
-            shl.b32 t, t, 2;
-            and.b32 $1, t, 0x81C081C0;
-            prmt.b32 t, u, $4, 0xE6A2;
-            shl.b32 t, t, 2;
-            and.b32 $2, t, 0x81C081C0;
-            prmt.b32 t, u, $4, 0xF7B3;
-            shl.b32 t, t, 2;
-            and.b32 $3, t, 0x81C081C0;
-            }
-            """,
-            "=r,=r,=r,=r,r",
-            [b],
-            dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-            is_pure=True,
-            pack=1,
-        )
-        e0, e1 = _bf16_pair(p0)
-        e2, e3 = _bf16_pair(p1)
-        e4, e5 = _bf16_pair(p2)
-        e6, e7 = _bf16_pair(p3)
-    else:
-        tiny = 2.0 ** -126
-        e0 = _e2m1_values(b & 15) * tiny
-        e1 = _e2m1_values((b >> 4) & 15) * tiny
-        e2 = _e2m1_values((b >> 8) & 15) * tiny
-        e3 = _e2m1_values((b >> 12) & 15) * tiny
-        e4 = _e2m1_values((b >> 16) & 15) * tiny
-        e5 = _e2m1_values((b >> 20) & 15) * tiny
-        e6 = _e2m1_values((b >> 24) & 15) * tiny
-        e7 = _e2m1_values(b >> 28) * tiny
     return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN)
 
 
@@ -423,7 +370,7 @@ def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr
              ASM: tl.constexpr, GCOL: tl.constexpr):
     """acc [BN, MP] += decoded sub-step tile @ xs (the sub-step's x, from `_x_subtile`)."""
     if GCOL:
-        d = tl.dot(_to_mma(_fp4_decode_raw(b, BN, ASM).to(DOT), BN, W, 128), xs)
+        d = tl.dot(_to_mma(_fp4_decode(b, 2.0 ** -126, BN, ASM, False).to(DOT), BN, W, 128), xs)
         acc += d * _group_scales(s, FMT, BN, W)
     elif FMT >= 2:
         w = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
