@@ -18,7 +18,7 @@ from itertools import product
 
 import torch
 
-from ..formats import FP8_BLOCK, QWeight
+from ..formats import FP4_FORMATS, FP8_BLOCK, QWeight
 from ..model import QLinear, Transformer
 from ..model.moe import Gate
 from .loader import canonical_name
@@ -66,7 +66,7 @@ def _zero_cause(q: QWeight) -> str:
     if q.fmt == "dense":
         return "every value is 0"
     causes = []
-    if q.fmt in ("mxfp4", "nvfp4") and not bool(((q.weight & 0x77) != 0).any()):
+    if q.fmt in FP4_FORMATS and not bool(((q.weight & 0x77) != 0).any()):
         causes.append("all FP4 codes are +-0")
     if q.fmt == "fp8" and not bool((q.weight.float() != 0).any()):
         causes.append("all FP8 elements are 0")

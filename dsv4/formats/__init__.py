@@ -9,4 +9,4 @@ from .nvfp4 import (NVFP4_BLOCK, dequantize_nvfp4, nvfp4_global_scale, quantize_
 from .scales import E4M3_MAX, UE8M0_DTYPE, float_to_ue8m0, pow2_ceil, to_e4m3_saturating, ue8m0_to_float
 from .swizzle import swizzle_128x4, unswizzle_128x4
 from .tiling import TILE_BYTES, TILE_ROWS, scale_chunk, tile_bytes, tile_bytes_, untile_bytes, why_untileable
-from .qweight import FORMATS, QWeight
+from .qweight import FORMATS, FP4_FORMATS, QWeight

@@ -29,6 +29,7 @@ from .scales import UE8M0_DTYPE
 from .tiling import TILE_BYTES, TILE_ROWS, scale_chunk, tile_bytes, tile_bytes_, untile_bytes, why_untileable
 
 FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
+FP4_FORMATS = ("mxfp4", "nvfp4")   # packed two codes per byte, block scales per 16 / 32
 _E4M3 = torch.float8_e4m3fn
 _WEIGHT_DTYPES = MappingProxyType({"fp8": (_E4M3,), "mxfp4": (torch.uint8,), "nvfp4": (torch.uint8,)})
 _SCALE_DTYPES = MappingProxyType({"fp8": (UE8M0_DTYPE, torch.float32), "mxfp4": (UE8M0_DTYPE,), "nvfp4": (_E4M3,)})
@@ -55,7 +56,7 @@ class QWeight:
 
     @property
     def in_features(self) -> int:
-        packed = self.fmt in ("mxfp4", "nvfp4")
+        packed = self.fmt in FP4_FORMATS
         return self.weight.shape[-1] * (2 if packed else 1)
 
     @property
@@ -105,7 +106,7 @@ class QWeight:
     def rows(self, start: int, stop: int) -> "QWeight":
         """Output rows [start, stop) of one unstacked FP4 weight (views where the layout allows: row-major, or
         tiled at whole tiles; else a row-major copy)."""
-        if self.leading or self.fmt not in ("mxfp4", "nvfp4"):
+        if self.leading or self.fmt not in FP4_FORMATS:
             raise ValueError(f"rows() takes one unstacked FP4 weight, got {self.fmt} {tuple(self.weight.shape)}")
         if self.tiled and (start % TILE_ROWS or stop % TILE_ROWS):
             return self.untiled().rows(start, stop)

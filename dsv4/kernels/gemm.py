@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import QWeight
+from ..formats import FP4_FORMATS, QWeight
 from . import gemv
 from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves,
@@ -195,7 +195,7 @@ def _pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
 def k_block(fmt: str, K: int, want: int) -> int | None:
     """Largest BK <= want that the format allows: FP4 needs BK | K and BK >= 32 (one asm pack per half-group);
     FP8 needs BK | 128 (one block scale per K step); dense anything (masked tail)."""
-    if fmt in ("mxfp4", "nvfp4"):
+    if fmt in FP4_FORMATS:
         for bk in (256, 128, 64, 32):
             if bk <= want and K % bk == 0:
                 return bk
@@ -227,7 +227,7 @@ def pick_config(M: int, N: int, K: int, fmt: str, device: torch.device, *, gated
     chunks_of = lambda bk: triton.cdiv(K, bk)  # noqa: E731
     if M <= 64:
         BM = _pow2_at_most(M, 64)
-        t = tiles or (DECODE_TILES_FP4 if fmt in ("mxfp4", "nvfp4") else DECODE_TILES_FP8)
+        t = tiles or (DECODE_TILES_FP4 if fmt in FP4_FORMATS else DECODE_TILES_FP8)
         BK = k_block(fmt, K, 64 if a_fp4 else t.BK)
         if BK is None:
             return None
@@ -251,7 +251,7 @@ def weight_supported(w: QWeight, device: torch.device) -> bool:
         return False
     if w.weight.stride(-1) != 1 or (w.scale is not None and w.scale.stride(-1) != 1):
         return False
-    if w.fmt in ("mxfp4", "nvfp4") and k_block(w.fmt, w.in_features, 256) is None:
+    if w.fmt in FP4_FORMATS and k_block(w.fmt, w.in_features, 256) is None:
         return False
     if w.fmt == "nvfp4" and w.scale_2 is None:
         return False

@@ -69,13 +69,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..formats import QWeight
+from ..formats import FP4_FORMATS, QWeight
 from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import (FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor,
                     scale_chunk_c)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
-FP4_FORMATS = ("mxfp4", "nvfp4")
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
 # instruction's own 2 from 3.8 (SASS of Triton 3.6, 3.7.1, 3.8.0, 3.9.0; `_k_order` follows it)
 MMA_K_WIDTH = tl.constexpr(4 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8) else 2)
@@ -726,7 +725,7 @@ def preferred(w: QWeight, x: torch.Tensor, rows: int) -> bool:
 
 
 def steps_of(fmt: str, K: int) -> int:
-    return K // (128 if fmt in ("mxfp4", "nvfp4") else 64)
+    return K // (128 if fmt in FP4_FORMATS else 64)
 
 
 def supported(w: QWeight, x: torch.Tensor, rows: int) -> bool:
@@ -909,7 +908,7 @@ THREE_STAGE_FP4_BYTES = 40e6
 
 def default_config(w: QWeight) -> GemvConfig:
     """The dense GEMV's configuration for a weight: GemvConfig() but 3 stages for large FP4 weights."""
-    large_fp4 = w.fmt in ("mxfp4", "nvfp4") and w.nbytes() >= THREE_STAGE_FP4_BYTES
+    large_fp4 = w.fmt in FP4_FORMATS and w.nbytes() >= THREE_STAGE_FP4_BYTES
     return GemvConfig(num_stages=3) if large_fp4 else GemvConfig()
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import QWeight
+from ..formats import FP4_FORMATS, QWeight
 from . import gemm, gemv, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
 from .host import num_sms, scale_views
@@ -195,7 +195,7 @@ def _down_decode_kernel(h_ptr, w_ptr, s_ptr, s2_ptr, ids_ptr, rw_ptr, y_ptr, T, 
 # ------------------------------------------------------------------------------------------- wrappers
 
 def _fp4(fmt: str) -> bool:
-    return fmt in ("mxfp4", "nvfp4")
+    return fmt in FP4_FORMATS
 
 
 def decode_configs(T: int, k: int, E: int, I: int, K: int, D: int, fmt_up: str, fmt_down: str, device,
