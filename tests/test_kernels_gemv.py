@@ -85,7 +85,7 @@ def gcol_seen(monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_group_columns_are_exact_for_one_fp4_row(gcol_seen, fmt):
-    """One x row, FP4 weights: the MMA's columns carry the scale groups (`_group_cols`); with x a one-hot row
+    """One x row, FP4 weights: the MMA's columns carry the scale groups (`GemvConfig.group_cols`); with x a one-hot row
     every output is one weight element, so decode, group masks, scales and the final column sum must give
     QWeight.dequantize bit for bit - a column in each scale group of both sub-steps, and a split."""
     w = make_weight(fmt, 70, 256)

@@ -352,12 +352,11 @@ def _group_scales(s, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
     bytes 8 .. 254 (block scales 2^-119 .. 2^127)."""
     # built like `_group_multipliers`: the scale word of every weight word [BN, 16] (thread c of a row holds
     # words 4c .. 4c + 3, groups 2c and 2c + 1: the D columns it holds), then one value per group
+    sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
     if FMT == 3:
-        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
         byte = ((sw >> (((tl.arange(0, 16) // 2) % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
         per_word = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
         e = ((sw >> (((tl.arange(0, 16) // 4) % 2) * 8)[None, :]) & 0xFF).to(tl.int32)
         per_word = ((e - 7) << 23).to(tl.float32, bitcast=True)
     f, _ = tl.split(per_word.reshape(BN, 8, 2))
@@ -756,6 +755,15 @@ def choose_split(units_per_split: int, n_steps: int, slots: int, max_split: int 
     return best
 
 
+def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeight | None) -> bool:
+    """The group columns (module docstring): where every unit reads one x row (the MoE row modes, or a dense call
+    of one row; the MMA's N is then 8) and the routed or shared weight is FP4; `cfg.group_cols` None = in the MoE
+    row modes only."""
+    wanted = rows != ROWS_DENSE if cfg.group_cols is None else cfg.group_cols
+    fp4 = w.fmt in FP4_FORMATS or (shared is not None and shared.fmt in FP4_FORMATS)
+    return wanted and fp4 and (rows != ROWS_DENSE or M == 1)
+
+
 def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
     """Programmatic dependent launch: asked for, on a CUDA GPU with `griddepcontrol` (sm_90+), not interpreted."""
     return (cfg.pdl and device.type == "cuda" and not interpreting()
@@ -858,10 +866,7 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
-                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2,
-                  GCOL=(rows != ROWS_DENSE if cfg.group_cols is None else cfg.group_cols)
-                  and (rows != ROWS_DENSE or M == 1) and MP == 8 and (
-                      w.fmt in FP4_FORMATS or (shared is not None and shared.fmt in FP4_FORMATS)))
+                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared))
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
