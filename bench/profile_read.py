@@ -11,6 +11,10 @@ program (reported). Buffers rotate past the L2.
 Loaders: `cp` is a pointer load (Triton's pipeliner turns it into cp.async into shared memory when stages > 1);
 `tma` reads the same chunk as one tensor-memory-accelerator box of CH / 128 rows of 128 bytes (a host
 `TensorDescriptor`; the pipeliner issues the boxes STAGES - 1 iterations ahead on mbarriers).
+
+PDL (programmatic dependent launch; the timer replays the reads back to back): `off` plain launches; `wait` lets
+the next read launch at the start of the current one and makes it wait before it reads; `overlap` makes it wait
+only before its single store, so its reads overlap the current one's tail.
 """
 
 from __future__ import annotations
@@ -34,18 +38,30 @@ from common import Timer, copy_bandwidth  # noqa: E402
 
 
 @triton.jit
-def _stream_kernel(ptr, out_ptr, words_per_prog, CW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)
+def _pdl_start(PDL: tl.constexpr):
+    """PDL "wait" and "overlap": let the next launch start now; "wait": wait for the previous kernel before reading."""
     if PDL > 0:
         gdc_launch_dependents()
     if PDL == 1:
         gdc_wait()
+
+
+@triton.jit
+def _pdl_before_store(PDL: tl.constexpr):
+    """PDL "overlap": the reads overlapped the previous kernel; wait for it before the only store."""
+    if PDL == 2:
+        gdc_wait()
+
+
+@triton.jit
+def _stream_kernel(ptr, out_ptr, words_per_prog, CW: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    _pdl_start(PDL)
     base = ptr.to(tl.pointer_type(tl.uint32)) + pid.to(tl.int64) * words_per_prog
     acc = tl.zeros((CW,), dtype=tl.uint32)
     for i in tl.range(0, words_per_prog, CW, num_stages=STAGES):
         acc ^= tl.load(base + i + tl.arange(0, CW))
-    if PDL == 2:
-        gdc_wait()
+    _pdl_before_store(PDL)
     tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
 
 
@@ -53,16 +69,12 @@ def _stream_kernel(ptr, out_ptr, words_per_prog, CW: tl.constexpr, STAGES: tl.co
 def _stream_tma_kernel(desc, out_ptr, rows_per_prog, BR: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """_stream_kernel through TMA: the buffer as int32 [rows, 32], BR rows (BR * 128 bytes) per iteration."""
     pid = tl.program_id(0)
-    if PDL > 0:
-        gdc_launch_dependents()
-    if PDL == 1:
-        gdc_wait()
+    _pdl_start(PDL)
     r0 = pid * rows_per_prog
     acc = tl.zeros((BR, 32), dtype=tl.int32)
     for i in tl.range(0, rows_per_prog, BR, num_stages=STAGES):
         acc ^= desc.load([r0 + i, 0])
-    if PDL == 2:
-        gdc_wait()
+    _pdl_before_store(PDL)
     tl.store(out_ptr + pid, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
 
 
@@ -125,13 +137,12 @@ def main():
                 continue
             gbps = g * words * 4 / (ms * 1e-3) / 1e9
             rows.append(dict(mb=mb, kind="read", loader=loader, pdl=pdl, read_mb=g * words * 4 / 1e6, chunk=ch,
-                             warps=warps,
-                             stages=stages, per_sm=per_sm, programs=g, us=ms * 1e3, pct=100 * gbps / copy))
+                             warps=warps, stages=stages, per_sm=per_sm, programs=g, us=ms * 1e3,
+                             pct=100 * gbps / copy))
             if (loader, pdl) not in best or gbps > best[loader, pdl][0]:
                 best[loader, pdl] = (gbps, ch, warps, stages, per_sm, ms, g * words * 4 / 1e6)
             print(f"  {loader:3s} PDL {pdl:7s} CH {ch:5d} warps {warps} stages {stages} per-SM {per_sm:2d}: "
-                  f"{ms * 1e3:7.1f} us "
-                  f"{gbps:5.0f} GB/s ({100 * gbps / copy:3.0f}%)", flush=True)
+                  f"{ms * 1e3:7.1f} us {gbps:5.0f} GB/s ({100 * gbps / copy:3.0f}%)", flush=True)
             del bufs
         for (loader, pdl), b in best.items():
             print(f"{mb:6.1f} MB best read, {loader}, PDL {pdl} ({b[6]:.1f} MB read): {b[0]:5.0f} GB/s "

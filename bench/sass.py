@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from dsv4.kernels import gemv  # noqa: E402
+from dsv4.kernels.tiles import FMT_CODES  # noqa: E402
 
 TYPES = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32",
              ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32", sw_ptr="*u8", ss_ptr="*u8", ss2_ptr="*fp32")
@@ -38,9 +39,8 @@ def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: b
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
                  pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False):
     fn = gemv._gemv_kernel
-    consts = dict(FMT={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp,
-                  DOT=tl.bfloat16, ASM=True, W=warps,
-                  SHARED=shared is not None, FMT_S={"fp8": 1, "mxfp4": 2, "nvfp4": 3}[shared or fmt], SCALE_F32_S=False, PF=prefetch,
+    consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp, DOT=tl.bfloat16, ASM=True,
+                  W=warps, SHARED=shared is not None, FMT_S=FMT_CODES[shared or fmt], SCALE_F32_S=False, PF=prefetch,
                   TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol)
     sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -91,8 +91,8 @@ def main():
     ap.add_argument("--shared", default=None, help="the shared expert's format in the same launch (MoE)")
     args = ap.parse_args()
     for fmt in args.formats:
-        k = compile_gemv(fmt, args.warps, args.bn, args.stages, args.rows, args.gated, args.maxnreg, args.mp, args.shared,
-                        args.prefetch, args.tiled, args.pdl, gcol=args.gcol)
+        k = compile_gemv(fmt, args.warps, args.bn, args.stages, args.rows, args.gated, args.maxnreg, args.mp,
+                         args.shared, args.prefetch, args.tiled, args.pdl, gcol=args.gcol)
         ops, spills, regs = loop_counts(k.asm["cubin"])
         per_iter = args.bn * (256 if fmt != "fp8" else 128) / (32 * args.warps) * (2 if args.gated else 1)
         n = sum(ops.values())
