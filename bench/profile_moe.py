@@ -7,9 +7,9 @@ For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --form
 token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
 routing weights and the top-k sum fused) against the bytes each reads, and the pair as `kernels.moe` runs it.
 Split 0 is the launch's own choice (`gemv.choose_split`); other splits are forced (per slot for down).
---pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`), checked equal to the plain pair.
---no-gcol: the pair once more without `GemvConfig.group_cols` (a multiply per FP4 weight pair instead), with the
-relative difference of the outputs (the two sum in different orders).
+--pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`); --no-gcol: once more without
+`GemvConfig.group_cols` (a multiply per FP4 weight pair instead). Each variant's output is compared with the plain
+pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 """
 
 from __future__ import annotations
@@ -69,28 +69,19 @@ def main():
                     pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
                     print(f"{s.name:8s} T={T:<3d} {name:8s} split {split or 'auto':>4}: {ms * 1e3:7.1f} us "
                           f"{nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
-            ms = timer.per_call_ms([lambda i=i: (up(i, 0), down(i, 0)) for i in range(rot)])
-            pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
-            print(f"{s.name:8s} T={T:<3d} both launches     : {ms * 1e3:7.1f} us {pct:4.0f}% of copy", flush=True)
-            if args.pdl:
-                up(0, 0), down(0, 0)
-                plain = outs[0].clone()
-                up(0, 0, True), down(0, 0, True)
-                same = "=" if torch.equal(outs[0], plain) else "DIFFERS"
-                ms = timer.per_call_ms([lambda i=i: (up(i, 0, True), down(i, 0, True)) for i in range(rot)])
+            variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
+                + [("both, no gcol", dict(gcol=False))] * args.no_gcol
+            for label, kw in variants:
+                versus = ""   # a variant's output against the plain pair's
+                if kw:
+                    up(0, 0), down(0, 0)
+                    plain = outs[0].clone()
+                    up(0, 0, **kw), down(0, 0, **kw)
+                    diff = float((outs[0].float() - plain.float()).norm() / plain.float().norm())
+                    versus = " =" if torch.equal(outs[0], plain) else f" DIFFERS (rel. diff {diff:.1e})"
+                ms = timer.per_call_ms([lambda i=i: (up(i, 0, **kw), down(i, 0, **kw)) for i in range(rot)])
                 pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
-                print(f"{s.name:8s} T={T:<3d} both, PDL         : {ms * 1e3:7.1f} us {pct:4.0f}% of copy {same}",
-                      flush=True)
-            if args.no_gcol:
-                up(0, 0), down(0, 0)
-                plain = outs[0].float().clone()
-                up(0, 0, gcol=False), down(0, 0, gcol=False)
-                diff = float((outs[0].float() - plain).norm() / plain.norm())
-                ms = timer.per_call_ms([lambda i=i: (up(i, 0, gcol=False), down(i, 0, gcol=False))
-                                        for i in range(rot)])
-                pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
-                print(f"{s.name:8s} T={T:<3d} both, no gcol     : {ms * 1e3:7.1f} us {pct:4.0f}% of copy "
-                      f"(rel. diff {diff:.1e})", flush=True)
+                print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us {pct:4.0f}% of copy{versus}", flush=True)
         del w13, w2, sw13, sw2
 
 
