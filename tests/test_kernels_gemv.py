@@ -67,24 +67,26 @@ def test_dequantization_is_exact(launches, fmt, cfg):
 
 
 @pytest.fixture
-def gcol_seen(monkeypatch):
-    """The GCOL constexpr of every GEMV kernel launch."""
+def kernel_calls(monkeypatch):
+    """Every `_gemv_kernel` launch as a dict: its arguments by name and its constexprs."""
     seen = []
     real = gemv._gemv_kernel
 
-    class Spy:
+    class Recording:
+        arg_names = real.arg_names
+
         def __getitem__(self, grid):
             def run(*args, **consts):
-                seen.append(consts["GCOL"])
+                seen.append(dict(zip(real.arg_names, args), **consts))
                 return real[grid](*args, **consts)
             return run
 
-    monkeypatch.setattr(gemv, "_gemv_kernel", Spy())
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recording())
     return seen
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_group_columns_are_exact_for_one_fp4_row(gcol_seen, fmt):
+def test_group_columns_are_exact_for_one_fp4_row(kernel_calls, fmt):
     """One x row, FP4 weights: the MMA's columns carry the scale groups (`GemvConfig.group_cols`); with x a one-hot row
     every output is one weight element, so decode, group masks, scales and the final column sum must give
     QWeight.dequantize bit for bit - a column in each scale group of both sub-steps, and a split."""
@@ -94,25 +96,26 @@ def test_group_columns_are_exact_for_one_fp4_row(gcol_seen, fmt):
         for cfg in (gemv.GemvConfig(group_cols=True), gemv.GemvConfig(group_cols=True, split=2)):
             y = gemv.linear(torch.eye(256)[col:col + 1], w, cfg, scratch=gemm.Scratch())
             assert torch.equal(y, exact[col:col + 1]), col
-    assert set(gcol_seen) == {True}
+    assert {c["GCOL"] for c in kernel_calls} == {True}
 
 
-def test_group_columns_serve_exactly_the_one_row_fp4_launches(gcol_seen):
+def test_group_columns_serve_exactly_the_one_row_fp4_launches(kernel_calls):
     """By default GCOL is on for both MoE launches (one x row per unit) and off for dense calls; asked for, it
     serves dense FP4 calls of one row, but not two rows or FP8. Every result matches the reference."""
     x = torch.randn(2, 384)
     on = gemv.GemvConfig(group_cols=True)
-    for fmt, m, cfg, want in (("nvfp4", 1, on, True), ("mxfp4", 1, on, True), ("nvfp4", 1, gemv.GemvConfig(), False),
-                              ("nvfp4", 2, on, False), ("fp8", 1, on, False)):
+    for fmt, m, cfg, want in (("nvfp4", 1, on, True), ("mxfp4", 1, on, True),
+                              ("nvfp4", 1, gemv.GemvConfig(), False), ("nvfp4", 2, on, False), ("fp8", 1, on, False)):
         w = make_weight(fmt, 70, 384)
         y = gemv.linear(x[:m], w, cfg)
-        assert gcol_seen[-1] is want and rel_err(y, ref.linear(x[:m], w)) < 1e-6, (fmt, m)
+        assert kernel_calls[-1]["GCOL"] is want and rel_err(y, ref.linear(x[:m], w)) < 1e-6, (fmt, m)
     E, k, D, I, T = 4, 2, 128, 128, 2
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("mxfp4", D, I, (E,), 0.1)
     xm = torch.randn(T, D)
     rw, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     y = tmoe.moe(xm, ids, rw, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=gemm.Scratch())
-    assert gcol_seen[-2:] == [True, True] and rel_err(y, ref.moe(xm, ids, rw, w13, w2, LIMIT)) < 1e-6
+    assert [c["GCOL"] for c in kernel_calls[-2:]] == [True, True]
+    assert rel_err(y, ref.moe(xm, ids, rw, w13, w2, LIMIT)) < 1e-6
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -263,24 +266,11 @@ def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared
 
 
 @pytest.mark.parametrize("sms", [256, 4])
-def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_wave(monkeypatch, sms):
+def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_wave(monkeypatch, kernel_calls, sms):
     """A sub-step is 64 bytes of a row in every format, so an FP8 shared expert has twice the sub-steps of FP4
     experts of the same shape. Where all units still fit in one wave (256 SMs here) it gets twice the K
     splits, so each of its units streams as many bytes as a routed one; with more waves (4 SMs) it keeps the
     routed split. An FP4 shared expert always keeps it. Results are the reference's either way."""
-    seen = []
-    real = gemv._gemv_kernel
-
-    class Recording:
-        arg_names = real.arg_names
-
-        def __getitem__(self, grid):
-            def run(*args, **kwargs):
-                seen.append(dict(zip(real.arg_names, args)))
-                return real[grid](*args, **kwargs)
-            return run
-
-    monkeypatch.setattr(gemv, "_gemv_kernel", Recording())
     monkeypatch.setattr(gemv, "num_sms", lambda device: sms)
     E, k, D, I, T = 5, 2, 512, 256, 2
     for shared_fmt, ratio in (("fp8", 2 if sms == 256 else 1), ("nvfp4", 1)):
@@ -288,11 +278,11 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
         shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-        seen.clear()
+        kernel_calls.clear()
         y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
-        assert len(seen) == 2
-        for a in seen:
+        assert len(kernel_calls) == 2
+        for a in kernel_calls:
             assert a["SPLIT_S"] == ratio * a["SPLIT"], (shared_fmt, a["SPLIT"], a["SPLIT_S"])
             if ratio == 2:
                 assert a["CHUNK_S"] == a["CHUNK"], (shared_fmt, a["CHUNK"], a["CHUNK_S"])

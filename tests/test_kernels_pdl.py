@@ -3,8 +3,9 @@
 The interpreter cannot run `griddepcontrol`, and CI has no GPU, so these tests compile `_gemv_kernel` for
 sm_90 (Triton's own LLVM; no GPU needed; `bench/sass.py`) in a subprocess without TRITON_INTERPRET, and read
 its PTX: with PDL the kernel must trigger the next launch and must wait for the previous kernel before its
-first global load (x, ids, scratch), store or atomic. Only L2 prefetches of weight bytes may come before the wait. The H200
-check that a chain of dependent GEMVs gives the same bits with and without PDL is in bench/run_all.py.
+first global load (x, ids, scratch), store or atomic. Only L2 prefetches of weight bytes may come before the
+wait. The H200 check that a chain of dependent GEMVs gives the same bits with and without PDL is in
+bench/run_all.py.
 """
 
 import json

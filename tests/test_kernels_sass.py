@@ -20,15 +20,22 @@ LINE = re.compile(r"^(\w+): (\d+) instructions per loop iteration = ([\d.]+) per
                   r"registers (\d+); spill instructions (\d+); shuffles (\d+);")
 
 
+def sass_loops(*args: str) -> dict:
+    """`bench/sass.py` for sm_90 on the installed Triton (a subprocess without TRITON_INTERPRET, tiled weights,
+    MMA N = 8): its line per format, parsed by LINE."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), *args, "--mp", "8", "--tiled"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    found = {m.group(1): m for m in map(LINE.match, proc.stdout.splitlines()) if m}
+    formats = {a for a in args if not a.startswith("-")}
+    assert set(found) == formats, \
+        f"bench/sass.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return found
+
+
 @pytest.fixture(scope="module")
 def loops():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "nvfp4", "mxfp4", "fp8", "--mp", "8",
-                           "--tiled"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    found = {m.group(1): m for m in map(LINE.match, proc.stdout.splitlines()) if m}
-    assert set(found) == {"nvfp4", "mxfp4", "fp8"}, \
-        f"bench/sass.py failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return found
+    return sass_loops("nvfp4", "mxfp4", "fp8")
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
@@ -44,11 +51,6 @@ def test_group_column_loop_has_no_shuffles_no_spills_and_fewer_instructions(loop
     """The group-column K loop (`GemvConfig.group_cols`, FP4, one x row) drops the multiply per weight pair:
     no shuffles or spills, and fewer instructions per element than the default loop (Triton 3.6: 702 against
     773 per NVFP4 iteration; 3.9: 694 against 767)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), "nvfp4", "mxfp4", "--mp", "8", "--tiled",
-                           "--gcol"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    found = {m.group(1): m for m in map(LINE.match, proc.stdout.splitlines()) if m}
-    assert set(found) == {"nvfp4", "mxfp4"}, f"bench/sass.py --gcol failed:\n{proc.stderr[-3000:]}"
-    for fmt, m in found.items():
+    for fmt, m in sass_loops("nvfp4", "mxfp4", "--gcol").items():
         assert int(m.group(6)) == 0 and int(m.group(5)) == 0, m.group(0)
         assert int(m.group(2)) < 0.95 * int(loops[fmt].group(2)), (m.group(0), loops[fmt].group(0))
