@@ -1,7 +1,10 @@
 """Same-machine A/B of the MoE decode pair: this tree's kernels against another commit's, interleaved.
 
     python bench/ab_moe.py --export COMMIT DIR      # here, with git: COMMIT's package as DIR/dsv4_ref
-    python bench/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3]      # on the GPU
+    python bench/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3] [--layer]      # on the GPU
+
+`--layer` times the routing kernel and `kernels.moe.moe` instead of the bare pair (the MoE layer as
+`model.moe` runs it: this tree's side with `after_route=True`, the reference's as its own model calls it).
 
 Calls on the device tool can land on different H200s (copy bandwidth 4249 vs 4274 GB/s), so a change worth a
 few percent is only measured against its predecessor in one process. Both packages get the same weights, inputs
@@ -26,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import FLASH, PRO, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
-from dsv4.kernels import gemm, gemv  # noqa: E402
+from dsv4.kernels import gemm, gemv, moe  # noqa: E402
+from dsv4.kernels import refuse_fallback  # noqa: E402
 
 
 def export(commit: str, out: Path):
@@ -56,49 +60,73 @@ def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
                scratch=scratch)
 
 
+def layer(mod, x, logits, bias, w13, w2, sw13, sw2, k, scratch, **kwargs):
+    """The routing kernel, then the MoE with its shared expert, through package `mod`'s kernels.moe."""
+    wts, ids = mod.route(logits, bias, k, 1.5, fallback=refuse_fallback)
+    return mod.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, shared=(sw13, sw2), scratch=scratch,
+                   **kwargs)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--export", nargs=2, metavar=("COMMIT", "DIR"))
     ap.add_argument("--ref", help="a folder holding dsv4_ref (from --export)")
     ap.add_argument("--tokens", default="1,4,8")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layer", action="store_true",
+                    help="routing + kernels.moe.moe instead of the bare pair; adds this tree without after_route")
+    ap.add_argument("--toy", action="store_true", help="CPU interpreter dry run at toy shapes (checks the script)")
     args = ap.parse_args()
     if args.export:
         return export(args.export[0], Path(args.export[1]))
     sys.path.insert(0, str(Path(args.ref).resolve()))
     ref_gemv = importlib.import_module("dsv4_ref.kernels.gemv")
     ref_gemm = importlib.import_module("dsv4_ref.kernels.gemm")
-    dev = torch.device("cuda")
+    ref_moe = importlib.import_module("dsv4_ref.kernels.moe")
+    # name: (gemv module, moe module, moe keyword arguments, scratch)
+    sides = {"ref": (ref_gemv, ref_moe, {}, ref_gemm.Scratch()),
+             "new": (gemv, moe, {"after_route": True} if args.layer else {}, gemm.Scratch())}
+    if args.layer:
+        sides["plain"] = (gemv, moe, {}, gemm.Scratch())
+    dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     timer = Timer(dev)
-    copy = copy_bandwidth(dev)
+    copy = 1.0 if args.toy else copy_bandwidth(dev)
     print(f"copy bandwidth {copy:.0f} GB/s")
-    sides = (("ref", ref_gemv, ref_gemm.Scratch()), ("new", gemv, gemm.Scratch()))
-    for s in (FLASH, PRO):
+    for s in (TOY,) if args.toy else (FLASH, PRO):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
         sw13 = random_qweight("fp8", (2,), s.I, s.D, dev, gen)
         sw2 = random_qweight("fp8", (), s.D, s.I, dev, gen)
         for T in (int(t) for t in args.tokens.split(",")):
-            rot = 8
+            rot = 2 if args.toy else 8
             xs, ids, rws, hs, outs, touched = moe_decode_inputs(s, T, rot, dev, gen)
+            logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
+            bias = torch.zeros(s.E, device=dev)
+            if args.layer:   # the routings' own experts
+                touched = sum(moe.route(lg, bias, s.k, 1.5)[1].unique().numel() for lg in logits) / rot
             floor_bytes = touched * (nbytes(w13) + nbytes(w2)) / s.E + nbytes(sw13) + nbytes(sw2)
-            got = {}
-            for name, mod, scratch in sides:
-                pair(mod, xs[0], w13, w2, sw13, sw2, ids[0], rws[0], hs[0], outs[0], s.k, scratch)
-                got[name] = outs[0].float().clone()
-            diff = float((got["new"] - got["ref"]).norm() / got["ref"].norm())
-            times = {name: [] for name, _, _ in sides}
+
+            def call(name, i):
+                g, m, kw, scratch = sides[name]
+                if args.layer:
+                    return layer(m, xs[i], logits[i], bias, w13, w2, sw13, sw2, s.k, scratch, **kw)
+                pair(g, xs[i], w13, w2, sw13, sw2, ids[i], rws[i], hs[i], outs[i], s.k, scratch)
+                return outs[i]
+
+            got = {name: call(name, 0).float().clone() for name in sides}
+            diffs = "  ".join(f"{name} {float((y - got['ref']).norm() / got['ref'].norm()):.1e}"
+                              for name, y in got.items() if name != "ref")
+            times = {name: [] for name in sides}
             for _ in range(args.repeats):
-                for name, mod, scratch in sides:
-                    times[name].append(1e3 * timer.per_call_ms(
-                        [lambda i=i, mod=mod, scratch=scratch: pair(mod, xs[i], w13, w2, sw13, sw2, ids[i], rws[i],
-                                                                     hs[i], outs[i], s.k, scratch)
-                         for i in range(rot)]))
+                for name in sides:
+                    times[name].append(1e3 * timer.per_call_ms([lambda i=i, name=name: call(name, i)
+                                                                for i in range(rot)]))
             row = "  ".join(f"{name} {min(v):7.1f}-{max(v):7.1f} us "
                             f"({100 * floor_bytes / (min(v) * 1e-6) / 1e9 / copy:3.0f}%)" for name, v in times.items())
-            print(f"{s.name:8s} T={T:<3d} {row}  new/ref {min(times['new']) / min(times['ref']):.3f}  "
-                  f"rel. diff {diff:.1e}", flush=True)
+            ratios = "  ".join(f"{name}/ref {min(times[name]) / min(times['ref']):.3f}" for name in sides
+                               if name != "ref")
+            print(f"{s.name:8s} T={T:<3d} {row}  {ratios}  rel. diff to ref: {diffs}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
-    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--pdl] [--no-gcol]
+    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--pdl] [--no-gcol] [--route]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
@@ -10,6 +10,8 @@ Split 0 is the launch's own choice (`gemv.choose_split`); other splits are force
 --pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`); --no-gcol: once more without
 `GemvConfig.group_cols` (a multiply per FP4 weight pair instead). Each variant's output is compared with the plain
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
+--route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
+gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes,  # noqa: E402
                     random_qweight)
 
-from dsv4.kernels import gemm, gemv  # noqa: E402
+from dsv4.kernels import gemm, gemv, moe  # noqa: E402
 
 
 def main():
@@ -35,6 +37,7 @@ def main():
     ap.add_argument("--splits", default="0,2,3,4,6,8")
     ap.add_argument("--pdl", action="store_true", help="also time the pair with GemvConfig(pdl=True)")
     ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
+    ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -82,6 +85,29 @@ def main():
                 ms = timer.per_call_ms([lambda i=i: (up(i, 0, **kw), down(i, 0, **kw)) for i in range(rot)])
                 pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
                 print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us {pct:4.0f}% of copy{versus}", flush=True)
+            if args.route:
+                logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
+                bias = torch.zeros(s.E, device=dev)
+
+                def routed(i, ready):   # the routing kernel's ids, not moe_decode_inputs' (the same count)
+                    rw, picked = moe.route(logits[i], bias, s.k, 1.5)
+                    gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(pdl=ready), M=P + T, rows=gemv.ROWS_PAIR,
+                                R=P + T, gated=True, x_div=s.k, ids=picked, limit=10.0, shared=sw13, pairs=P,
+                                scratch=scratch, x_ready=ready)
+                    down_args = dict(M=T, rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=picked, rw=rw.reshape(-1))
+                    gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(pdl=False), shared=sw2, pairs=P,
+                                scratch=scratch, **down_args)
+
+                ms = timer.per_call_ms([lambda i=i: moe.route(logits[i], bias, s.k, 1.5) for i in range(rot)])
+                print(f"{s.name:8s} T={T:<3d} {'routing alone':18s}: {ms * 1e3:7.1f} us", flush=True)
+                routed(0, False)
+                plain = outs[0].clone()
+                routed(0, True)
+                same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
+                for label, ready in (("routing + pair", False), ("overlapped", True)):
+                    ms = timer.per_call_ms([lambda i=i: routed(i, ready) for i in range(rot)])
+                    print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us{same if ready else ''}",
+                          flush=True)
         del w13, w2, sw13, sw2
 
 

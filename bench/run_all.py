@@ -271,11 +271,17 @@ def correctness(run: Run):
         shared = random_qweight(sfmt, (2,), s.I, s.D, dev, gen), random_qweight(sfmt, (), s.D, s.I, dev, gen)
         for t in ((1, 3) if run.toy else (1, 4, 8, 16)):
             x = run.x(t, s.D)
-            wts, ids = ref.route(torch.randn(t, s.E, device=dev, generator=gen), torch.zeros(s.E, device=dev), s.k, 1.5)
+            logits, zero = torch.randn(t, s.E, device=dev, generator=gen), torch.zeros(s.E, device=dev)
+            wts, ids = ref.route(logits, zero, s.k, 1.5)
             y = run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=shared)
-            record(f"moe+shared {s.name} {fmt}+{sfmt} T={t}",
+            # as the model runs it: the routing kernel, then the shared expert streamed while it runs (PDL);
+            # the same bits as the plain launch on that routing
+            wk, ik = run.ops.route(logits, zero, s.k, 1.5)
+            y_after = run.ops.moe(x, ik, wk, w13, w2, 10.0, shared=shared, after_route=True)
+            same = torch.equal(y_after, run.ops.moe(x, ik, wk, w13, w2, 10.0, shared=shared))
+            record(f"moe+shared {s.name} {fmt}+{sfmt} T={t} (after route: same bits)",
                    rel_err(y, ref.moe(x, ids, wts, w13, w2, 10.0, shared=shared)), 2e-2 if run.toy else 1e-2,
-                   written=bool(torch.isfinite(y).all()))
+                   exact=same, written=bool(torch.isfinite(y).all()))
         del w13, w2, shared
     for s, fmt in ((sh, "fp8"), (big, "nvfp4")):
         w13 = random_qweight(fmt, (2,), s.I, s.D, dev, gen)
@@ -527,9 +533,9 @@ def moe_table(run: Run):
             logits = [torch.randn(t, s.E, device=dev, generator=gen) for _ in range(rot)]
             touched = [torch.unique(ref.route(lg, bias, s.k, 1.5)[1]).numel() for lg in logits]
 
-            def layer(x, lg):   # as dsv4.model.moe runs it: the shared expert inside ops.moe
+            def layer(x, lg):   # as dsv4.model.moe runs it: the shared expert inside ops.moe, after the routing
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2))
+                return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2), after_route=True)
 
             def routed(x, lg):
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)

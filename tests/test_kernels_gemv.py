@@ -265,6 +265,36 @@ def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared
                     ids=ids, shared=make_weight(shared_fmt, I + 8, D, (2,)), pairs=P)
 
 
+@pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4")])
+def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, shared_fmt):
+    """`moe(after_route=True)`: the gate/up launch runs the shared expert's units first (X_READY; with PDL on a
+    GPU they overlap the routing kernel). Every unit computes what it did before and split partials are summed
+    in split order, so the result is bit for bit the plain launch's, with and without K splits; the down
+    launch and calls without a shared expert are unchanged."""
+    E, k, D, I, T = 5, 2, 512, 256, 3
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
+    x = torch.randn(T, D) * 2
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    plain = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    first = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+                     after_route=True)
+    assert [c["X_READY"] for c in kernel_calls] == [False, False, True, False]
+    assert torch.equal(first, plain) and rel_err(first, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+    tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch(), after_route=True)
+    assert [c["X_READY"] for c in kernel_calls[-2:]] == [False, False]
+    P = T * k
+    for split in (1, 2):
+        hs = []
+        for x_ready in (False, True):
+            hs.append(torch.empty(P + T, I))
+            gemv.launch(x, w13, hs[-1], gemv.GemvConfig(split=split), M=P + T, rows=gemv.ROWS_PAIR, R=P + T,
+                        gated=True, x_div=k, ids=ids, limit=LIMIT, shared=shared[0], pairs=P,
+                        scratch=gemm.Scratch(), x_ready=x_ready)
+        assert kernel_calls[-1]["X_READY"] and (kernel_calls[-1]["SPLIT"] > 1) == (split > 1)
+        assert torch.equal(hs[0], hs[1]), split
+
+
 @pytest.mark.parametrize("sms", [256, 4])
 def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_wave(monkeypatch, kernel_calls, sms):
     """A sub-step is 64 bytes of a row in every format, so an FP8 shared expert has twice the sub-steps of FP4

@@ -2,9 +2,11 @@
 
 The interpreter cannot run `griddepcontrol`, and CI has no GPU, so these tests compile `_gemv_kernel` for
 sm_90 (Triton's own LLVM; no GPU needed; `bench/sass.py`) in a subprocess without TRITON_INTERPRET, and read
-its PTX: with PDL the kernel must trigger the next launch and must wait for the previous kernel before its
-first global load (x, ids, scratch), store or atomic. Only L2 prefetches of weight bytes may come before the
-wait. The H200 check that a chain of dependent GEMVs gives the same bits with and without PDL is in
+its PTX: with PDL the kernel must trigger the next launch, and on every path from its entry (a walk over the
+PTX's basic blocks) wait for the previous kernel before its first global load (x, ids, scratch), store or
+atomic. Only L2 prefetches of weight bytes may come before the wait; with `X_READY` (the gate/up launch
+after `moe.route`) loads of x and weights may too, but still no write. The routing kernel triggers first thing.
+The H200 check that a chain of dependent GEMVs gives the same bits with and without PDL is in
 bench/run_all.py.
 """
 
@@ -28,24 +30,102 @@ import json, re, sys
 sys.path.insert(0, "bench")
 import sass
 
-MEMORY = re.compile(r"\b(ld\.global|cp\.async|st\.global|atom\.|red\.|ld\.volatile)")
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4.kernels import moe
+
+READ = re.compile(r"\b(ld\.global|cp\.async\.[a-z.]*global|ld\.volatile)")
+WRITE = re.compile(r"\b(st\.global|atom\.|red\.)")
+LABEL = re.compile(r"^(\$\w+):$")
+BRANCH = re.compile(r"^(@!?%\w+\s+)?bra(\.uni)?\s+(\$\w+);")
+
+
+def kind(line):
+    if "griddepcontrol.wait" in line:
+        return "wait"
+    if "griddepcontrol.launch_dependents" in line:
+        return "trigger"
+    if "prefetch.global.L2" in line:
+        return "prefetch"
+    return "write" if WRITE.search(line) else "read" if READ.search(line) else None
+
+
+# the kinds of instruction (read, write, prefetch, trigger) on some path from the kernel's entry that has not
+# passed a griddepcontrol.wait: a walk over the PTX's basic blocks (labels, branches, fall-through)
+def before_wait(lines):
+    blocks, succ, cur, open_ = [[]], [[]], 0, True
+    for l in lines:
+        m = LABEL.match(l)
+        if m:
+            blocks.append([]), succ.append([])
+            if open_:
+                succ[cur].append(m.group(1))
+            cur, open_ = len(blocks) - 1, True
+            blocks[cur].append(m.group(1) + ":")
+            continue
+        if not open_:
+            continue   # unreachable until the next label
+        blocks[cur].append(l)
+        b = BRANCH.match(l)
+        if b:
+            succ[cur].append(b.group(3))
+            open_ = b.group(1) is not None   # a predicated branch falls through, into a block of its own
+            if open_:
+                blocks.append([]), succ.append([])
+                succ[cur].append(len(blocks) - 1)
+                cur = len(blocks) - 1
+        elif l.startswith("ret;") or l.startswith("exit;"):
+            open_ = False
+    index = {blk[0][:-1]: i for i, blk in enumerate(blocks) if blk and blk[0].endswith(":")}
+    seen, todo, kinds = set(), [0], set()
+    while todo:
+        i = todo.pop()
+        if i in seen:
+            continue
+        seen.add(i)
+        waited = False
+        for l in blocks[i]:
+            k = kind(l)
+            if k == "wait":
+                waited = True
+                break
+            if k:
+                kinds.add(k)
+        if not waited:
+            todo += [index.get(t, t) for t in succ[i]]   # a label, or a fall-through block's index
+    return sorted(kinds)
+
+
+def summary(k):
+    lines = [l.split("//")[0].strip() for l in k.asm["ptx"].splitlines()]
+    lines = [l for l in lines if l]
+    count = lambda what: sum(kind(l) == what for l in lines)
+    return dict(before_wait=before_wait(lines), first=next((kind(l) for l in lines if kind(l)), None),
+                waits=count("wait"), triggers=count("trigger"),
+                reads=count("read"), writes=count("write"), prefetches=count("prefetch"),
+                launch_pdl=bool(getattr(k.metadata, "launch_pdl", False)))
+
+
 out = {}
-for name, rows, pdl, tiled, shared in json.loads(sys.argv[1]):
-    k = sass.compile_gemv("nvfp4", 2, 64, 2, rows, rows == 1, 128, mp=8, shared="fp8" if shared else None,
-                          tiled=tiled, pdl=pdl)
-    lines = [l.strip() for l in k.asm["ptx"].splitlines()]
-    first = lambda pred: next((i for i, l in enumerate(lines) if pred(l)), None)
-    out[name] = dict(trigger=first(lambda l: "griddepcontrol.launch_dependents" in l),
-                     wait=first(lambda l: "griddepcontrol.wait" in l),
-                     memory=first(lambda l: MEMORY.search(l) is not None and not l.startswith("//")),
-                     prefetch=first(lambda l: "prefetch.global.L2" in l),
-                     launch_pdl=bool(k.metadata.launch_pdl))
+for name, rows, pdl, tiled, shared, x_ready in json.loads(sys.argv[1]):
+    out[name] = summary(sass.compile_gemv("nvfp4", 2, 64, 2, rows, rows == 1, 128, mp=8,
+                                          shared="fp8" if shared else None, tiled=tiled, pdl=pdl,
+                                          x_ready=x_ready))
+fn = moe._route_kernel
+consts = dict(TOPK=6, E_PAD=256, K_PAD=8, HASH=False, PDL=True)
+sig = {n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+sig["scaling"] = "fp32"
+out["route"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": 1}))
 print("RESULT " + json.dumps(out))
 """
 
-CASES = [("dense tiled", 0, True, True, False), ("dense row-major", 0, True, False, False),
-         ("moe pair + shared", 1, True, True, True), ("moe token", 2, True, True, False),
-         ("dense tiled, no pdl", 0, False, True, False)]
+CASES = [("dense tiled", 0, True, True, False, False), ("dense row-major", 0, True, False, False, False),
+         ("moe pair + shared", 1, True, True, True, False), ("moe token", 2, True, True, False, False),
+         ("dense tiled, no pdl", 0, False, True, False, False),
+         ("moe pair + shared, shared first", 1, True, True, True, True)]
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +139,34 @@ def ptx():
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("case", [c[0] for c in CASES if c[2]])
+@pytest.mark.parametrize("case", [c[0] for c in CASES if c[2] and not c[5]])
 def test_pdl_waits_before_the_first_global_access(ptx, case):
+    """On every path from the entry, nothing but the trigger and L2 prefetches before the wait."""
     r = ptx[case]
     assert r["launch_pdl"], "the kernel must be launched with the PDL attribute"
-    assert r["trigger"] is not None and r["wait"] is not None, r
-    assert r["memory"] is not None, "no global memory access found: the PTX scan is broken"
-    assert r["trigger"] < r["wait"] < r["memory"], r
+    assert r["triggers"] == 1 and r["waits"] == 1 and r["reads"] and r["writes"], r
+    assert set(r["before_wait"]) <= {"trigger", "prefetch"} and "trigger" in r["before_wait"], r
 
 
 def test_pdl_prefetches_only_dense_tiled_units_before_the_wait(ptx):
-    assert ptx["dense tiled"]["prefetch"] is not None and ptx["dense tiled"]["prefetch"] < ptx["dense tiled"]["wait"]
+    assert "prefetch" in ptx["dense tiled"]["before_wait"]
     # row-major weights and the MoE modes (whose expert ids another kernel writes) prefetch nothing
     for case in ("dense row-major", "moe pair + shared", "moe token"):
-        assert ptx[case]["prefetch"] is None, case
+        assert ptx[case]["prefetches"] == 0, case
 
 
 def test_no_pdl_means_no_griddepcontrol(ptx):
     r = ptx["dense tiled, no pdl"]
-    assert r["trigger"] is None and r["wait"] is None and r["prefetch"] is None and not r["launch_pdl"]
+    assert r["triggers"] == r["waits"] == r["prefetches"] == 0 and not r["launch_pdl"], r
+
+
+def test_shared_first_reads_before_the_wait_but_never_writes(ptx):
+    """`launch(x_ready=True)`: the shared expert's units read x and their weights before the routing kernel has
+    finished, but no path writes (h, the workspace, the semaphores) before a wait; routed units wait before
+    they read the expert ids (the second wait: one per unit, before it loads ids, and one before its writes)."""
+    r = ptx["moe pair + shared, shared first"]
+    assert r["launch_pdl"] and r["triggers"] == 1 and r["waits"] == 2, r
+    assert "read" in r["before_wait"] and "write" not in r["before_wait"], r
 
 
 @pytest.mark.parametrize("bad", [3, 6, -1])
@@ -92,3 +181,10 @@ def test_pdl_is_off_where_it_cannot_run():
     assert cfg.pdl, "PDL is the default"
     assert not gemv.pdl_enabled(cfg, torch.device("cpu"))
     assert not gemv.pdl_enabled(gemv.GemvConfig(pdl=False), torch.device("cpu"))
+
+
+def test_route_kernel_triggers_its_dependents_first(ptx):
+    """With PDL the routing kernel triggers its dependents before it touches memory, so
+    `moe(after_route=True)`'s gate/up launch can stream the shared expert meanwhile; it waits for nothing."""
+    r = ptx["route"]
+    assert r["first"] == "trigger" and r["triggers"] == 1 and r["waits"] == 0 and r["reads"] and r["writes"], r

@@ -275,6 +275,45 @@ def test_w4a4_experts_match_a_per_expert_reference():
     torch.testing.assert_close(ex.one(x, 1, limit=10.0), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layer", [0, 3], ids=["hash", "biased"])
+def test_moe_block_calls_the_experts_right_after_routing(layer):
+    """The MoE block hands ops.moe `after_route=True` (the Triton MoE then streams the shared expert while the
+    routing kernel runs: kernels/moe.py) right after ops.route, with the shared expert folded in; the reference
+    takes the hint and ignores it."""
+    import dataclasses
+
+    from dsv4.kernels import ref
+    from dsv4.model.moe import MoE
+
+    calls = []
+
+    def moe_spy(*args, **kwargs):
+        calls.append(kwargs)
+        return ref.moe(*args, **kwargs)
+
+    cfg = ModelConfig.tiny()
+    ops = dataclasses.replace(OPS, moe=moe_spy)
+    block = MoE(cfg, layer, Builder(None, torch.float32, ops))
+    fill_(block, seed=layer)
+    with torch.no_grad():
+        for b in block.buffers():
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape) * 0.5)
+    if block.gate.hash:
+        block.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, block.gate.tid2eid.shape))
+    x, ids = torch.randn(1, 5, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 5))
+    y = block(x, ids)
+    assert len(calls) == 1 and calls[0]["after_route"] is True and calls[0]["shared"] is not None
+    flat = x.reshape(-1, cfg.hidden_size)
+    g = block.gate
+    weights, picked = ref.route(g(flat), None if g.hash else g.bias, cfg.num_experts_per_tok,
+                                cfg.routed_scaling_factor, g.tid2eid if g.hash else None, ids if g.hash else None)
+    ex, sh = block.experts, block.shared_experts
+    want = ref.moe(flat, picked, weights, ex.w13.qweight(), ex.w2.qweight(), cfg.swiglu_limit,
+                   shared=(sh.w13.qweight(), sh.w2.qweight()))
+    torch.testing.assert_close(y.reshape(flat.shape), want, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------ presets
 @pytest.mark.parametrize("preset, total, with_mtp", [
     ("flash", 284_332_240_471, 290_942_289_362),

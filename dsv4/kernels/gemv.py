@@ -45,7 +45,9 @@ into L2 measured slower still.
 
 Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
 its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
-writes; before the wait it only L2-prefetches the first weight bytes of its first dense unit.
+writes; before the wait it only L2-prefetches the first weight bytes of its first dense unit. The MoE gate/up
+launch after `moe.route` (`x_ready`) waits per unit instead: its shared-expert units, first in its unit order,
+read x and their weights while the routing kernel still runs, and wait only before they write.
 
 Work: units (row block, N tile, K split) on a persistent grid (the resident CTA count); split-K partials go
 to an fp32 workspace and the last arriving unit of an output tile sums them in split order (deterministic,
@@ -70,7 +72,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import FP4_FORMATS, QWeight
-from .host import interpreting, lead_strides, num_sms, scale_views
+from .host import has_pdl, interpreting, lead_strides, num_sms, scale_views
 from .tiles import (FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor,
                     scale_chunk_c)
 
@@ -493,6 +495,7 @@ def _gemv_kernel(
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
+    X_READY: tl.constexpr = False,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -501,14 +504,23 @@ def _gemv_kernel(
     SPLIT_S K splits of CHUNK_S sub-steps, so that its units stream about as many bytes as a routed one):
     ROWS_PAIR pairs P .. R - 1 are the shared expert's rows (x row r - P), their units after all routed ones;
     ROWS_TOKEN tokens get SPLIT_S more splits j >= TOPK * SPLIT, the slot TOPK, which reads h row P + token
-    with routing weight 1."""
+    with routing weight 1.
+
+    X_READY (ROWS_PAIR with SHARED; `launch(x_ready=True)`: x was written before the previous kernel started,
+    which is `moe.route`): the shared expert's units come first, and with PDL a unit waits for the previous
+    kernel only before it reads the expert ids (routed units) or writes anything (every unit), so the shared
+    expert streams while the routing kernel runs. Split partials are summed in split order whoever computes
+    them, so the result is the same bits."""
     num_n = tl.cdiv(N, BN)
     splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
     total = R * num_n * splits
-    routed_units = total   # ROWS_PAIR with SHARED: units of the routed pairs, then SPLIT_S per shared tile
-    if ROWS == 1 and SHARED:
-        routed_units = P * num_n * SPLIT
-        total = routed_units + (R - P) * num_n * SPLIT_S
+    PAIRS_SHARED: tl.constexpr = ROWS == 1 and SHARED
+    if PAIRS_SHARED:   # SPLIT units per routed tile, SPLIT_S per shared tile
+        shared_units = (R - P) * num_n * SPLIT_S
+        total = P * num_n * SPLIT + shared_units
+        first_shared = 0 if X_READY else total - shared_units
+        first_routed = shared_units if X_READY else 0
+    WAIT_PER_UNIT: tl.constexpr = PDL and X_READY and PAIRS_SHARED
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
     if PDL:
@@ -519,16 +531,23 @@ def _gemv_kernel(
         if PDL_L2 > 0 and ROWS == 0 and TILED:
             _prefetch_unit_l2(w_ptr, s_ptr, tl.minimum(tl.program_id(0), total - 1), splits, num_n, SPLIT, CHUNK,
                               n_steps, stride_wn, stride_sn, stride_wg, stride_sg, FMT, GATED, BN, PDL_L2)
-        gdc_wait()
+        if not WAIT_PER_UNIT:
+            gdc_wait()
     for u in range(tl.program_id(0), total, tl.num_programs(0)):
         nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the loop's type)
         j = u % splits
         tile = u // splits
-        if ROWS == 1 and SHARED:
-            if u >= routed_units:
+        if PAIRS_SHARED:
+            if u >= first_shared and u < first_shared + shared_units:
                 nsplit = SPLIT_S + u * 0
-                j = (u - routed_units) % SPLIT_S
-                tile = P * num_n + (u - routed_units) // SPLIT_S
+                j = (u - first_shared) % SPLIT_S
+                tile = P * num_n + (u - first_shared) // SPLIT_S
+            else:
+                j = (u - first_routed) % SPLIT
+                tile = (u - first_routed) // SPLIT
+            if WAIT_PER_UNIT:
+                if u >= first_routed:
+                    gdc_wait()   # a routed unit reads the expert ids
         pid_n = tile % num_n
         r = tile // num_n
         ks = j if ROWS == 1 else j % SPLIT   # ROWS_PAIR: j < SPLIT (routed) or < SPLIT_S (shared)
@@ -547,7 +566,7 @@ def _gemv_kernel(
             if SHARED:
                 on_shared = r >= P
                 xrow = tl.where(on_shared, yrow - P, xrow)
-                e = tl.load(ids_ptr + tl.minimum(r, P - 1)).to(tl.int32)
+                e = tl.load(ids_ptr + tl.minimum(r, P - 1), mask=r < P, other=0).to(tl.int32)
             else:
                 e = tl.load(ids_ptr + r).to(tl.int32)
             rw = 1.0
@@ -588,6 +607,8 @@ def _gemv_kernel(
                 s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
                 stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
                 W, DOT, ASM, PF, TILED, GCOL)
+        if WAIT_PER_UNIT:
+            gdc_wait()   # before any write: h and the workspace may reuse memory the previous kernel reads
         # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
         offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
         omask = rmask[None, :] & nmask_mma[:, None]
@@ -678,7 +699,9 @@ class GemvConfig:
     Programmatic dependent launch (round six, runs 41-44): back to back, dense GEMVs are 2-4 % faster on
     V4-Pro shapes and 8-11 % on V4-Flash's (launch latency and the first DRAM round trip overlap the previous
     kernel's tail); an L2 prefetch of 1-2 sub-steps before the wait helps, 8 hurts. The MoE pair measured level
-    to 5 % slower with it at 4-8 tokens, so `kernels.moe` launches it without."""
+    to 5 % slower with it at 4-8 tokens, so `kernels.moe` launches it without, except the gate/up launch right
+    after the routing kernel (`launch(x_ready=True)`): streaming the shared expert while routing runs made the
+    MoE layer 1.4-9 % faster at 1-8 tokens (round eight, runs 65-66)."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # mma.sync; with 4 and BN 128 Triton picks wgmma (correct, not laid out for: slow)
@@ -766,8 +789,7 @@ def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeigh
 
 def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
     """Programmatic dependent launch: asked for, on a CUDA GPU with `griddepcontrol` (sm_90+), not interpreted."""
-    return (cfg.pdl and device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+    return cfg.pdl and has_pdl(device)
 
 
 def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_steps: int, n_steps_s: int,
@@ -828,13 +850,18 @@ def resident_ctas(kernel, num_warps: int, device: torch.device) -> int:
 
 def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
            R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
-           group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None):
+           group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None,
+           x_ready: bool = False):
     """One launch over a (possibly stacked) QWeight. x rows: M (dense), pairs (ROWS_PAIR: R = M = pairs), or
     pairs of R tokens (ROWS_TOKEN: M = R = tokens, x has tokens * topk rows). y: [M, N] (row stride any).
 
     `shared` (ROWS_PAIR / ROWS_TOKEN): the MoE's shared expert, any supported format, same N and K, streamed in
     the same launch. ROWS_PAIR: R = M = pairs + tokens, rows from `pairs` on are the shared expert's (x row
-    r - pairs); ROWS_TOKEN: x has pairs + R rows, each token's extra slot reads row pairs + token."""
+    r - pairs); ROWS_TOKEN: x has pairs + R rows, each token's extra slot reads row pairs + token.
+
+    `x_ready` (ROWS_PAIR with `shared`): the caller promises that x was written before the previous kernel on
+    the stream started and that that kernel writes neither x nor the weights (it is `moe.route`'s); the shared
+    expert's units then run first and, with `cfg.pdl`, before that kernel has finished (`X_READY`)."""
     N, K = w.out_features, w.in_features
     lead = w.leading
     wt = w.weight.view(torch.uint8)
@@ -866,7 +893,8 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
-                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared))
+                  PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
+                  X_READY=x_ready and shared is not None and rows == ROWS_PAIR)
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg

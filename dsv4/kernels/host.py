@@ -1,5 +1,5 @@
-"""Host-side helpers every kernel launcher shares: interpreter detection, the SM count, the stored scales as
-the kernels read them, and the strides of stacked (MoE) weights."""
+"""Host-side helpers every kernel launcher shares: interpreter detection, the SM count, programmatic dependent
+launch, the stored scales as the kernels read them, and the strides of stacked (MoE) weights."""
 
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (`griddepcontrol`): a CUDA GPU of sm_90 or later, not interpreted."""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def scale_views(w: QWeight):

@@ -19,11 +19,12 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats import FP4_FORMATS, QWeight
 from . import gemm, gemv, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
-from .host import num_sms, scale_views
+from .host import has_pdl, num_sms, scale_views
 from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
 
 DECODE_TOKENS = 8
@@ -43,7 +44,9 @@ def _softplus(x):
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling,
                   stride_l, stride_tid, TOPK: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                  HASH: tl.constexpr):
+                  HASH: tl.constexpr, PDL: tl.constexpr):
+    if PDL:   # the gate/up launch after it may start now and stream the shared expert (`moe(after_route=True)`)
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, E_PAD)
     emask = offs_e < E
@@ -92,7 +95,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
         input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
         logits.stride(0), tid2eid.stride(0) if hashed else 0,
         TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
-        num_warps=1 if E <= 512 else 4)   # one warp: every reduction is shuffles, no shared memory
+        PDL=has_pdl(logits.device), num_warps=1 if E <= 512 else 4)   # one warp: every reduction is shuffles, no shared memory
     return w, ids
 
 
@@ -263,7 +266,7 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None,
-        shared: tuple[QWeight, QWeight] | None = None, mlp_op=None) -> torch.Tensor:
+        shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels,
@@ -271,7 +274,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
 
     `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in its own two launches (one more
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots);
-    every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`)."""
+    every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`).
+
+    `after_route=True` is the caller's promise that the previous kernel on the stream is `route`'s and that x
+    was written before it: the GEMV pair's gate/up launch then streams the shared expert first, overlapping
+    the routing kernel where the GPU has programmatic dependent launch (`gemv.launch(x_ready=True)`). The
+    result is the same bits either way."""
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
@@ -297,8 +305,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
         cfg = gemv.GemvConfig(pdl=False)   # measured level or slower with it (gemv.GemvConfig)
-        gemv.launch(x, w13, h, cfg, M=rows, rows=gemv.ROWS_PAIR, R=rows, gated=True, x_div=k,
-                    ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch)
+        overlap = after_route and shared is not None   # PDL pays here: the shared expert overlaps the routing
+        gemv.launch(x, w13, h, gemv.GemvConfig(pdl=True) if overlap else cfg, M=rows, rows=gemv.ROWS_PAIR, R=rows,
+                    gated=True, x_div=k, ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch,
+                    x_ready=overlap)
         gemv.launch(h, w2, out, cfg, M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
                     rw=weights.reshape(-1), shared=sw2, pairs=P, scratch=scratch)
         return out

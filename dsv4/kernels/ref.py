@@ -93,13 +93,14 @@ def route(
 
 def moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
-    shared: tuple[QWeight, QWeight] | None = None,
+    shared: tuple[QWeight, QWeight] | None = None, after_route: bool = False,
 ) -> torch.Tensor:
     """Routed experts: x [T, K], ids/weights [T, k]; w13 leading (E, 2), w2 leading (E,) -> [T, D] in x.dtype.
 
     Each token's output is sum_j weights[t, j] * W2_e swiglu(W1_e x, W3_e x) with e = ids[t, j]; the
     routing weight multiplies after W2, as in transformers. `shared` = (w13 (2,), w2): the shared expert's
-    `mlp`, added to the rounded routed output (transformers' order).
+    `mlp`, added to the rounded routed output (transformers' order). `after_route`: a scheduling hint for the
+    Triton kernels (`kernels.moe.moe`), without effect here.
     """
     if shared is not None:
         return moe(x, ids, weights, w13, w2, limit) + mlp(x, *shared, limit)

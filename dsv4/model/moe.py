@@ -75,7 +75,7 @@ class MoE(nn.Module):
             out = out.to(x.dtype)
         else:
             out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
-                               shared=(sh.w13.qweight(), sh.w2.qweight()) if fold else None)
+                               shared=(sh.w13.qweight(), sh.w2.qweight()) if fold else None, after_route=True)
         if sh is not None and not fold:
             out = out + (sh.one(flat, limit=self.limit) if sh.w4a4 else
                          self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit))
