@@ -317,7 +317,7 @@ def sum_rows(src: torch.Tensor, dst: torch.Tensor, R: int, N: int, S: int, strid
 
 class Scratch:
     """Split-K semaphores, zeroed once per device and re-armed by the kernels themselves, so a split-K product
-    is one launch; and the resident-CTA count of each compiled persistent kernel (its grid size). Owned by the
+    is one launch; and the resident-CTA count of each compiled GEMV (the slots its split plan fills). Owned by the
     `Ops` table that hands it to its calls (one stream at a time)."""
 
     def __init__(self):

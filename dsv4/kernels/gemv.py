@@ -49,7 +49,7 @@ writes; before the wait it only L2-prefetches the first weight bytes of its firs
 launch after `moe.route` (`x_ready`) waits per unit instead: its shared-expert units, first in its unit order,
 read x and their weights while the routing kernel still runs, and wait only before they write.
 
-Work: units (row block, N tile, K split) on a persistent grid (the resident CTA count); split-K partials go
+Work: units (row block, N tile, K split), one program each (`GemvConfig.persistent`); split-K partials go
 to an fp32 workspace and the last arriving unit of an output tile sums them in split order (deterministic,
 one launch; semaphores from `gemm.Scratch`, re-armed by the kernel).
 The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x registers of N = 16) and
@@ -705,8 +705,12 @@ class GemvConfig:
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # mma.sync; with 4 and BN 128 Triton picks wgmma (correct, not laid out for: slow)
-    max_ctas_per_sm: int = 0  # persistent grid = SMs x resident CTAs (from the compiled kernel); > 0 caps it
-    persistent: bool = True   # False: one program per unit (the hardware schedules them)
+    max_ctas_per_sm: int = 0  # slots = SMs x resident CTAs (from the compiled kernel), which the split plan
+                              # fills; > 0 caps it
+    persistent: bool = False  # True: a grid of min(units, slots) programs, each looping over units u = pid + k *
+                              # grid; False: one program per unit, the hardware scheduling them. The same for
+                              # one wave; with more (the MoE pair at 4-8 tokens) the persistent grid's units
+                              # sat unevenly on the SMs: 2-8 % slower (round eight, run 67)
     maxnreg: int = -1         # register cap per thread: -1 = 128 unless gated with 16 rows (it would spill); 0 = none
     num_stages: int = 2       # software pipelining of the weight loads (cp.async into shared memory, then
                               # LDS.128 in the operand layout: the next K step is in flight while one decodes)
