@@ -46,6 +46,8 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "st3 gcol": gemv.GemvConfig(num_stages=3, group_cols=True),
     "st3 gcol cap 96": gemv.GemvConfig(num_stages=3, group_cols=True, maxnreg=96),
     "gcol no pdl": gemv.GemvConfig(group_cols=True, pdl=False),
+    "bn32": gemv.GemvConfig(BN=32),
+    "bn32 st3": gemv.GemvConfig(BN=32, num_stages=3),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),
@@ -58,6 +60,7 @@ def main():
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--shapes", default=None, help="indices into SHAPES, comma-separated (default: all; "
                                                    "--once: the first)")
+    ap.add_argument("--m", type=int, default=1, help="rows of x (at most gemv.MAX_ROWS)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -69,7 +72,7 @@ def main():
         w0 = random_qweight(fmt, (), n, k, dev, gen)
         rot = max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
         ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
-        xs = [torch.randn(1, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
+        xs = [torch.randn(args.m, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
         ref = torch.nn.functional.linear(xs[0].float(), w0.dequantize(torch.float32))
         y_default = gemm.linear(xs[0], w0, config=VARIANTS["default"], fallback=None, scratch=scratch)
         for vname in args.variants.split(","):
@@ -85,7 +88,7 @@ def main():
                 ms = timer.per_call_ms([lambda x=x, w=w: gemm.linear(x, w, config=cfg, scratch=scratch)
                                         for x, w in zip(xs, ws)])
                 gbps = nbytes(w0) / (ms * 1e-3) / 1e9
-                print(f"{sh.name:8s} {name:13s} {fmt:5s} {vname:18s}: {ms * 1e3:7.1f} us "
+                print(f"{sh.name:8s} {name:13s} {fmt:5s} M={args.m:<2d} {vname:18s}: {ms * 1e3:7.1f} us "
                       f"{gbps:6.0f} GB/s ({100 * gbps / copy:3.0f}%) err {err:.1e} {same}", flush=True)
             except Exception as e:  # report and go on: one variant must not cost the call
                 print(f"{vname}: FAILED {e!r}"[:300], flush=True)

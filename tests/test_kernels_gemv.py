@@ -319,8 +319,8 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
 
 
 def test_large_fp4_weights_stream_with_three_stages():
-    """`default_config`: 3 pipeline stages for FP4 weights from THREE_STAGE_FP4_BYTES (V4-Pro wq_b / wo_b), 2
-    for smaller ones and for FP8 (measured: bench/RESULTS.md, runs 51-53)."""
+    """`default_config`: 3 pipeline stages for FP4 weights from THREE_STAGE_FP4_BYTES (V4-Pro wq_b / wo_b) at up
+    to 8 rows, 2 for more rows, for smaller ones and for FP8 (measured: bench/RESULTS.md, runs 51-53 and 70)."""
     def weight(fmt, n, k):   # stored bytes of the right sizes; the values do not matter here
         if fmt == "nvfp4":
             return QWeight("nvfp4", torch.zeros(n, k // 2, dtype=torch.uint8),
@@ -329,7 +329,8 @@ def test_large_fp4_weights_stream_with_three_stages():
 
     pro_wq_b = weight("nvfp4", 65536, 1536)
     assert pro_wq_b.nbytes() >= gemv.THREE_STAGE_FP4_BYTES
-    assert gemv.default_config(pro_wq_b) == gemv.GemvConfig(num_stages=3)
+    assert gemv.default_config(pro_wq_b) == gemv.default_config(pro_wq_b, 8) == gemv.GemvConfig(num_stages=3)
+    assert gemv.default_config(pro_wq_b, 9) == gemv.GemvConfig()   # MMA N = 16: the third stage costs a wave
     assert gemv.default_config(weight("nvfp4", 8192, 4096)) == gemv.GemvConfig()   # V4-Flash wq_b, 19 MB
     assert gemv.default_config(weight("fp8", 65536, 1536)) == gemv.GemvConfig()
 

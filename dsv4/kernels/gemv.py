@@ -701,7 +701,8 @@ class GemvConfig:
     kernel's tail); an L2 prefetch of 1-2 sub-steps before the wait helps, 8 hurts. The MoE pair measured level
     to 5 % slower with it at 4-8 tokens, so `kernels.moe` launches it without, except the gate/up launch right
     after the routing kernel (`launch(x_ready=True)`): streaming the shared expert while routing runs made the
-    MoE layer 1.4-9 % faster at 1-8 tokens (round eight, runs 65-66)."""
+    MoE layer 1.5-2 % faster at 1 token, level to 5 % at 4-8 (round eight, runs 65-69; with the persistent grid it
+    measured up to 9 % at 8 tokens, most of which hardware scheduling now gives every launch, run 68)."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # mma.sync; with 4 and BN 128 Triton picks wgmma (correct, not laid out for: slow)
@@ -710,7 +711,7 @@ class GemvConfig:
     persistent: bool = False  # True: a grid of min(units, slots) programs, each looping over units u = pid + k *
                               # grid; False: one program per unit, the hardware scheduling them. The same for
                               # one wave; with more (the MoE pair at 4-8 tokens) the persistent grid's units
-                              # sat unevenly on the SMs: 2-8 % slower (round eight, run 67)
+                              # sat unevenly on the SMs: 2-8 % slower (round eight, runs 68-69)
     maxnreg: int = -1         # register cap per thread: -1 = 128 unless gated with 16 rows (it would spill); 0 = none
     num_stages: int = 2       # software pipelining of the weight loads (cp.async into shared memory, then
                               # LDS.128 in the operand layout: the next K step is in flight while one decodes)
@@ -937,23 +938,26 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     _gemv_kernel[(nprog,)](*args, **consts)
 
 
-# FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages: with programmatic
-# dependent launch, V4-Pro wq_b / wo_b NVFP4 (56 / 66 MB) 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash wq_b / wo_b
-# (19 MB) 2-3 % slower, FP8 level (bench/RESULTS.md, runs 51-52)
+# FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages at up to 8 rows: with
+# programmatic dependent launch, V4-Pro wq_b / wo_b NVFP4 (56 / 66 MB) 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash
+# wq_b / wo_b (19 MB) 2-3 % slower, FP8 level (bench/RESULTS.md, runs 51-52). With 9-16 rows (MMA N = 16) the
+# third stage's shared memory leaves 6 CTAs per SM instead of 8, and V4-Pro wq_b's 1024 units then take two
+# waves: 35.6 against 26.4 us (wo_b, split to fit, gains 5 % with it: 34.6 against 36.6 us; run 70)
 THREE_STAGE_FP4_BYTES = 40e6
 
 
-def default_config(w: QWeight) -> GemvConfig:
-    """The dense GEMV's configuration for a weight: GemvConfig() but 3 stages for large FP4 weights."""
+def default_config(w: QWeight, rows: int = 1) -> GemvConfig:
+    """The dense GEMV's configuration for a weight and `rows` rows of x: GemvConfig() but 3 stages for large FP4
+    weights at up to 8 rows."""
     large_fp4 = w.fmt in FP4_FORMATS and w.nbytes() >= THREE_STAGE_FP4_BYTES
-    return GemvConfig(num_stages=3) if large_fp4 else GemvConfig()
+    return GemvConfig(num_stages=3) if large_fp4 and rows <= 8 else GemvConfig()
 
 
 def linear(x: torch.Tensor, w: QWeight, cfg: GemvConfig | None = None, out: torch.Tensor | None = None,
            scratch=None) -> torch.Tensor:
-    """y = x @ W^T for x [M <= 64, K] (the caller checked `supported`); `cfg` None: `default_config(w)`."""
+    """y = x @ W^T for x [M <= 64, K] (the caller checked `supported`); `cfg` None: `default_config(w, M)`."""
     M, N = x.shape[0], w.out_features
-    cfg = cfg or default_config(w)
+    cfg = cfg or default_config(w, M)
     y = out if out is not None else torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         launch(x, w, y, cfg, M=M, scratch=scratch)
