@@ -1,6 +1,6 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
-    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--pdl] [--no-gcol] [--route]
+    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--no-gcol] [--route]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
@@ -38,6 +38,7 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="also time the pair with GemvConfig(pdl=True)")
     ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
+    ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -56,22 +57,25 @@ def main():
             up_bytes = touched * nbytes(w13) / s.E + nbytes(sw13)
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 
-            def up(i, split, pdl=False, gcol=True):
-                gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol), M=P + T,
+            def up(i, split, pdl=False, gcol=True, stages=2):
+                gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
+                                                               num_stages=stages), M=P + T,
                             rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k, ids=ids[i], limit=10.0,
                             shared=sw13, pairs=P, scratch=scratch)
 
-            def down(i, split, pdl=False, gcol=True):
-                gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol), M=T,
+            def down(i, split, pdl=False, gcol=True, stages=2):
+                gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
+                                                                num_stages=stages), M=T,
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i], rw=rws[i], shared=sw2, pairs=P,
                             scratch=scratch)
 
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
-                for split in (int(v) for v in args.splits.split(",")):
-                    ms = timer.per_call_ms([lambda i=i: fn(i, split) for i in range(rot)])
-                    pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
-                    print(f"{s.name:8s} T={T:<3d} {name:8s} split {split or 'auto':>4}: {ms * 1e3:7.1f} us "
-                          f"{nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
+                for stages in (int(v) for v in args.stages.split(",")):
+                    for split in (int(v) for v in args.splits.split(",")):
+                        ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages) for i in range(rot)])
+                        pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
+                        print(f"{s.name:8s} T={T:<3d} {name:8s} {stages} st. split {split or 'auto':>4}: "
+                              f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
             variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol
             for label, kw in variants:
