@@ -90,12 +90,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
     if T == 0:
         return w, ids
     dummy = logits
-    _route_kernel[(T,)](
+    _route_kernel[(T,)](   # one warp: every reduction is shuffles, no shared memory
         logits, bias if bias is not None else dummy, tid2eid if hashed else dummy,
         input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
         logits.stride(0), tid2eid.stride(0) if hashed else 0,
         TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
-        PDL=has_pdl(logits.device), num_warps=1 if E <= 512 else 4)   # one warp: every reduction is shuffles, no shared memory
+        PDL=has_pdl(logits.device), num_warps=1 if E <= 512 else 4)
     return w, ids
 
 
