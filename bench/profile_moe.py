@@ -57,17 +57,19 @@ def main():
             up_bytes = touched * nbytes(w13) / s.E + nbytes(sw13)
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 
-            def up(i, split, pdl=False, gcol=True, stages=2):
+            # picked / weights: a routing of rotation i other than moe_decode_inputs' (--route)
+            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None):
                 gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
                                                                num_stages=stages), M=P + T,
-                            rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k, ids=ids[i], limit=10.0,
-                            shared=sw13, pairs=P, scratch=scratch)
+                            rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
+                            ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
+                            scratch=scratch, x_ready=x_ready)
 
-            def down(i, split, pdl=False, gcol=True, stages=2):
+            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None):
                 gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
                                                                 num_stages=stages), M=T,
-                            rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i], rw=rws[i], shared=sw2, pairs=P,
-                            scratch=scratch)
+                            rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
+                            rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
                 for stages in (int(v) for v in args.stages.split(",")):
@@ -95,12 +97,8 @@ def main():
 
                 def routed(i, ready):   # the routing kernel's ids, not moe_decode_inputs' (the same count)
                     rw, picked = moe.route(logits[i], bias, s.k, 1.5)
-                    gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(pdl=ready), M=P + T, rows=gemv.ROWS_PAIR,
-                                R=P + T, gated=True, x_div=s.k, ids=picked, limit=10.0, shared=sw13, pairs=P,
-                                scratch=scratch, x_ready=ready)
-                    down_args = dict(M=T, rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=picked, rw=rw.reshape(-1))
-                    gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(pdl=False), shared=sw2, pairs=P,
-                                scratch=scratch, **down_args)
+                    up(i, 0, pdl=ready, x_ready=ready, picked=picked)
+                    down(i, 0, picked=picked, weights=rw.reshape(-1))
 
                 ms = timer.per_call_ms([lambda i=i: moe.route(logits[i], bias, s.k, 1.5) for i in range(rot)])
                 print(f"{s.name:8s} T={T:<3d} {'routing alone':18s}: {ms * 1e3:7.1f} us", flush=True)
