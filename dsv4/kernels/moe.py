@@ -304,12 +304,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         sw13, sw2 = shared if shared is not None else (None, None)
         rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-        cfg = gemv.GemvConfig(pdl=False)   # measured level or slower with it (gemv.GemvConfig)
-        overlap = after_route and shared is not None   # PDL pays here: the shared expert overlaps the routing
-        gemv.launch(x, w13, h, gemv.GemvConfig(pdl=True) if overlap else cfg, M=rows, rows=gemv.ROWS_PAIR, R=rows,
-                    gated=True, x_div=k, ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch,
-                    x_ready=overlap)
-        gemv.launch(h, w2, out, cfg, M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
+        # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
+        # the shared expert while the routing kernel runs
+        overlap = after_route and shared is not None
+        gemv.launch(x, w13, h, gemv.GemvConfig(pdl=overlap), M=rows, rows=gemv.ROWS_PAIR, R=rows, gated=True,
+                    x_div=k, ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch, x_ready=overlap)
+        gemv.launch(h, w2, out, gemv.GemvConfig(pdl=False), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
                     rw=weights.reshape(-1), shared=sw2, pairs=P, scratch=scratch)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
