@@ -783,6 +783,11 @@ def choose_split(units_per_split: int, n_steps: int, slots: int, max_split: int 
     return best
 
 
+def mma_n(rows: int) -> int:
+    """The MMA's N (`MP`, x rows per unit) for `rows` rows of x: 8 up to 8 rows, else 16."""
+    return max(8, triton.next_power_of_2(max(1, rows)))
+
+
 def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeight | None) -> bool:
     """The group columns (module docstring): where every unit reads one x row (the MoE row modes, or a dense call
     of one row; the MMA's N is then 8) and the routed or shared weight is FP4; `cfg.group_cols` None = in the MoE
@@ -892,7 +897,7 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
         swt, sscale, sscale_f32, ss2, shared_strides, n_steps_s = wt, scale, scale_f32, s2, (0,) * 5, n_steps
     dot = tl.float32 if (interp or x.dtype == torch.float32) else tl.bfloat16
     asm = (not interp) and dot == tl.bfloat16 and (cfg.asm is None or cfg.asm)
-    MP = max(8, triton.next_power_of_2(max(1, M if rows == ROWS_DENSE else 1)))   # the MMA's N: 8 or 16
+    MP = mma_n(M if rows == ROWS_DENSE else 1)
     consts = dict(FMT=FMT_CODES[w.fmt], SCALE_F32=scale_f32, ROWS=rows, GATED=gated, BN=cfg.BN, MP=MP, DOT=dot,
                   ASM=asm, W=cfg.num_warps,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
@@ -948,9 +953,9 @@ THREE_STAGE_FP4_BYTES = 40e6
 
 def default_config(w: QWeight, rows: int = 1) -> GemvConfig:
     """The dense GEMV's configuration for a weight and `rows` rows of x: GemvConfig() but 3 stages for large FP4
-    weights at up to 8 rows."""
+    weights where the MMA's N is 8 (up to 8 rows)."""
     large_fp4 = w.fmt in FP4_FORMATS and w.nbytes() >= THREE_STAGE_FP4_BYTES
-    return GemvConfig(num_stages=3) if large_fp4 and rows <= 8 else GemvConfig()
+    return GemvConfig(num_stages=3) if large_fp4 and mma_n(rows) == 8 else GemvConfig()
 
 
 def linear(x: torch.Tensor, w: QWeight, cfg: GemvConfig | None = None, out: torch.Tensor | None = None,
