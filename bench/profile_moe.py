@@ -1,6 +1,7 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
     python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--no-gcol] [--route]
+                                [--fused] [--await-l2 0,16]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
@@ -12,6 +13,8 @@ Split 0 is the launch's own choice (`gemv.choose_split`); other splits are force
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
 gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`).
+--fused: the pair once more in one launch (`gemv.launch_pair`), for each --await-l2 (sub-steps of its weights a
+down unit prefetches into L2 while it waits for its h row); with --route also after the routing kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="also time the pair with GemvConfig(pdl=True)")
     ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
+    ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (gemv.launch_pair)")
+    ap.add_argument("--await-l2", default="16", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -71,6 +76,12 @@ def main():
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
                             rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
+            def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=16):
+                cfg = gemv.GemvConfig(pdl=pdl)
+                gemv.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, cfg, tokens=T, topk=s.k,
+                                 ids=ids[i] if picked is None else picked, rw=rws[i] if weights is None else weights,
+                                 limit=10.0, shared=(sw13, sw2), scratch=scratch, x_ready=x_ready, await_l2=await_l2)
+
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
                 for stages in (int(v) for v in args.stages.split(",")):
                     for split in (int(v) for v in args.splits.split(",")):
@@ -80,23 +91,30 @@ def main():
                               f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
             variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol
+            awaits = [int(v) for v in args.await_l2.split(",")] if args.fused else []
+            variants += [(f"one launch, L2 {a}", dict(await_l2=a)) for a in awaits]
             for label, kw in variants:
                 versus = ""   # a variant's output against the plain pair's
+                run = (lambda i, **kw: fused(i, **kw)) if "await_l2" in kw else \
+                    (lambda i, **kw: (up(i, 0, **kw), down(i, 0, **kw)))
                 if kw:
                     up(0, 0), down(0, 0)
                     plain = outs[0].clone()
-                    up(0, 0, **kw), down(0, 0, **kw)
+                    run(0, **kw)
                     diff = float((outs[0].float() - plain.float()).norm() / plain.float().norm())
                     versus = " =" if torch.equal(outs[0], plain) else f" DIFFERS (rel. diff {diff:.1e})"
-                ms = timer.per_call_ms([lambda i=i: (up(i, 0, **kw), down(i, 0, **kw)) for i in range(rot)])
+                ms = timer.per_call_ms([lambda i=i: run(i, **kw) for i in range(rot)])
                 pct = 100 * (up_bytes + down_bytes) / (ms * 1e-3) / 1e9 / copy
                 print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us {pct:4.0f}% of copy{versus}", flush=True)
             if args.route:
                 logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
                 bias = torch.zeros(s.E, device=dev)
 
-                def routed(i, ready):   # the routing kernel's ids, not moe_decode_inputs' (the same count)
+                def routed(i, ready, await_l2=None):   # the routing kernel's ids, not moe_decode_inputs' (the same count)
                     rw, picked = moe.route(logits[i], bias, s.k, 1.5)
+                    if await_l2 is not None:
+                        fused(i, pdl=ready, x_ready=ready, picked=picked, weights=rw.reshape(-1), await_l2=await_l2)
+                        return
                     up(i, 0, pdl=ready, x_ready=ready, picked=picked)
                     down(i, 0, picked=picked, weights=rw.reshape(-1))
 
@@ -106,8 +124,13 @@ def main():
                 plain = outs[0].clone()
                 routed(0, True)
                 same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
-                for label, ready in (("routing + pair", False), ("overlapped", True)):
-                    ms = timer.per_call_ms([lambda i=i: routed(i, ready) for i in range(rot)])
+                cases = [("routing + pair", False, None), ("overlapped", True, None)] \
+                    + [(f"overlapped, 1 launch, L2 {a}", True, a) for a in awaits]
+                for label, ready, a in cases:
+                    if a is not None:
+                        routed(0, True, a)
+                        same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
+                    ms = timer.per_call_ms([lambda i=i: routed(i, ready, a) for i in range(rot)])
                     print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us{same if ready else ''}",
                           flush=True)
         del w13, w2, sw13, sw2

@@ -1,6 +1,7 @@
 """Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in its K loop.
 
     PYTHONPATH=/path/to/triton-3.6 python bench/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
+    PYTHONPATH=/path/to/triton-3.6 python bench/sass.py nvfp4 --pair --tiled --gcol --shared fp8
 
 Needs the Triton release the device runs (3.6: a wheel unpacked into a folder on PYTHONPATH; its bundled
 ptxas and cuobjdump do the rest). Prints instructions per weight element in the innermost loop that holds
@@ -51,6 +52,25 @@ def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: b
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: bool = False, x_ready: bool = False,
+                 gcol: bool = True, stages: int = 2):
+    """`gemv._moe_pair_kernel` (the MoE decode pair in one launch) as `moe` runs it: 2 warps, BN 64, MMA N 8,
+    the routed experts (and the shared expert, if given) in the same format for gate/up and down."""
+    fn = gemv._moe_pair_kernel
+    fmt_s = FMT_CODES[shared or fmt]
+    consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=gemv.ROWS_PAIR, GATED=True, BN=64, MP=8, DOT=tl.bfloat16,
+                  ASM=True, W=2, SHARED=shared is not None, FMT_S=fmt_s, SCALE_F32_S=False, PF=1, TILED=tiled,
+                  TILED_S=tiled, PDL=pdl, GCOL=gcol, X_READY=x_ready, D_FMT=FMT_CODES[fmt], D_SCALE_F32=False, D_BN=64,
+                  D_FMT_S=fmt_s, D_SCALE_F32_S=False, D_TILED=tiled, D_TILED_S=tiled, D_GCOL=gcol, AWAIT_L2=0)
+    sig = {n: "constexpr" if n in consts else "*i32" if n == "sync_ptr" else
+           TYPES.get(n.removeprefix("d_"), "i32") for n in fn.arg_names}
+    nodiv = NO_DIVISIBILITY | {"d_" + n for n in NO_DIVISIBILITY} | {"h_rows"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize and n not in nodiv)}
+    opts = {"num_warps": 2, "num_stages": stages, "maxnreg": 128, **({"launch_pdl": True} if pdl else {})}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+
+
 def loop_counts(cubin: bytes):
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -89,10 +109,15 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="GemvConfig.pdl (programmatic dependent launch)")
     ap.add_argument("--gcol", action="store_true", help="GemvConfig.group_cols (FP4, one x row; needs --mp 8)")
     ap.add_argument("--shared", default=None, help="the shared expert's format in the same launch (MoE)")
+    ap.add_argument("--pair", action="store_true", help="the MoE pair in one launch (gemv._moe_pair_kernel; "
+                    "counts its tightest MMA loop)")
     args = ap.parse_args()
     for fmt in args.formats:
-        k = compile_gemv(fmt, args.warps, args.bn, args.stages, args.rows, args.gated, args.maxnreg, args.mp,
-                         args.shared, args.prefetch, args.tiled, args.pdl, gcol=args.gcol)
+        if args.pair:
+            k = compile_pair(fmt, args.shared, args.tiled, args.pdl, gcol=args.gcol, stages=args.stages)
+        else:
+            k = compile_gemv(fmt, args.warps, args.bn, args.stages, args.rows, args.gated, args.maxnreg, args.mp,
+                             args.shared, args.prefetch, args.tiled, args.pdl, gcol=args.gcol)
         ops, spills, regs = loop_counts(k.asm["cubin"])
         per_iter = args.bn * (256 if fmt != "fp8" else 128) / (32 * args.warps) * (2 if args.gated else 1)
         n = sum(ops.values())

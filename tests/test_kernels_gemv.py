@@ -24,15 +24,21 @@ LIMIT = 10.0
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts GEMV launches by row mode."""
+    """Counts GEMV launches by row mode; the MoE pair (`gemv.launch_pair`, one launch or two) counts as its two
+    stages."""
     seen = []
-    real = gemv.launch
+    real, real_pair = gemv.launch, gemv.launch_pair
 
     def counting(*args, **kwargs):
         seen.append(kwargs.get("rows", gemv.ROWS_DENSE))
         return real(*args, **kwargs)
 
+    def counting_pair(*args, **kwargs):
+        seen.extend([gemv.ROWS_PAIR, gemv.ROWS_TOKEN])
+        return real_pair(*args, **kwargs)
+
     monkeypatch.setattr(gemv, "launch", counting)
+    monkeypatch.setattr(gemv, "launch_pair", counting_pair)
     return seen
 
 
@@ -68,21 +74,34 @@ def test_dequantization_is_exact(launches, fmt, cfg):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Every `_gemv_kernel` launch as a dict: its arguments by name and its constexprs."""
+    """Every `_gemv_kernel` and `_moe_pair_kernel` launch as a dict: its arguments by name, its constexprs, its
+    grid and which kernel ("gemv" or "pair")."""
     seen = []
-    real = gemv._gemv_kernel
 
     class Recording:
-        arg_names = real.arg_names
+        def __init__(self, real, name):
+            self.real, self.name, self.arg_names = real, name, real.arg_names
 
         def __getitem__(self, grid):
             def run(*args, **consts):
-                seen.append(dict(zip(real.arg_names, args), **consts))
-                return real[grid](*args, **consts)
+                seen.append(dict(zip(self.real.arg_names, args), **consts, kernel=self.name, grid=grid))
+                return self.real[grid](*args, **consts)
             return run
 
-    monkeypatch.setattr(gemv, "_gemv_kernel", Recording())
+    monkeypatch.setattr(gemv, "_gemv_kernel", Recording(gemv._gemv_kernel, "gemv"))
+    monkeypatch.setattr(gemv, "_moe_pair_kernel", Recording(gemv._moe_pair_kernel, "pair"))
     return seen
+
+
+def stages(calls: list[dict]) -> list[dict]:
+    """`kernel_calls` as one dict per GEMV stage: a `_gemv_kernel` launch is one, the MoE pair in one launch two
+    (its down stage's arguments and constexprs are those prefixed d_ / D_)."""
+    out = []
+    for a in calls:
+        out.append(a)
+        if a["kernel"] == "pair":
+            out.append({k[2:]: v for k, v in a.items() if k.startswith(("d_", "D_"))})
+    return out
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -113,8 +132,9 @@ def test_group_columns_serve_exactly_the_one_row_fp4_launches(kernel_calls):
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("mxfp4", D, I, (E,), 0.1)
     xm = torch.randn(T, D)
     rw, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    kernel_calls.clear()
     y = tmoe.moe(xm, ids, rw, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=gemm.Scratch())
-    assert [c["GCOL"] for c in kernel_calls[-2:]] == [True, True]
+    assert [c["GCOL"] for c in stages(kernel_calls)] == [True, True]
     assert rel_err(y, ref.moe(xm, ids, rw, w13, w2, LIMIT)) < 1e-6
 
 
@@ -279,10 +299,11 @@ def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, 
     plain = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
     first = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
                      after_route=True)
-    assert [c["X_READY"] for c in kernel_calls] == [False, False, True, False]
+    # the pair in one launch (its down projection is more than one wave of the interpreter's 4 slots)
+    assert [(c["kernel"], c["X_READY"]) for c in kernel_calls] == [("pair", False), ("pair", True)]
     assert torch.equal(first, plain) and rel_err(first, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
     tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch(), after_route=True)
-    assert [c["X_READY"] for c in kernel_calls[-2:]] == [False, False]
+    assert [c["X_READY"] for c in kernel_calls[-1:]] == [False]
     P = T * k
     for split in (1, 2):
         hs = []
@@ -293,6 +314,81 @@ def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, 
                         scratch=gemm.Scratch(), x_ready=x_ready)
         assert kernel_calls[-1]["X_READY"] and (kernel_calls[-1]["SPLIT"] > 1) == (split > 1)
         assert torch.equal(hs[0], hs[1]), split
+
+
+@pytest.mark.parametrize("fmt,shared_fmt,split", [("nvfp4", "fp8", 2), ("mxfp4", "nvfp4", 1), ("nvfp4", None, 2),
+                                                   ("fp8", "fp8", 1)])
+def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt, split):
+    """`gemv.launch_pair(fused=True)`: gate/up and down in one launch, down units waiting for their h rows. Each
+    unit computes what it does in two launches and split partials are summed in split order, so h and the
+    output are bit for bit the two launches', with and without K splits, the shared expert first or last and
+    the down units in either order; the scratch's semaphores, tickets and row flags re-arm (a second call on
+    the same scratch, and all zero after)."""
+    E, k, D, I, T = 5, 2, 512, 256, 3
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
+    x = torch.randn(T, D) * 2
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    rows = T * k + (T if shared else 0)
+    cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
+    runs = []
+    for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, True), (True, True, False)):
+        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
+        gemv.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+                         shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, pair_order=order)
+        runs.append((h, out))
+        assert kernel_calls[-1]["kernel"] == ("pair" if fused else "gemv")
+    assert rel_err(runs[0][1], ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+    for h, out in runs[1:]:
+        assert torch.equal(h, runs[0][0]) and torch.equal(out, runs[0][1])
+    assert (kernel_calls[-1]["SPLIT"] > 1) == (split > 1) and kernel_calls[-1]["X_READY"] == bool(shared)
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+
+
+def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_wave(monkeypatch, kernel_calls):
+    """`launch_pair(fused=None)`: one launch where the down projection's units exceed the CTAs that fit at once
+    (round nine: 2-5 % faster at 4-8 tokens), two launches where both stages are single waves (1 token)."""
+    E, k, D, I = 5, 2, 256, 128
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
+    for sms, T, kernels in ((1024, 1, ["gemv"] * 2), (1024, 3, ["gemv"] * 2), (4, 1, ["pair"]), (4, 3, ["pair"])):
+        monkeypatch.setattr(gemv, "num_sms", lambda device: sms)
+        x = torch.randn(T, D)
+        w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+        kernel_calls.clear()
+        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
+        assert [c["kernel"] for c in kernel_calls] == kernels, (sms, T)
+        assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+
+
+def test_fused_pair_down_order_is_a_permutation_in_h_row_order():
+    """`_pair_down_unit` maps the fused pair's v-th down unit to the down launch's own unit numbering: every unit
+    exactly once, in the order gate/up completes h rows (pair by pair; the shared expert's rows first when its
+    gate/up units come first)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def order(out_ptr, R, num_n, splits, SPLIT, SPLIT_S, TOPK, N_UNITS, SHARED: tl.constexpr,
+              FIRST: tl.constexpr):
+        for v in range(0, N_UNITS):
+            tl.store(out_ptr + v, gemv._pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED, FIRST))
+
+    R, num_n, SPLIT, SPLIT_S, TOPK = 3, 4, 2, 3, 2
+    for shared, first in ((True, True), (True, False), (False, False)):
+        splits = SPLIT * TOPK + (SPLIT_S if shared else 0)
+        n = R * num_n * splits
+        got = torch.empty(n, dtype=torch.int32)
+        order[(1,)](got, R, num_n, splits, SPLIT, SPLIT_S, TOPK, n, SHARED=shared, FIRST=first)
+        assert sorted(got.tolist()) == list(range(n)), (shared, first)
+        # the h row each down unit reads (ROWS_TOKEN: token r = tile // num_n, slot j // SPLIT; slot TOPK = shared)
+        tile, j = got // splits, got % splits
+        slot = torch.clamp(j // SPLIT, max=TOPK)
+        hrow = torch.where(slot == TOPK, R * TOPK + tile // num_n, (tile // num_n) * TOPK + slot)
+        routed = hrow[hrow < R * TOPK]
+        assert torch.equal(routed, routed.sort().values)   # pair by pair
+        if shared:
+            where = (hrow >= R * TOPK).nonzero().flatten()
+            assert where.tolist() == (list(range(len(where))) if first else list(range(n - len(where), n)))
 
 
 @pytest.mark.parametrize("sms", [256, 4])
@@ -311,8 +407,9 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
         kernel_calls.clear()
         y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
-        assert len(kernel_calls) == 2
-        for a in kernel_calls:
+        assert len(stages(kernel_calls)) == 2
+        assert [a["kernel"] for a in kernel_calls] == (["pair"] if sms == 4 else ["gemv"] * 2)
+        for a in stages(kernel_calls):
             assert a["SPLIT_S"] == ratio * a["SPLIT"], (shared_fmt, a["SPLIT"], a["SPLIT_S"])
             if ratio == 2:
                 assert a["CHUNK_S"] == a["CHUNK"], (shared_fmt, a["CHUNK"], a["CHUNK_S"])

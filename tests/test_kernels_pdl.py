@@ -5,7 +5,8 @@ sm_90 (Triton's own LLVM; no GPU needed; `bench/sass.py`) in a subprocess withou
 its PTX: with PDL the kernel must trigger the next launch, and on every path from its entry (a walk over the
 PTX's basic blocks) wait for the previous kernel before its first global load (x, ids, scratch), store or
 atomic. Only L2 prefetches of weight bytes may come before the wait; with `X_READY` (the gate/up launch
-after `moe.route`) loads of x and weights may too, but still no write. The routing kernel triggers first thing.
+after `moe.route`) loads of x and weights may too, but still no write. The same holds for the MoE pair in one
+launch (`_moe_pair_kernel`). The routing kernel triggers first thing.
 The H200 check that a chain of dependent GEMVs gives the same bits with and without PDL is in
 bench/run_all.py.
 """
@@ -113,6 +114,8 @@ for name, rows, pdl, tiled, shared, x_ready in json.loads(sys.argv[1]):
     out[name] = summary(sass.compile_gemv("nvfp4", 2, 64, 2, rows, rows == 1, 128, mp=8,
                                           shared="fp8" if shared else None, tiled=tiled, pdl=pdl,
                                           x_ready=x_ready))
+for name, x_ready in (("pair", False), ("pair, shared first", True)):
+    out[name] = summary(sass.compile_pair("nvfp4", "fp8", pdl=True, x_ready=x_ready))
 fn = moe._route_kernel
 consts = dict(TOPK=6, E_PAD=256, K_PAD=8, HASH=False, PDL=True)
 sig = {n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
@@ -167,6 +170,17 @@ def test_shared_first_reads_before_the_wait_but_never_writes(ptx):
     r = ptx["moe pair + shared, shared first"]
     assert r["launch_pdl"] and r["triggers"] == 1 and r["waits"] == 2, r
     assert "read" in r["before_wait"] and "write" not in r["before_wait"], r
+
+
+def test_the_pair_in_one_launch_waits_like_its_two_launches(ptx):
+    """`gemv.launch_pair` in one launch: with PDL it triggers and waits before any global access, unless the
+    gate/up part streams the shared expert first (`x_ready`), where it reads before the wait but never writes -
+    its tickets and h-row flags included, which it only touches after a wait."""
+    plain, first = ptx["pair"], ptx["pair, shared first"]
+    for r in (plain, first):
+        assert r["launch_pdl"] and r["triggers"] == 1 and r["reads"] and r["writes"], r
+    assert set(plain["before_wait"]) == {"trigger"}, plain
+    assert "read" in first["before_wait"] and "write" not in first["before_wait"], first
 
 
 @pytest.mark.parametrize("bad", [3, 6, -1])

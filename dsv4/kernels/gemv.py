@@ -80,6 +80,8 @@ ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
 # instruction's own 2 from 3.8 (SASS of Triton 3.6, 3.7.1, 3.8.0, 3.9.0; `_k_order` follows it)
 MMA_K_WIDTH = tl.constexpr(4 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8) else 2)
+# int32 counters of the fused MoE pair (`_moe_pair_kernel`) one 128-byte line apart: each flag on its own L2 line
+SYNC_LINE = tl.constexpr(32)
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
                         # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
 
@@ -483,6 +485,175 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
     return acc, acc_u, f, f_u
 
 
+@triton.jit
+def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, ROWS: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr,
+                   X_READY: tl.constexpr):
+    """(units, splits per output tile, N tiles, shared units, first shared unit, first routed unit) of one launch:
+    the unit numbering `_gemv_unit` decodes."""
+    num_n = tl.cdiv(N, BN)
+    splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
+    total = R * num_n * splits
+    shared_units = total * 0
+    first_shared = total * 0
+    first_routed = total * 0
+    if ROWS == 1 and SHARED:   # SPLIT units per routed tile, SPLIT_S per shared tile
+        shared_units = (R - P) * num_n * SPLIT_S
+        total = P * num_n * SPLIT + shared_units
+        first_shared = 0 if X_READY else total - shared_units
+        first_routed = shared_units if X_READY else 0
+    return total, splits, num_n, shared_units, first_shared, first_routed
+
+
+@triton.jit
+def _gemv_unit(
+    u, splits, num_n, shared_units, first_shared, first_routed,
+    x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
+    M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
+    stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
+    stride_ym,
+    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
+    stride_ss2g,
+    ready_ptr, ready_target, ticket_ptr,
+    FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
+    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
+    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
+    TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
+    SIGNAL: tl.constexpr, AWAIT: tl.constexpr, AWAIT_L2: tl.constexpr, TICKET: tl.constexpr,
+):
+    """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
+
+    The fused MoE pair (`_moe_pair_kernel`): SIGNAL (gate/up) counts every output tile written into
+    ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
+    L2-prefetching up to AWAIT_L2 sub-steps of its tile-major weights first if it has to wait. TICKET: draws
+    the program's next ticket (returned) once its weights are read, so that the atomic's round trip overlaps
+    the unit's stores; else returns 0."""
+    WAIT_PER_UNIT: tl.constexpr = PDL and X_READY and ROWS == 1 and SHARED
+    offs_r = tl.arange(0, MP)
+    offs_b = tl.arange(0, BN)
+    nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the unit's type)
+    j = u % splits
+    tile = u // splits
+    if ROWS == 1 and SHARED:
+        if u >= first_shared and u < first_shared + shared_units:
+            nsplit = SPLIT_S + u * 0
+            j = (u - first_shared) % SPLIT_S
+            tile = P * num_n + (u - first_shared) // SPLIT_S
+        else:
+            j = (u - first_routed) % SPLIT
+            tile = (u - first_routed) // SPLIT
+        if WAIT_PER_UNIT:
+            if u >= first_routed:
+                gdc_wait()   # a routed unit reads the expert ids
+    pid_n = tile % num_n
+    r = tile // num_n
+    ks = j if ROWS == 1 else j % SPLIT   # ROWS_PAIR: j < SPLIT (routed) or < SPLIT_S (shared)
+    on_shared = r < 0   # a false scalar of the unit's type
+    # rows of x this unit reads, rows of y it writes, and the weight (expert) it streams
+    if ROWS == 0:
+        rmask = offs_r < M
+        xrow = offs_r if not GCOL else offs_r * 0   # GCOL: M == 1, every MMA column reads x row 0
+        yrow = offs_r
+        e = r * 0
+        rw = 1.0
+    elif ROWS == 1:
+        rmask = offs_r == 0
+        yrow = r + offs_r * 0
+        xrow = yrow // X_DIV
+        if SHARED:
+            on_shared = r >= P
+            xrow = tl.where(on_shared, yrow - P, xrow)
+            e = tl.load(ids_ptr + tl.minimum(r, P - 1), mask=r < P, other=0).to(tl.int32)
+        else:
+            e = tl.load(ids_ptr + r).to(tl.int32)
+        rw = 1.0
+    else:
+        rmask = offs_r == 0
+        slot = tl.minimum(j // SPLIT, TOPK)
+        if SHARED:
+            on_shared = slot == TOPK
+            ks = tl.where(on_shared, j - TOPK * SPLIT, ks)
+        pair = r * TOPK + tl.minimum(slot, TOPK - 1)
+        yrow = r + offs_r * 0
+        xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
+        e = tl.load(ids_ptr + pair).to(tl.int32)
+        rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
+    n0 = pid_n * BN
+    rows = tl.minimum(n0 + offs_b, N - 1)   # rows past N re-read row N - 1; never stored
+    rows_mma = _mma_rows(n0 + offs_b, BN, W)
+    nmask_mma = rows_mma < N
+    xcol = (n0 // tl.maximum(GROUP_R, 1)) * X_GSTRIDE   # block-diagonal (wo_a): this tile's x columns
+    e64 = e.to(tl.int64)
+    s0 = ks * CHUNK
+    if AWAIT:   # ROWS_TOKEN: x row `pair` (routed slot) or P + r (the shared expert's), written by gate/up units
+        if SHARED:
+            if on_shared:
+                s0 = ks * CHUNK_S
+                _await_row(ready_ptr + (P + r) * SYNC_LINE, ready_target, sw_ptr, ss_ptr, n0, s0,
+                           tl.minimum(CHUNK_S, n_steps_s - s0), stride_swn, stride_ssn, FMT_S, TILED_S, ASM, AWAIT_L2)
+            else:
+                _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n0,
+                           s0, tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
+        else:
+            _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n0, s0,
+                       tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
+    if SHARED:
+        if on_shared:
+            s0 = ks * CHUNK_S
+            acc, acc_u, f, f_u = _weight_unit(
+                x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
+                tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
+                stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S, GCOL)
+        else:
+            acc, acc_u, f, f_u = _weight_unit(
+                x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+                s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
+                stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
+                MP, W, DOT, ASM, PF, TILED, GCOL)
+    else:
+        acc, acc_u, f, f_u = _weight_unit(
+            x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+            s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
+            stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
+            W, DOT, ASM, PF, TILED, GCOL)
+    if WAIT_PER_UNIT:
+        gdc_wait()   # before any write: h and the workspace may reuse memory the previous kernel reads
+    ticket = u * 0
+    if TICKET:
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
+    offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
+    omask = rmask[None, :] & nmask_mma[:, None]
+    if nsplit > 1:
+        # park the scaled partial, count arrivals; the last unit of the tile sums all in split order
+        offs_ws = yrow.to(tl.int64)[None, :] * N + rows_mma[:, None]
+        plane = M.to(tl.int64) * N
+        part = ws_ptr + j.to(tl.int64) * (2 * plane if GATED else plane)
+        tl.store(part + offs_ws, acc * f, mask=omask)
+        if GATED:
+            tl.store(part + plane + offs_ws, acc_u * f_u, mask=omask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + tile
+        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == nsplit - 1:
+            acc = tl.zeros((BN, MP), dtype=tl.float32)
+            if GATED:
+                acc_u = tl.zeros((BN, MP), dtype=tl.float32)
+            for i in range(0, nsplit):
+                part = ws_ptr + i * (2 * plane if GATED else plane)
+                acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
+            if SIGNAL:
+                _signal_row(ready_ptr + r * SYNC_LINE)
+    else:
+        _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, f, f_u if GATED else f, limit, GATED)
+        if SIGNAL:
+            _signal_row(ready_ptr + r * SYNC_LINE)
+    return ticket
+
+
 @triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s"])
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
@@ -511,18 +682,8 @@ def _gemv_kernel(
     kernel only before it reads the expert ids (routed units) or writes anything (every unit), so the shared
     expert streams while the routing kernel runs. Split partials are summed in split order whoever computes
     them, so the result is the same bits."""
-    num_n = tl.cdiv(N, BN)
-    splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
-    total = R * num_n * splits
-    PAIRS_SHARED: tl.constexpr = ROWS == 1 and SHARED
-    if PAIRS_SHARED:   # SPLIT units per routed tile, SPLIT_S per shared tile
-        shared_units = (R - P) * num_n * SPLIT_S
-        total = P * num_n * SPLIT + shared_units
-        first_shared = 0 if X_READY else total - shared_units
-        first_routed = shared_units if X_READY else 0
-    WAIT_PER_UNIT: tl.constexpr = PDL and X_READY and PAIRS_SHARED
-    offs_r = tl.arange(0, MP)
-    offs_b = tl.arange(0, BN)
+    total, splits, num_n, shared_units, first_shared, first_routed = _launch_layout(
+        N, R, SPLIT, TOPK, P, SPLIT_S, ROWS, BN, SHARED, X_READY)
     if PDL:
         # programmatic dependent launch: the next kernel may take SM slots as this one's CTAs finish; this one
         # waits for the previous kernel before it reads x, ids or scratch, or writes anything. Before the wait
@@ -531,111 +692,18 @@ def _gemv_kernel(
         if PDL_L2 > 0 and ROWS == 0 and TILED:
             _prefetch_unit_l2(w_ptr, s_ptr, tl.minimum(tl.program_id(0), total - 1), splits, num_n, SPLIT, CHUNK,
                               n_steps, stride_wn, stride_sn, stride_wg, stride_sg, FMT, GATED, BN, PDL_L2)
-        if not WAIT_PER_UNIT:
+        if not (X_READY and ROWS == 1 and SHARED):
             gdc_wait()
     for u in range(tl.program_id(0), total, tl.num_programs(0)):
-        nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the loop's type)
-        j = u % splits
-        tile = u // splits
-        if PAIRS_SHARED:
-            if u >= first_shared and u < first_shared + shared_units:
-                nsplit = SPLIT_S + u * 0
-                j = (u - first_shared) % SPLIT_S
-                tile = P * num_n + (u - first_shared) // SPLIT_S
-            else:
-                j = (u - first_routed) % SPLIT
-                tile = (u - first_routed) // SPLIT
-            if WAIT_PER_UNIT:
-                if u >= first_routed:
-                    gdc_wait()   # a routed unit reads the expert ids
-        pid_n = tile % num_n
-        r = tile // num_n
-        ks = j if ROWS == 1 else j % SPLIT   # ROWS_PAIR: j < SPLIT (routed) or < SPLIT_S (shared)
-        on_shared = r < 0   # a false scalar of the loop's type
-        # rows of x this unit reads, rows of y it writes, and the weight (expert) it streams
-        if ROWS == 0:
-            rmask = offs_r < M
-            xrow = offs_r if not GCOL else offs_r * 0   # GCOL: M == 1, every MMA column reads x row 0
-            yrow = offs_r
-            e = r * 0
-            rw = 1.0
-        elif ROWS == 1:
-            rmask = offs_r == 0
-            yrow = r + offs_r * 0
-            xrow = yrow // X_DIV
-            if SHARED:
-                on_shared = r >= P
-                xrow = tl.where(on_shared, yrow - P, xrow)
-                e = tl.load(ids_ptr + tl.minimum(r, P - 1), mask=r < P, other=0).to(tl.int32)
-            else:
-                e = tl.load(ids_ptr + r).to(tl.int32)
-            rw = 1.0
-        else:
-            rmask = offs_r == 0
-            slot = tl.minimum(j // SPLIT, TOPK)
-            if SHARED:
-                on_shared = slot == TOPK
-                ks = tl.where(on_shared, j - TOPK * SPLIT, ks)
-            pair = r * TOPK + tl.minimum(slot, TOPK - 1)
-            yrow = r + offs_r * 0
-            xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
-            e = tl.load(ids_ptr + pair).to(tl.int32)
-            rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
-        n0 = pid_n * BN
-        rows = tl.minimum(n0 + offs_b, N - 1)   # rows past N re-read row N - 1; never stored
-        rows_mma = _mma_rows(n0 + offs_b, BN, W)
-        nmask_mma = rows_mma < N
-        xcol = (n0 // tl.maximum(GROUP_R, 1)) * X_GSTRIDE   # block-diagonal (wo_a): this tile's x columns
-        e64 = e.to(tl.int64)
-        s0 = ks * CHUNK
-        if SHARED:
-            if on_shared:
-                s0 = ks * CHUNK_S
-                acc, acc_u, f, f_u = _weight_unit(
-                    x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
-                    tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-                    stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S, GCOL)
-            else:
-                acc, acc_u, f, f_u = _weight_unit(
-                    x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
-                    s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
-                    stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
-                    MP, W, DOT, ASM, PF, TILED, GCOL)
-        else:
-            acc, acc_u, f, f_u = _weight_unit(
-                x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
-                s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
-                stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
-                W, DOT, ASM, PF, TILED, GCOL)
-        if WAIT_PER_UNIT:
-            gdc_wait()   # before any write: h and the workspace may reuse memory the previous kernel reads
-        # y[yrow, rows_mma] = acc^T (rows of the MMA tile are memory rows rows_mma)
-        offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
-        omask = rmask[None, :] & nmask_mma[:, None]
-        if nsplit > 1:
-            # park the scaled partial, count arrivals; the last unit of the tile sums all in split order
-            offs_ws = yrow.to(tl.int64)[None, :] * N + rows_mma[:, None]
-            plane = M.to(tl.int64) * N
-            part = ws_ptr + j.to(tl.int64) * (2 * plane if GATED else plane)
-            tl.store(part + offs_ws, acc * f, mask=omask)
-            if GATED:
-                tl.store(part + plane + offs_ws, acc_u * f_u, mask=omask)
-            tl.debug_barrier()
-            cnt = cnt_ptr + tile
-            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == nsplit - 1:
-                acc = tl.zeros((BN, MP), dtype=tl.float32)
-                if GATED:
-                    acc_u = tl.zeros((BN, MP), dtype=tl.float32)
-                for i in range(0, nsplit):
-                    part = ws_ptr + i * (2 * plane if GATED else plane)
-                    acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
-                    if GATED:
-                        acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-                _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
-        else:
-            _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, f, f_u if GATED else f, limit, GATED)
+        _gemv_unit(u, splits, num_n, shared_units, first_shared, first_routed,
+                   x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
+                   M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
+                   stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e,
+                   stride_s2g, stride_ym,
+                   sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
+                   stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
+                   FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
+                   PDL, GCOL, X_READY, False, False, 0, False)
 
 
 @triton.jit
@@ -670,6 +738,151 @@ def _prefetch_tiled_run(ptr, n0, s0, steps, stride, stride_g, CHUNK: tl.constexp
     _prefetch_l2(p)
     if GATED:
         _prefetch_l2(p + stride_g)
+
+
+@triton.jit
+def _nanosleep(ns):
+    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _load_acquire(ptr):
+    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _await_row(flag_ptr, target, wbase, sbase, n0, s0, steps, stride_wn, stride_sn, FMT: tl.constexpr,
+               TILED: tl.constexpr, ASM: tl.constexpr, STEPS: tl.constexpr):
+    """Wait until the counter at flag_ptr reaches target, each thread with acquire semantics (ASM, the GPU; the
+    interpreter runs programs one after another, so the count is always there). If it has not yet, first
+    prefetch into L2 up to STEPS sub-steps [s0, s0 + steps) of tile row n0 of the unit's tile-major weights (and
+    FP4 scales), which do not depend on what it waits for."""
+    if ASM:
+        seen = _load_acquire(flag_ptr)
+        if seen < target:
+            if STEPS > 0 and TILED:
+                run = tl.minimum(steps, STEPS)
+                _prefetch_tiled_run(wbase, n0, s0, run, stride_wn, 0, TILE_BYTES_C, STEPS, False)
+                if FMT >= 2:
+                    _prefetch_tiled_run(sbase, n0, s0, run, stride_sn, 0, scale_chunk_c(FMT), STEPS, False)
+            backoff = seen * 0 + 128   # ns, doubling to 2 us: a poll is an L2 access to the slice of the flag
+            while seen < target:
+                _nanosleep(backoff)
+                backoff = tl.minimum(backoff * 2, 2048)
+                seen = _load_acquire(flag_ptr)
+    else:
+        tl.device_assert(tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") >= target, "h row not written")
+
+
+@triton.jit
+def _signal_row(flag_ptr):
+    """One more tile of a row is written: every thread's stores come before the release."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr):
+    """The down launch's unit (`_launch_layout`'s numbering, ROWS_TOKEN) for the fused pair's v-th down unit, in the
+    order gate/up completes h rows: pair by pair (token, slot), the shared expert's rows first when its gate/up
+    units come first (X_READY), else last."""
+    routed = R * num_n * SPLIT * TOPK
+    w = v - R * num_n * SPLIT_S if SHARED and SHARED_FIRST else v
+    pair = w // (num_n * SPLIT)
+    rem = w % (num_n * SPLIT)
+    u = ((pair // TOPK) * num_n + rem // SPLIT) * splits + (pair % TOPK) * SPLIT + rem % SPLIT
+    if SHARED:
+        s = v if SHARED_FIRST else v - routed
+        u = tl.where((w < 0) | (w >= routed), (s // SPLIT_S) * splits + TOPK * SPLIT + s % SPLIT_S, u)
+    return u
+
+
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s",
+                               "d_M", "d_R", "d_SPLIT", "d_TOPK", "d_CHUNK", "d_P", "d_CHUNK_S", "d_SPLIT_S",
+                               "d_n_steps_s", "h_rows"])
+def _moe_pair_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
+    M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
+    stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
+    stride_ym,
+    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
+    stride_ss2g,
+    d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
+    d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
+    d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn, d_stride_s2e,
+    d_stride_s2g, d_stride_ym,
+    d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg, d_stride_swn,
+    d_stride_ssg, d_stride_ssn, d_stride_ss2g,
+    sync_ptr, h_rows,
+    FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
+    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
+    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
+    TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
+    D_FMT: tl.constexpr, D_SCALE_F32: tl.constexpr, D_BN: tl.constexpr, D_FMT_S: tl.constexpr,
+    D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
+    AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True,
+):
+    """The MoE decode pair in one launch: the gate/up launch's units (the `_gemv_kernel` arguments, ROWS_PAIR,
+    GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
+    may differ). Programs draw units from a ticket (sync[0]) in that order until none is left, so a down unit
+    only ever waits for gate/up units that running programs hold: no deadlock, however many programs are
+    resident. Every gate/up output tile written counts into ready[h row] (sync[2 + row]); a down unit waits for
+    its h row's count (L2-prefetching its weights meanwhile), so down's weights stream while gate/up finishes -
+    no launch gap and no tail of the first launch. The last program out (sync[1]) re-arms sync. Split partials
+    are summed in split order as in two launches: the same bits."""
+    tl.static_assert(ROWS == 1 and GATED, "the first part of the pair is the gate/up launch")
+    up_total, up_splits, up_n, up_shared, up_first_shared, up_first_routed = _launch_layout(
+        N, R, SPLIT, TOPK, P, SPLIT_S, 1, BN, SHARED, X_READY)
+    dn_total, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed = _launch_layout(
+        d_N, d_R, d_SPLIT, d_TOPK, d_P, d_SPLIT_S, 2, D_BN, SHARED, False)
+    total = up_total + dn_total
+    done_ptr = sync_ptr + SYNC_LINE
+    ready_ptr = sync_ptr + 2 * SYNC_LINE
+    if PDL:   # as `_gemv_kernel`; the tickets are this kernel's own scratch, which the routing kernel never touches
+        gdc_launch_dependents()
+        if not (X_READY and SHARED):
+            gdc_wait()
+    t = tl.program_id(0)   # the first unit: the program's own; later ones: tickets
+    while t < total:
+        if t < up_total:
+            nxt = _gemv_unit(t, up_splits, up_n, up_shared, up_first_shared, up_first_routed,
+                       x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
+                       M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
+                       stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e,
+                       stride_s2g, stride_ym,
+                       sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
+                       stride_ssn, stride_ss2g, ready_ptr, 0, sync_ptr,
+                       FMT, SCALE_F32, 1, True, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
+                       PDL, GCOL, X_READY, True, False, 0, True)
+        else:
+            if PDL:
+                gdc_wait()   # reads the expert ids
+            u = t - up_total
+            if PAIR_ORDER:
+                u = _pair_down_unit(u, d_R, dn_n, dn_splits, d_SPLIT, d_SPLIT_S, d_TOPK, SHARED, X_READY)
+            nxt = _gemv_unit(u, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed,
+                       d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
+                       d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
+                       d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn,
+                       d_stride_s2e, d_stride_s2g, d_stride_ym,
+                       d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
+                       d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
+                       D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
+                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True)
+        # the next unit, drawn near the end of this one: a ticket drawn at its start would fix the assignment
+        # early, like a persistent grid's round robin (measured slower: units sat unevenly on the SMs)
+        t = tl.num_programs(0) + nxt
+    if PDL:
+        gdc_wait()   # (a program that drew no unit) nothing below runs before the previous kernel is done
+    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        # the last program out: every unit is done and every ticket drawn; re-arm for the next launch
+        for c in range(0, h_rows, 128):
+            offs = c + tl.arange(0, 128)
+            tl.store(ready_ptr + offs * SYNC_LINE, tl.zeros((128,), dtype=tl.int32), mask=offs < h_rows)
+        tl.store(sync_ptr, 0)
+        tl.store(done_ptr, 0)
 
 
 @triton.jit
@@ -858,6 +1071,17 @@ def resident_ctas(kernel, num_warps: int, device: torch.device) -> int:
     return max(1, min(by_regs, by_smem, props.max_threads_per_multi_processor // (32 * num_warps), 32))
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """One launch's `_gemv_kernel` arguments and constexprs, its units, the programs it runs and the CTAs that fit
+    on the GPU at once (its split plan's slots)."""
+    args: tuple
+    consts: dict
+    units: int
+    programs: int
+    slots: int
+
+
 def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
            R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
            group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None,
@@ -872,6 +1096,15 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     `x_ready` (ROWS_PAIR with `shared`): the caller promises that x was written before the previous kernel on
     the stream started and that that kernel writes neither x nor the weights (it is `moe.route`'s); the shared
     expert's units then run first and, with `cfg.pdl`, before that kernel has finished (`X_READY`)."""
+    p = _prepare(x, w, y, cfg, M=M, rows=rows, R=R, gated=gated, topk=topk, x_div=x_div, ids=ids, rw=rw, limit=limit,
+                 group_r=group_r, x_gstride=x_gstride, shared=shared, pairs=pairs, scratch=scratch, x_ready=x_ready)
+    _gemv_kernel[(p.programs,)](*p.args, **p.consts)
+
+
+def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, gated: bool, topk: int, x_div: int, ids,
+             rw, limit: float, group_r: int, x_gstride: int, shared: QWeight | None, pairs: int, scratch,
+             x_ready: bool, cnt: torch.Tensor | None = None) -> _Prepared:
+    """`launch`'s work but the launch itself; `cnt`: the split-K semaphores to use (default: the scratch's)."""
     N, K = w.out_features, w.in_features
     lead = w.leading
     wt = w.weight.view(torch.uint8)
@@ -910,8 +1143,9 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
     if maxnreg and not interp:
         consts["maxnreg"] = maxnreg
-    cnt = scratch.counters(x.device, R * num_n) if scratch is not None else \
-        torch.zeros(R * num_n, dtype=torch.int32, device=x.device)
+    if cnt is None:
+        cnt = scratch.counters(x.device, R * num_n) if scratch is not None else \
+            torch.zeros(R * num_n, dtype=torch.int32, device=x.device)
 
     def kernel_args(split, chunk, split_s, chunk_s, ws):
         return (x, wt, scale, s2 if s2 is not None else wt, y, ids if ids is not None else wt,
@@ -939,8 +1173,68 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     if parts > 1:
         ws = torch.empty(parts * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)
     nprog = units if (interp or not cfg.persistent) else max(1, min(units, slots))
-    args = kernel_args(split, chunk, split_s, chunk_s, ws)
-    _gemv_kernel[(nprog,)](*args, **consts)
+    return _Prepared(kernel_args(split, chunk, split_s, chunk_s, ws), consts, units, nprog, slots)
+
+
+# the down launch's constexprs that may differ from gate/up's; `_moe_pair_kernel` takes them prefixed D_
+_PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", "TILED_S", "GCOL")
+
+
+def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out: torch.Tensor, up: GemvConfig,
+                down: GemvConfig, *, tokens: int, topk: int, ids, rw, limit: float, shared: tuple | None = None,
+                scratch=None, x_ready: bool = False, fused: bool | None = None, await_l2: int = 0,
+                programs: int = 0, pair_order: bool = True):
+    """The MoE decode pair (`kernels.moe`): gate/up (`up`: ROWS_PAIR over the tokens * topk pairs, then the shared
+    expert's rows, SwiGLU) into h, and the down projection (`down`: ROWS_TOKEN, the routing weights and the top-k
+    sum fused) from h into out. `shared`: (w13, w2) of the shared expert; `x_ready` as in `launch`.
+
+    `fused`: both in one launch (`_moe_pair_kernel`), each unit as `launch` would run it with the same split
+    plan, so out holds the same bits as the two launches give. None: fused where the down projection takes more
+    than one wave of CTAs (its first wave then overlaps the tail of gate/up: 2-5 % faster at 4-8 tokens on the
+    H200), else two launches (at 1 token both are single waves and the fused pair's signalling measured 6-9 %
+    slower; bench/RESULTS.md round nine). `await_l2`: sub-steps of a down unit's weights prefetched into L2 while
+    it waits for its h row (measured slower, so 0); `programs` (0: as many as fit at once) and `pair_order`
+    (down units in the order gate/up completes h rows) are for benchmarks."""
+    pairs = tokens * topk
+    h_rows = pairs + (tokens if shared is not None else 0)
+    sw13, sw2 = shared if shared is not None else (None, None)
+    n_up, n_dn = h_rows * triton.cdiv(w13.out_features, up.BN), tokens * triton.cdiv(w2.out_features, down.BN)
+    need = n_up + n_dn + (2 + h_rows) * SYNC_LINE
+    buf = scratch.counters(x.device, need) if scratch is not None else \
+        torch.zeros(need, dtype=torch.int32, device=x.device)
+    pu = _prepare(x, w13, h, up, M=h_rows, rows=ROWS_PAIR, R=h_rows, gated=True, topk=1, x_div=topk, ids=ids,
+                  rw=None, limit=limit, group_r=0, x_gstride=0, shared=sw13, pairs=pairs, scratch=scratch,
+                  x_ready=x_ready, cnt=buf[:n_up])
+    pd = _prepare(h, w2, out, down, M=tokens, rows=ROWS_TOKEN, R=tokens, gated=False, topk=topk, x_div=1, ids=ids,
+                  rw=rw, limit=0.0, group_r=0, x_gstride=0, shared=sw2, pairs=pairs, scratch=scratch, x_ready=False,
+                  cnt=buf[n_up:n_up + n_dn])
+    if fused is None:
+        fused = pd.units > pd.slots
+    if not fused:
+        _gemv_kernel[(pu.programs,)](*pu.args, **pu.consts)
+        _gemv_kernel[(pd.programs,)](*pd.args, **pd.consts)
+        return
+    # one launch: programmatic dependent launch as gate/up's (`moe` gives it only gate/up, after routing)
+    consts = {k: v for k, v in pu.consts.items() if k != "PDL_L2"}
+    for k, v in pd.consts.items():
+        if k in _PAIR_DOWN_CONSTS:
+            consts["D_" + k] = v
+        elif k not in ("ROWS", "GATED", "X_READY", "PDL_L2", "PDL", "launch_pdl") and consts.get(k) != v:
+            raise ValueError(f"the fused MoE pair needs the same {k} for gate/up and down, got {consts.get(k)} "
+                             f"and {v}")
+    consts["AWAIT_L2"] = await_l2
+    consts["PAIR_ORDER"] = pair_order
+    args = (*pu.args, *pd.args, buf[n_up + n_dn:], h_rows)
+    units = pu.units + pd.units
+    if interpreting():
+        programs = 1   # programs run one after another: a second one's first unit would come after all others
+    else:
+        key = ("pair", x.device, tuple(sorted((k, str(v)) for k, v in consts.items())))
+        per_sm = scratch.resident(key, lambda: resident_ctas(
+            _moe_pair_kernel.warmup(*args, grid=(1,), **consts), up.num_warps, x.device)) \
+            if scratch is not None else 4
+        programs = min(units, programs or num_sms(x.device) * per_sm)
+    _moe_pair_kernel[(programs,)](*args, **consts)
 
 
 # FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages at up to 8 rows: with

@@ -1,9 +1,10 @@
 """Triton MoE: routing, sorting tokens by expert, and the two fused stages.
 
-Decode (T <= DECODE_TOKENS): no sorting, two launches of the register-streaming GEMV (`gemv.py`). Gate/up:
-one unit per (token, slot) pair, N tile and K split, SwiGLU in the epilogue. Down: one output tile per
-(token, N tile) whose K splits are (slot, K split): each expert's partial is scaled by its routing weight and
-the ordered sum of all of them is the MoE output - the top-k sum fused and deterministic, no fp32 rows.
+Decode (T <= DECODE_TOKENS): no sorting, the register-streaming GEMV (`gemv.py`) for both stages, in one
+launch or two (`gemv.launch_pair`). Gate/up: one unit per (token, slot) pair, N tile and K split, SwiGLU in
+the epilogue. Down: one output tile per (token, N tile) whose K splits are (slot, K split): each expert's
+partial is scaled by its routing weight and the ordered sum of all of them is the MoE output - the top-k sum
+fused and deterministic, no fp32 rows.
 When the weights' format or shape does not suit the GEMV, the round-one decode kernels below run instead:
 stage 1 one program per (token, slot) pair and N-tile, stage 2 pairs + row sum or the token-major kernel.
 
@@ -272,14 +273,14 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels,
     whose down projection `decode_down` picks: "fused" (token-major) or "pairs" (grouped GEMM + row sum).
 
-    `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in its own two launches (one more
+    `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in the same launches (one more
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots);
     every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`).
 
     `after_route=True` is the caller's promise that the previous kernel on the stream is `route`'s and that x
     was written before it: the GEMV pair's gate/up launch then streams the shared expert first, overlapping
     the routing kernel where the GPU has programmatic dependent launch (`gemv.launch(x_ready=True)`). The
-    result is the same bits either way."""
+    result is the same bits either way, as it is in one launch or two (`gemv.launch_pair`)."""
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
@@ -307,10 +308,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
         # the shared expert while the routing kernel runs
         overlap = after_route and shared is not None
-        gemv.launch(x, w13, h, gemv.GemvConfig(pdl=overlap), M=rows, rows=gemv.ROWS_PAIR, R=rows, gated=True,
-                    x_div=k, ids=ids, limit=limit, shared=sw13, pairs=P, scratch=scratch, x_ready=overlap)
-        gemv.launch(h, w2, out, gemv.GemvConfig(pdl=False), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
-                    rw=weights.reshape(-1), shared=sw2, pairs=P, scratch=scratch)
+        gemv.launch_pair(x, w13, h, w2, out, gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False), tokens=T,
+                         topk=k, ids=ids, rw=weights.reshape(-1), limit=limit, shared=shared, scratch=scratch,
+                         x_ready=overlap)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
