@@ -345,6 +345,25 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("split,shared_fmt", [(2, "nvfp4"), (3, None), (4, "fp8")])
+def test_down_projection_sums_many_partials(kernel_calls, split, shared_fmt):
+    """The down projection's output tiles sum top-k x K-split partials (plus the shared expert's): 10-24 of them
+    here (the MoE down projection has 14-16 at 1 token), every one counted."""
+    E, k, D, I, T = 8, 5, 256, 1024, 2
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
+    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
+    x = torch.randn(T, D) * 2
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    h, out = torch.empty(T * k + (T if shared else 0), I), torch.empty(T, D)
+    cfg = gemv.GemvConfig(split=split)
+    gemv.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+                     shared=shared, scratch=gemm.Scratch(), fused=False)
+    down = kernel_calls[-1]
+    parts = down["SPLIT"] * k + (down["SPLIT_S"] if shared else 0)
+    assert down["ROWS"] == gemv.ROWS_TOKEN and parts > 8, parts
+    assert rel_err(out, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+
+
 def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_wave(monkeypatch, kernel_calls):
     """`launch_pair(fused=None)`: one launch where the down projection's units exceed the CTAs that fit at once
     (round nine: 2-5 % faster at 4-8 tokens), two launches where both stages are single waves (1 token)."""
