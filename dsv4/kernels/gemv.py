@@ -397,10 +397,16 @@ def _fp8_block_scale(sbase, rows_mma, nmask_mma, kblock, stride_sn, SCALE_F32: t
 def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
               stride_xm, stride_wn, stride_sn,
               FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
-              DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr, GCOL: tl.constexpr):
+              DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr, GCOL: tl.constexpr,
+              stride_wg=0, stride_sg=0, PAIRED: tl.constexpr = False):
     """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (an FP8 iteration is one
     128-K scale block, s0 even). A missing second step (odd count) re-reads the first step's weights against
-    zero x.
+    zero x. Returns (partial, partial again).
+
+    PAIRED (FP4 gate/up): the partials (gate, up) of two weights stride_wg / stride_sg bytes apart, an iteration
+    being one sub-step of each against the same x: one loop, so the pipeline fills once per unit instead of
+    once per weight, with twice the bytes in flight per x sub-tile. Each accumulator sees its sub-steps in the
+    same order as unpaired: the same bits.
 
     Weight loads: without prefetch both of an iteration are issued before its first decode (Triton's
     pipeliner, num_stages > 1, stages them and x through shared memory but waits for them at the top of the
@@ -410,8 +416,11 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
 
     GCOL with FP4 weights (one x row, xrow uniform): the group columns (module docstring); the partial is
     returned in column 0."""
+    tl.static_assert(not PAIRED or FMT >= 2, "paired weights are FP4")
     acc = tl.zeros((BN, MP), dtype=tl.float32)
+    acc2 = tl.zeros((BN, MP), dtype=tl.float32)
     KS: tl.constexpr = 128 if FMT >= 2 else 64
+    STEP: tl.constexpr = 1 if PAIRED else 2   # sub-steps of one weight per iteration
     GC: tl.constexpr = GCOL and FMT >= 2
     XG: tl.constexpr = 16 if GC else 0
     if GC:
@@ -425,41 +434,52 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     wk = byte_offsets(zero, zero + TILE_BYTES_C, stride_wn, TILE_BYTES_C, TILED)
     srow = byte_offsets(rows, zero, stride_sn, SSTEP, TILED and FMT >= 2)
     sk = byte_offsets(zero, zero + SSTEP, stride_sn, SSTEP, TILED and FMT >= 2)
+    # the second operand of an iteration: the next sub-step, or (PAIRED) the same sub-step of the up weight
+    wbase1 = wbase + stride_wg if PAIRED else wbase
+    sbase1 = sbase + stride_sg if PAIRED else sbase
     if PREFETCH:
         b0, c0 = _load_sub(wbase, sbase, wrow, srow, s0, wk, sk, FMT)
-        b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(s0 + 1, s1 - 1), wk, sk, FMT)
+        b1, c1 = _load_sub(wbase1, sbase1, wrow, srow, s0 if PAIRED else tl.minimum(s0 + 1, s1 - 1), wk, sk, FMT)
     elif GC:
         # the scales feed no dot operand here, so the pipeliner would leave their loads unstaged: they are
         # loaded a loop iteration ahead into registers instead
         n0 = _load_scales(sbase, srow, s0, sk, FMT)
-        n1 = _load_scales(sbase, srow, tl.minimum(s0 + 1, s1 - 1), sk, FMT)
-    for step in range(s0, s1, 2):
-        step1 = tl.minimum(step + 1, s1 - 1)
+        n1 = _load_scales(sbase1, srow, s0 if PAIRED else tl.minimum(s0 + 1, s1 - 1), sk, FMT)
+    for step in range(s0, s1, STEP):
+        step1 = step if PAIRED else tl.minimum(step + 1, s1 - 1)
         if not PREFETCH:
             b0, c0 = _load_sub(wbase, sbase, wrow, srow, step, wk, sk, FMT, not GC)
-            b1, c1 = _load_sub(wbase, sbase, wrow, srow, step1, wk, sk, FMT, not GC)
+            b1, c1 = _load_sub(wbase1, sbase1, wrow, srow, step1, wk, sk, FMT, not GC)
             if GC:
                 c0 = n0
                 c1 = n1
-                n0 = _load_scales(sbase, srow, tl.minimum(step + 2, s1 - 1), sk, FMT)
-                n1 = _load_scales(sbase, srow, tl.minimum(step + 3, s1 - 1), sk, FMT)
+                n0 = _load_scales(sbase, srow, tl.minimum(step + STEP, s1 - 1), sk, FMT)
+                n1 = _load_scales(sbase1, srow, tl.minimum(step1 + STEP, s1 - 1), sk, FMT)
         x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, XG)
-        x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP, KS,
-                        DOT, XG)
+        if PAIRED:
+            x1 = x0
+        else:
+            x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP,
+                            KS, DOT, XG)
         blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W,
                        DOT, ASM, GC)
         if PREFETCH:
-            b0, c0 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 2, s1 - 1), wk, sk, FMT)
-        blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM, GC)
+            b0, c0 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + STEP, s1 - 1), wk, sk, FMT)
+        if PAIRED:
+            acc2 = _mma_sub(acc2, b1, c1, x1, FMT, BN, W, DOT, ASM, GC)
+        else:
+            blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM, GC)
         if PREFETCH:
-            b1, c1 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + 3, s1 - 1), wk, sk, FMT)
+            b1, c1 = _load_sub(wbase1, sbase1, wrow, srow, tl.minimum(step1 + STEP, s1 - 1), wk, sk, FMT)
         if FMT >= 2:
             acc = blk
         else:
             acc += blk * _fp8_block_scale(sbase, rows_mma, nmask_mma, step // 2, stride_sn, SCALE_F32)[:, None]
     if GC:   # the group columns' sum, and the 2^53 that `_group_scales` leaves out
         acc = tl.where(tl.arange(0, MP)[None, :] == 0, tl.sum(acc, axis=1)[:, None] * (2.0 ** 53), 0.0)
-    return acc
+        if PAIRED:
+            acc2 = tl.where(tl.arange(0, MP)[None, :] == 0, tl.sum(acc2, axis=1)[:, None] * (2.0 ** 53), 0.0)
+    return acc, acc2 if PAIRED else acc
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -472,15 +492,17 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
                  PF: tl.constexpr, TILED: tl.constexpr, GCOL: tl.constexpr):
     """One unit's partial(s) of one weight: (acc, acc_u, factor, factor_u); acc_u is the up projection when
     GATED (else acc again). The factors undo the decode prescale and apply the routing weight `rw`."""
-    acc = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
-                    stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, DOT, ASM, PF, TILED, GCOL)
+    PAIRED: tl.constexpr = GATED and FMT >= 2   # FP4 gate and up in one loop (`_unit_acc`)
+    acc, acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma, s0, s1,
+                           stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W, DOT, ASM, PF, TILED, GCOL,
+                           stride_wg, stride_sg, PAIRED)
     f = epilogue_factor(s2base, FMT) * rw
-    acc_u = acc
     f_u = f
     if GATED:
-        acc_u = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
-                          nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W,
-                          DOT, ASM, PF, TILED, GCOL)
+        if not PAIRED:
+            acc_u, _ = _unit_acc(x_ptr, xrow, rmask, xcol, wbase + stride_wg, sbase + stride_sg, rows, rows_mma,
+                                 nmask_mma, s0, s1, stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN, MP, W,
+                                 DOT, ASM, PF, TILED, GCOL)
         f_u = epilogue_factor(s2base + stride_s2g, FMT)
     return acc, acc_u, f, f_u
 
