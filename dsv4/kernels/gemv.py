@@ -59,6 +59,12 @@ The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x r
 * ROWS_PAIR: one row per (token, slot) pair, weight ids[pair] (MoE gate/up, GATED = SwiGLU epilogue).
 * ROWS_TOKEN: one token per unit, its k experts are extra K splits: the routing weight and each expert's
   factor scale the partials, whose ordered sum is the MoE output (the top-k sum fused, deterministic).
+Gated FP4 units stream gate and up in one K loop, a sub-step of each per iteration (`_unit_acc`, PAIRED).
+
+The MoE pair (gate/up ROWS_PAIR, then down ROWS_TOKEN) can run as one launch (`launch_pair`,
+`_moe_pair_kernel`): every unit is `_gemv_unit`, as in its own launch; programs draw units in order from a
+ticket, and a down unit waits for the gate/up tiles of its h row (counted per row, release/acquire), so down's
+first wave overlaps the tail of gate/up.
 """
 
 from __future__ import annotations
@@ -848,12 +854,14 @@ def _moe_pair_kernel(
 ):
     """The MoE decode pair in one launch: the gate/up launch's units (the `_gemv_kernel` arguments, ROWS_PAIR,
     GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
-    may differ). Programs draw units from a ticket (sync[0]) in that order until none is left, so a down unit
-    only ever waits for gate/up units that running programs hold: no deadlock, however many programs are
-    resident. Every gate/up output tile written counts into ready[h row] (sync[2 + row]); a down unit waits for
-    its h row's count (L2-prefetching its weights meanwhile), so down's weights stream while gate/up finishes -
-    no launch gap and no tail of the first launch. The last program out (sync[1]) re-arms sync. Split partials
-    are summed in split order as in two launches: the same bits."""
+    may differ). A program's first unit is its own id; each later one comes from a ticket (the sync line 0),
+    drawn near the end of the unit before, units in that order until none is left. A down unit only waits for
+    gate/up units of lower numbers: first units of programs that are resident (`launch_pair` starts no more
+    programs than fit on the GPU at once, and the hardware starts them in id order) or units running programs
+    drew. Every gate/up output tile written counts into its h row's flag (line 2 + row, one 128-byte line
+    each); a down unit waits for its row's count (L2-prefetching AWAIT_L2 sub-steps of its weights meanwhile),
+    so down's first wave runs while gate/up finishes - no launch gap. The last program out (line 1 counts
+    them) re-arms every flag. Split partials are summed in split order as in two launches: the same bits."""
     tl.static_assert(ROWS == 1 and GATED, "the first part of the pair is the gate/up launch")
     up_total, up_splits, up_n, up_shared, up_first_shared, up_first_routed = _launch_layout(
         N, R, SPLIT, TOPK, P, SPLIT_S, 1, BN, SHARED, X_READY)
