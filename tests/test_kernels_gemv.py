@@ -158,13 +158,22 @@ def test_split_k_rearms_and_bf16(launches, fmt):
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_every_weight_load_schedule_matches_reference(launches, fmt, prefetch):
     """Without and with register prefetch (the default prefetches FP8 only), over an odd number of
-    sub-steps and K splits, where the last prefetches re-read the final step."""
+    sub-steps and K splits, where the last prefetches re-read the final step; plain and gated."""
     for n, k, split in ((70, 384, 0), (64, 640, 3), (64, 256, 2)):
         w = make_weight(fmt, n, k)
         x = torch.randn(3, k)
         y = gemv.linear(x, w, gemv.GemvConfig(prefetch=prefetch, split=split), scratch=gemm.Scratch())
         assert rel_err(y, ref.linear(x, w)) < 1e-6, (n, k, split)
-    assert len(launches) == 3
+        # gated (FP4: gate and up in one K loop), 1 and 3 rows: SwiGLU with the clamp of the dequantized products
+        w13 = make_weight(fmt, n, k, (2,), 0.5)
+        gate, up = (x @ w13.dequantize(torch.float32).transpose(-1, -2)).unbind(0)
+        want = F.silu(gate.clamp(max=LIMIT / 4)) * up.clamp(-LIMIT / 4, LIMIT / 4)
+        for m in (1, 3):
+            h = torch.empty(m, n)
+            gemv.launch(x[:m], w13, h, gemv.GemvConfig(prefetch=prefetch, split=split), M=m, gated=True,
+                        limit=LIMIT / 4, scratch=gemm.Scratch())
+            assert rel_err(h, want[:m]) < 1e-5, (n, k, split, m)
+    assert len(launches) == 9
 
 
 def test_split_choice_weighs_fill_against_unit_cost():

@@ -1213,7 +1213,7 @@ _PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", 
 def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out: torch.Tensor, up: GemvConfig,
                 down: GemvConfig, *, tokens: int, topk: int, ids, rw, limit: float, shared: tuple | None = None,
                 scratch=None, x_ready: bool = False, fused: bool | None = None, await_l2: int = 0,
-                programs: int = 0, pair_order: bool = True):
+                pair_order: bool = True):
     """The MoE decode pair (`kernels.moe`): gate/up (`up`: ROWS_PAIR over the tokens * topk pairs, then the shared
     expert's rows, SwiGLU) into h, and the down projection (`down`: ROWS_TOKEN, the routing weights and the top-k
     sum fused) from h into out. `shared`: (w13, w2) of the shared expert; `x_ready` as in `launch`.
@@ -1223,8 +1223,8 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
     than one wave of CTAs (its first wave then overlaps the tail of gate/up: 2-5 % faster at 4-8 tokens on the
     H200), else two launches (at 1 token both are single waves and the fused pair's signalling measured 6-9 %
     slower; bench/RESULTS.md round nine). `await_l2`: sub-steps of a down unit's weights prefetched into L2 while
-    it waits for its h row (measured slower, so 0); `programs` (0: as many as fit at once) and `pair_order`
-    (down units in the order gate/up completes h rows) are for benchmarks."""
+    it waits for its h row (measured slower, so 0); `pair_order` False: down units in their own launch's order
+    instead of the order gate/up completes h rows (the same bits; for benchmarks)."""
     pairs = tokens * topk
     h_rows = pairs + (tokens if shared is not None else 0)
     sw13, sw2 = shared if shared is not None else (None, None)
@@ -1263,7 +1263,7 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
         per_sm = scratch.resident(key, lambda: resident_ctas(
             _moe_pair_kernel.warmup(*args, grid=(1,), **consts), up.num_warps, x.device)) \
             if scratch is not None else 4
-        programs = min(units, programs or num_sms(x.device) * per_sm)
+        programs = min(units, num_sms(x.device) * per_sm)
     _moe_pair_kernel[(programs,)](*args, **consts)
 
 
