@@ -42,7 +42,7 @@ def main():
     ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (gemv.launch_pair)")
-    ap.add_argument("--await-l2", default="16", help="with --fused: the launch_pair await_l2 values to time")
+    ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -76,7 +76,7 @@ def main():
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
                             rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
-            def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=16):
+            def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=0):
                 cfg = gemv.GemvConfig(pdl=pdl)
                 gemv.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, cfg, tokens=T, topk=s.k,
                                  ids=ids[i] if picked is None else picked, rw=rws[i] if weights is None else weights,

@@ -302,7 +302,6 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     if T == 0:
         return out
     if gemv_pair:
-        sw13, sw2 = shared if shared is not None else (None, None)
         rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
         # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
