@@ -13,7 +13,7 @@ Split 0 is the launch's own choice (`gemv.choose_split`); other splits are force
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
 gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`).
---fused: the pair once more in one launch (`gemv.launch_pair`), for each --await-l2 (sub-steps of its weights a
+--fused: the pair once more in one launch (`moe_pair.launch_pair`), for each --await-l2 (sub-steps of its weights a
 down unit prefetches into L2 while it waits for its h row); with --route also after the routing kernel.
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes,  # noqa: E402
                     random_qweight)
 
-from dsv4.kernels import gemm, gemv, moe  # noqa: E402
+from dsv4.kernels import gemm, gemv, moe, moe_pair  # noqa: E402
 
 
 def main():
@@ -41,7 +41,7 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="also time the pair with GemvConfig(pdl=True)")
     ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
-    ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (gemv.launch_pair)")
+    ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
@@ -78,9 +78,10 @@ def main():
 
             def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=0):
                 cfg = gemv.GemvConfig(pdl=pdl)
-                gemv.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, cfg, tokens=T, topk=s.k,
-                                 ids=ids[i] if picked is None else picked, rw=rws[i] if weights is None else weights,
-                                 limit=10.0, shared=(sw13, sw2), scratch=scratch, x_ready=x_ready, await_l2=await_l2)
+                moe_pair.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, cfg, tokens=T, topk=s.k,
+                                     ids=ids[i] if picked is None else picked,
+                                     rw=rws[i] if weights is None else weights, limit=10.0, shared=(sw13, sw2),
+                                     scratch=scratch, x_ready=x_ready, await_l2=await_l2)
 
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
                 for stages in (int(v) for v in args.stages.split(",")):

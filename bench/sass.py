@@ -27,7 +27,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4.kernels import gemv  # noqa: E402
+from dsv4.kernels import gemv, moe_pair  # noqa: E402
 from dsv4.kernels.tiles import FMT_CODES  # noqa: E402
 
 TYPES = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32",
@@ -54,9 +54,9 @@ def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: b
 
 def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: bool = False, x_ready: bool = False,
                  gcol: bool = True, stages: int = 2):
-    """`gemv._moe_pair_kernel` (the MoE decode pair in one launch) as `moe` runs it: 2 warps, BN 64, MMA N 8,
+    """`moe_pair._moe_pair_kernel` (the MoE decode pair in one launch) as `moe` runs it: 2 warps, BN 64, MMA N 8,
     the routed experts (and the shared expert, if given) in the same format for gate/up and down."""
-    fn = gemv._moe_pair_kernel
+    fn = moe_pair._moe_pair_kernel
     fmt_s = FMT_CODES[shared or fmt]
     consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=gemv.ROWS_PAIR, GATED=True, BN=64, MP=8, DOT=tl.bfloat16,
                   ASM=True, W=2, SHARED=shared is not None, FMT_S=fmt_s, SCALE_F32_S=False, PF=1, TILED=tiled,
@@ -109,7 +109,7 @@ def main():
     ap.add_argument("--pdl", action="store_true", help="GemvConfig.pdl (programmatic dependent launch)")
     ap.add_argument("--gcol", action="store_true", help="GemvConfig.group_cols (FP4, one x row; needs --mp 8)")
     ap.add_argument("--shared", default=None, help="the shared expert's format in the same launch (MoE)")
-    ap.add_argument("--pair", action="store_true", help="the MoE pair in one launch (gemv._moe_pair_kernel; "
+    ap.add_argument("--pair", action="store_true", help="the MoE pair in one launch (moe_pair._moe_pair_kernel; "
                     "counts its tightest MMA loop)")
     args = ap.parse_args()
     for fmt in args.formats:

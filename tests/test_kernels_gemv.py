@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.formats import QWeight
-from dsv4.kernels import Ops, gemm, gemv, ops_for, ref
+from dsv4.kernels import Ops, decode, gemm, gemv, moe_pair, ops_for, ref
 from dsv4.kernels import moe as tmoe
 from dsv4.kernels import tiles
 from kernel_util import refuse, rel_err, stacked_weight
@@ -24,10 +24,10 @@ LIMIT = 10.0
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts GEMV launches by row mode; the MoE pair (`gemv.launch_pair`, one launch or two) counts as its two
+    """Counts GEMV launches by row mode; the MoE pair (`moe_pair.launch_pair`, one launch or two) counts as its two
     stages."""
     seen = []
-    real, real_pair = gemv.launch, gemv.launch_pair
+    real, real_pair = gemv.launch, moe_pair.launch_pair
 
     def counting(*args, **kwargs):
         seen.append(kwargs.get("rows", gemv.ROWS_DENSE))
@@ -38,7 +38,7 @@ def launches(monkeypatch):
         return real_pair(*args, **kwargs)
 
     monkeypatch.setattr(gemv, "launch", counting)
-    monkeypatch.setattr(gemv, "launch_pair", counting_pair)
+    monkeypatch.setattr(moe_pair, "launch_pair", counting_pair)
     return seen
 
 
@@ -89,7 +89,7 @@ def kernel_calls(monkeypatch):
             return run
 
     monkeypatch.setattr(gemv, "_gemv_kernel", Recording(gemv._gemv_kernel, "gemv"))
-    monkeypatch.setattr(gemv, "_moe_pair_kernel", Recording(gemv._moe_pair_kernel, "pair"))
+    monkeypatch.setattr(moe_pair, "_moe_pair_kernel", Recording(moe_pair._moe_pair_kernel, "pair"))
     return seen
 
 
@@ -328,7 +328,7 @@ def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, 
 @pytest.mark.parametrize("fmt,shared_fmt,split", [("nvfp4", "fp8", 2), ("mxfp4", "nvfp4", 1), ("nvfp4", None, 2),
                                                    ("fp8", "fp8", 1)])
 def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt, split):
-    """`gemv.launch_pair(fused=True)`: gate/up and down in one launch, down units waiting for their h rows. Each
+    """`moe_pair.launch_pair(fused=True)`: gate/up and down in one launch, down units waiting for their h rows. Each
     unit computes what it does in two launches and split partials are summed in split order, so h and the
     output are bit for bit the two launches', with and without K splits, the shared expert first or last and
     the down units in either order; the scratch's semaphores, tickets and row flags re-arm (a second call on
@@ -343,7 +343,7 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
     runs = []
     for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, False)):
         h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
-        gemv.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
                          shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, pair_order=order)
         runs.append((h, out))
         assert kernel_calls[-1]["kernel"] == ("pair" if fused else "gemv")
@@ -401,7 +401,7 @@ def test_fused_pair_down_order_is_a_permutation_in_h_row_order():
     def order(out_ptr, R, num_n, splits, SPLIT, SPLIT_S, TOPK, N_UNITS, SHARED: tl.constexpr,
               FIRST: tl.constexpr):
         for v in range(0, N_UNITS):
-            tl.store(out_ptr + v, gemv._pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED, FIRST))
+            tl.store(out_ptr + v, moe_pair._pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED, FIRST))
 
     R, num_n, SPLIT, SPLIT_S, TOPK = 3, 4, 2, 3, 2
     for shared, first in ((True, True), (True, False), (False, False)):
@@ -524,7 +524,7 @@ def _bf16_mul(a_bits: int, b_bits: int) -> int:
 
 
 def test_nvfp4_group_multiplier_asm_is_exact_for_every_scale_byte():
-    """The PTX sequence of `gemv._group_multipliers` (prmt mode 8, << 4, mask, x 2^120, x 2^117), emulated on
+    """The PTX sequence of `decode._group_multipliers` (prmt mode 8, << 4, mask, x 2^120, x 2^117), emulated on
     all 256 scale bytes in every byte position of a scale word: both halves hold bf16(e4m3 * 2^117) exactly,
     subnormals, zero and negative scales included (the NaN bytes 0x7F / 0xFF excepted)."""
     for v in range(256):
@@ -594,10 +594,10 @@ def _nibble_value(n: int) -> float:
 
 
 def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
-    """The PTX of `gemv._fp4_decode` (`gemv.FP4_PTX`), run by `_run_ptx` on every byte value in
+    """The PTX of `decode._fp4_decode` (`decode.FP4_PTX`), run by `_run_ptx` on every byte value in
     every byte position of a word (other bytes hold garbage), multiplier 1: output i holds byte i's low nibble in
     its low half and the high nibble in its high half, each e2m1 * 2^-126 as bf16."""
-    asm = gemv.FP4_PTX.value
+    asm = decode.FP4_PTX.value
     for v in range(256):
         want = [_nibble_value(v & 15), _nibble_value(v >> 4)]
         for i in range(4):
@@ -607,9 +607,9 @@ def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
 
 
 def test_raw_fp4_decoder_asm_is_the_decoder_without_its_multiply():
-    """`gemv.FP4_PTX_RAW` (the group-column path) gives `FP4_PTX`'s pairs with multiplier 1: e2m1 * 2^-126 as
+    """`decode.FP4_PTX_RAW` (the group-column path) gives `FP4_PTX`'s pairs with multiplier 1: e2m1 * 2^-126 as
     bf16, natural order, on every byte value in every byte position."""
-    asm = gemv.FP4_PTX_RAW.value
+    asm = decode.FP4_PTX_RAW.value
     assert "mul" not in asm
     for v in range(256):
         want = [_nibble_value(v & 15), _nibble_value(v >> 4)]

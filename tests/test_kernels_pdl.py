@@ -6,7 +6,7 @@ its PTX: with PDL the kernel must trigger the next launch, and on every path fro
 PTX's basic blocks) wait for the previous kernel before its first global load (x, ids, scratch), store or
 atomic. Only L2 prefetches of weight bytes may come before the wait; with `X_READY` (the gate/up launch
 after `moe.route`) loads of x and weights may too, but still no write. The same holds for the MoE pair in one
-launch (`_moe_pair_kernel`). The routing kernel triggers first thing.
+launch (`moe_pair._moe_pair_kernel`). The routing kernel triggers first thing.
 The H200 check that a chain of dependent GEMVs gives the same bits with and without PDL is in
 bench/run_all.py.
 """
@@ -173,7 +173,7 @@ def test_shared_first_reads_before_the_wait_but_never_writes(ptx):
 
 
 def test_the_pair_in_one_launch_waits_like_its_two_launches(ptx):
-    """`gemv.launch_pair` in one launch: with PDL it triggers and waits before any global access, unless the
+    """`moe_pair.launch_pair` in one launch: with PDL it triggers and waits before any global access, unless the
     gate/up part streams the shared expert first (`x_ready`), where it reads before the wait but never writes -
     its tickets and h-row flags included, which it only touches after a wait."""
     plain, first = ptx["pair"], ptx["pair, shared first"]

@@ -1,8 +1,9 @@
 """Kernel dispatch: one `Ops` table per backend, chosen once and handed to the model (no module globals).
 
 `Ops.reference()` runs `kernels.ref` everywhere; `Ops.triton()` runs the Triton kernels (gemm.py with the
-decode GEMV of gemv.py, moe.py, w4a4.py), each of which hands a call it does not support (format, dtype,
-K not divisible by its block) to its reference twin. `ops_for(device)` picks Triton on CUDA and the reference elsewhere.
+decode GEMV of gemv.py, moe.py with moe_pair.py, w4a4.py), each of which hands a call it does not support
+(format, dtype, K not divisible by its block) to its reference twin. `ops_for(device)` picks Triton on CUDA and
+the reference elsewhere.
 """
 
 from __future__ import annotations

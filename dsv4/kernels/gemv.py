@@ -24,24 +24,21 @@ bench/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The weights 
 consecutive *registers*, which in the operand layout mix rows r and r + 32 (seen on the H200: garbage
 results, 2026-11-30).
 
-Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 1 shift + 4 x (prmt, shift, and, bf16x2 mul);
-FP8 4 values = 2 x (prmt, shift, and, bf16x2 mul). FP4 block-scale multipliers are formed once per scale
-group. NVFP4: e2m1 as a bf16 subnormal (value * 2^-126) times bf16(scale * 2^117); MXFP4: times
-bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m3 as bf16 value * 2^-120 times
-2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
-each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is undone once in the epilogue.
+The decoders (`decode.py`) turn each word into exact bf16 values (FP4 times its block multiplier, FP8 times
+2^120 with its 128x128 block scale applied to the fp32 partial of each 128-K block); the FP4 prescale is
+undone once in the epilogue.
 
 Group columns (`GemvConfig.group_cols`; by default in the MoE launches, whose units each read one x row): with FP4
-weights, column m of the MMA's x operand holds only the 16 x values of the sub-step's scale group m (times 2^64),
-so the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weights enter unscaled (E2M1 *
-2^-126: `prmt`, shift and AND per pair, no multiply: `FP4_PTX_RAW`) and one FFMA per group applies the block
-scales to D (`_group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal
-range for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions
-(Triton 3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the
-pipeliner would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense V4-Pro
-wq_b / wo_b at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in time (ncu: 17
-% of stall samples on them); staging them with the weights, loading them through inline PTX or prefetching them
-into L2 measured slower still.
+weights, column m of the MMA's x operand holds only the 16 x values of the sub-step's scale group m (times 2^64), so
+the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weights enter unscaled (E2M1 * 2^-126:
+`prmt`, shift and AND per pair, no multiply: `decode.FP4_PTX_RAW`) and one FFMA per group applies the block scales
+to D (`decode._group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal
+range for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
+3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the pipeliner
+would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense V4-Pro wq_b / wo_b
+at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in time (ncu: 17 % of stall
+samples on them); staging them with the weights, loading them through inline PTX or prefetching them into L2
+measured slower still.
 
 Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
 its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
@@ -61,10 +58,8 @@ The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x r
   factor scale the partials, whose ordered sum is the MoE output (the top-k sum fused, deterministic).
 Gated FP4 units stream gate and up in one K loop, a sub-step of each per iteration (`_unit_acc`, PAIRED).
 
-The MoE pair (gate/up ROWS_PAIR, then down ROWS_TOKEN) can run as one launch (`launch_pair`,
-`_moe_pair_kernel`): every unit is `_gemv_unit`, as in its own launch; programs draw units in order from a
-ticket, and a down unit waits for the gate/up tiles of its h row (counted per row, release/acquire), so down's
-first wave overlaps the tail of gate/up.
+The MoE pair (gate/up ROWS_PAIR, then down ROWS_TOKEN) can run as one launch (`moe_pair.py`): every unit is
+`_gemv_unit`, as in its own launch, whose SIGNAL / AWAIT / TICKET switches are that launch's only.
 """
 
 from __future__ import annotations
@@ -78,154 +73,17 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import FP4_FORMATS, QWeight
+from .decode import _fp4_decode, _fp8_decode, _group_multipliers, _group_scales
 from .host import has_pdl, interpreting, lead_strides, num_sms, scale_views
-from .tiles import (FMT_CODES, TILE_BYTES_C, TILE_ROWS_C, _e2m1_values, byte_offsets, epilogue_factor,
-                    scale_chunk_c)
+from .sync import SYNC_LINE, _await_row, _prefetch_unit_l2, _signal_row
+from .tiles import FMT_CODES, TILE_BYTES_C, byte_offsets, epilogue_factor, scale_chunk_c
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
 # instruction's own 2 from 3.8 (SASS of Triton 3.6, 3.7.1, 3.8.0, 3.9.0; `_k_order` follows it)
 MMA_K_WIDTH = tl.constexpr(4 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8) else 2)
-# int32 counters of the fused MoE pair (`_moe_pair_kernel`) one 128-byte line apart: each flag on its own L2 line
-SYNC_LINE = tl.constexpr(32)
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
                         # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
-
-
-# ------------------------------------------------------------------------------------------ decoding
-
-@triton.jit
-def _bf16_pair(p):
-    """A uint32 holding a bf16x2 -> its (low, high) halves as bf16 tensors (the compiler re-packs them into one
-    register for the MMA operand: no instruction)."""
-    lo = (p & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (p >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return lo, hi
-
-
-@triton.jit
-def _join4(a, b, c, d, BN: tl.constexpr):
-    """Four [BN, 16] tensors (elements 0..3 of every group of 4) -> [BN, 64] in natural order."""
-    j = tl.join(tl.join(a, b), tl.join(c, d))                 # [BN, 16, 2 (a|c), 2 (first|second)]
-    return tl.permute(j, (0, 1, 3, 2)).reshape(BN, 64)
-
-
-@triton.jit
-def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr):
-    """Eight [BN, 16] tensors (elements 0..7 of every group of 8) -> [BN, 128] in natural order."""
-    q = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
-    return tl.permute(q, (0, 1, 4, 3, 2)).reshape(BN, 128)      # [BN, 16, e, pair, half] -> natural
-
-
-def _fp4_ptx(scaled: bool) -> str:
-    """The PTX of `_fp4_decode` (operands: $0..$3 out, $4 the word, $5 the multiplier when `scaled`): per byte i,
-    `prmt` (selector 0xC480 + 0x1111 i), << 2, the sign + magnitude mask, then the multiply or not."""
-    lines = ["{", ".reg .b32 u, t;", "shl.b32 u, $4, 4;"]
-    for i in range(4):
-        lines += [f"prmt.b32 t, u, $4, 0x{0xC480 + 0x1111 * i:04X};", "shl.b32 t, t, 2;"]
-        lines += ["and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 ${i}, t, $5;"] if scaled else \
-            [f"and.b32 ${i}, t, 0x81C081C0;"]
-    return "\n".join(lines + ["}"])
-
-
-FP4_PTX = tl.constexpr(_fp4_ptx(True))
-FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False))   # no multiply: the group columns (module docstring)
-
-
-@triton.jit
-def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr = True):
-    """Packed FP4 weights [BN, 16] uint32 (four adjacent bytes of one row each) and their block multipliers ->
-    [BN, 128] in natural order (bf16 with ASM, else fp32): element 2j / 2j + 1 is the low / high nibble of
-    byte j times its multiplier. Not SCALED (the group columns, module docstring): E2M1 value * 2^-126 (with ASM
-    no multiply at all, a bf16 subnormal for +-0.5; else times `mult`, which the caller sets to 2^-126).
-
-    ASM, one 32-bit word per instance, one bf16x2 per byte i (elements 2i, 2i + 1, adjacent in x too, so x
-    fragments are plain words): `prmt` builds [S(w_i) w_i S(u_i) u_i] from the word w and u = w << 4 (mode 8
-    replicates a byte's sign bit), so after << 2 and the mask the low nibble sits in the low half and the high
-    nibble in the high half as bf16 subnormals (sign at bit 15 / 31, magnitude bits at 8..6 / 24..22). One
-    mul.bf16x2 applies the multiplier (a word never straddles a scale group). Element positions come from
-    memory (a uint32 is four bytes of one row), never from Triton's register order, on which `pack > 1`
-    would depend (`FP4_PTX`, `FP4_PTX_RAW`).
-    """
-    if ASM:
-        if SCALED:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_PTX, "=r,=r,=r,=r,r,r", [b, mult],
-                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-                                                       is_pure=True, pack=1)
-        else:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_PTX_RAW, "=r,=r,=r,=r,r", [b],
-                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
-                                                       is_pure=True, pack=1)
-        e0, e1 = _bf16_pair(p0)
-        e2, e3 = _bf16_pair(p1)
-        e4, e5 = _bf16_pair(p2)
-        e6, e7 = _bf16_pair(p3)
-    else:
-        e0 = _e2m1_values(b & 15) * mult
-        e1 = _e2m1_values((b >> 4) & 15) * mult
-        e2 = _e2m1_values((b >> 8) & 15) * mult
-        e3 = _e2m1_values((b >> 12) & 15) * mult
-        e4 = _e2m1_values((b >> 16) & 15) * mult
-        e5 = _e2m1_values((b >> 20) & 15) * mult
-        e6 = _e2m1_values((b >> 24) & 15) * mult
-        e7 = _e2m1_values(b >> 28) * mult
-    return _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN)
-
-
-@triton.jit
-def _fp8_decode(b, BN: tl.constexpr, ASM: tl.constexpr):
-    """E4M3 weights [BN, 16] uint32 (four adjacent bytes each) -> exact values [BN, 64] (bf16 with ASM, else
-    fp32). ASM: [S(b1) b1 S(b0) b0] << 4, masked to sign + 7 bits, is e4m3 * 2^-120 as bf16 (subnormals
-    included); one mul.bf16x2 by 2^120 restores it."""
-    if ASM:
-        p01, p23 = tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b32 t, c;
-            mov.b32 c, 0x7B807B80;
-            prmt.b32 t, $2, 0, 0x9180;
-            shl.b32 t, t, 4;
-            and.b32 t, t, 0x87F087F0;
-            mul.rn.bf16x2 $0, t, c;
-            prmt.b32 t, $2, 0, 0xB3A2;
-            shl.b32 t, t, 4;
-            and.b32 t, t, 0x87F087F0;
-            mul.rn.bf16x2 $1, t, c;
-            }
-            """,
-            "=r,=r,r",
-            [b],
-            dtype=(tl.uint32, tl.uint32),
-            is_pure=True,
-            pack=1,
-        )
-        w0, w1 = _bf16_pair(p01)
-        w2, w3 = _bf16_pair(p23)
-    else:
-        w0 = (b & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w1 = ((b >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w2 = ((b >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        w3 = (b >> 24).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return _join4(w0, w1, w2, w3, BN)
-
-
-@triton.jit
-def _fp4_multipliers(s, FMT: tl.constexpr, ASM: tl.constexpr):
-    """Stored block-scale bytes (any shape) -> the multiplier `_fp4_decode` applies: with ASM (MXFP4 only; NVFP4
-    builds its own in `_group_multipliers`) a uint32 holding the bf16 multiplier in both halves, else fp32
-    (NVFP4: e4m3 * 2^-9; MXFP4: 2^(e - 143))."""
-    if ASM:
-        tl.static_assert(FMT == 2, "the asm NVFP4 multiplier is _group_multipliers'")
-        m = tl.inline_asm_elementwise(
-            "{ .reg .b32 a, c; mov.b32 a, 0x00800080; mov.b32 c, 0x37003700; mad.lo.u32 $0, $1, a, c; }", "=r,r",
-            [s.to(tl.uint32)], dtype=tl.uint32, is_pure=True, pack=1)
-    else:
-        if FMT == 3:
-            m = s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * (2.0 ** -9)
-        else:
-            e = s.to(tl.int32)
-            m = tl.where(e > 16, (e - 16) << 23, 0).to(tl.float32, bitcast=True)
-    return m
 
 
 # ------------------------------------------------------------------------------ operand re-indexing
@@ -313,64 +171,6 @@ def _load_scales(sbase, srow, step, sk, FMT: tl.constexpr):
                     + tl.arange(0, 2)[None, :]).to(tl.uint32)
     return s
 
-
-@triton.jit
-def _group_multipliers(s, FMT: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
-    """Scale words of a sub-step -> the multiplier of every weight word [BN, 16], formed once per scale group
-    (NVFP4: 8 groups of 16 elements, 2 words each; MXFP4: 4 groups of 32, 4 words each) and broadcast.
-
-    NVFP4 with ASM, exact for every scale byte (subnormals and zero included): `prmt` mode 8 builds
-    [S(b) b S(b) b] from the group's byte b; << 4 and the mask leave e4m3 * 2^-120 as bf16 in both halves (the
-    FP8 decoder's trick), and two exact bf16x2 products by 2^120 and 2^117 give e4m3 * 2^117 (5 instructions
-    per group; converting through fp32 cost about 11 per pair of words). An e4m3 NaN byte gives a finite
-    multiplier, as in the FP8 decoder."""
-    G: tl.constexpr = 8 if FMT == 3 else 4
-    PER: tl.constexpr = 16 // G
-    if FMT == 3:
-        byte = tl.arange(0, 8) % 4                       # group g's byte within scale word g // 4
-        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 4)).reshape(BN, 8)
-        if ASM:
-            sel = ((byte | 8) * 0x1010 + byte * 0x0101).to(tl.uint32)
-            m = tl.inline_asm_elementwise(
-                """
-                {
-                .reg .b32 t, c, d;
-                mov.b32 c, 0x7B807B80;
-                mov.b32 d, 0x7A007A00;
-                prmt.b32 t, $1, 0, $2;
-                shl.b32 t, t, 4;
-                and.b32 t, t, 0x87F087F0;
-                mul.rn.bf16x2 t, t, c;
-                mul.rn.bf16x2 $0, t, d;
-                }
-                """,
-                "=r,r,r", [sw, tl.broadcast_to(sel[None, :], (BN, 8))], dtype=tl.uint32, is_pure=True, pack=1)
-        else:
-            m = _fp4_multipliers(((sw >> (byte * 8)[None, :]) & 0xFF).to(tl.uint8), FMT, ASM)
-    else:
-        sw = tl.broadcast_to(s[:, :, None], (BN, 2, 2)).reshape(BN, 4)
-        m = _fp4_multipliers(((sw >> ((tl.arange(0, 4) % 2) * 8)[None, :]) & 0xFF).to(tl.uint8), FMT, ASM)
-    return tl.broadcast_to(m[:, :, None], (BN, G, PER)).reshape(BN, 16)
-
-
-@triton.jit
-def _group_scales(s, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
-    """Scale words of a sub-step [BN, 2] -> fp32 [BN, 8] in `_to_mma` row order: column g is the factor from
-    the group columns' partials of K columns 16g .. 16g + 15 (x * 2^64 times E2M1 * 2^-126) to the tile prescale
-    that `tiles.epilogue_factor` undoes, less the 2^53 that `_unit_acc` applies to the column sum. NVFP4 (a
-    group per column): the e4m3 scale; MXFP4 (a group per two columns): 2^(e - 134), a normal fp32 for exponent
-    bytes 8 .. 254 (block scales 2^-119 .. 2^127)."""
-    # built like `_group_multipliers`: the scale word of every weight word [BN, 16] (thread c of a row holds
-    # words 4c .. 4c + 3, groups 2c and 2c + 1: the D columns it holds), then one value per group
-    sw = tl.broadcast_to(s[:, :, None], (BN, 2, 8)).reshape(BN, 16)
-    if FMT == 3:
-        byte = ((sw >> (((tl.arange(0, 16) // 2) % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
-        per_word = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        e = ((sw >> (((tl.arange(0, 16) // 4) % 2) * 8)[None, :]) & 0xFF).to(tl.int32)
-        per_word = ((e - 7) << 23).to(tl.float32, bitcast=True)
-    f, _ = tl.split(per_word.reshape(BN, 8, 2))
-    return tl.permute(f.reshape(BN // (16 * W), 2, W, 8, 8), (0, 2, 1, 3, 4)).reshape(BN, 8)
 
 
 @triton.jit
@@ -550,7 +350,7 @@ def _gemv_unit(
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
-    The fused MoE pair (`_moe_pair_kernel`): SIGNAL (gate/up) counts every output tile written into
+    The fused MoE pair (`moe_pair._moe_pair_kernel`): SIGNAL (gate/up) counts every output tile written into
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
     L2-prefetching up to AWAIT_L2 sub-steps of its tile-major weights first if it has to wait. TICKET: draws
     the program's next ticket (returned) once its weights are read, so that the atomic's round trip overlaps
@@ -734,185 +534,6 @@ def _gemv_kernel(
                    PDL, GCOL, X_READY, False, False, 0, False)
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_unit_l2(w_ptr, s_ptr, u, splits, num_n, SPLIT, CHUNK, n_steps, stride_wn, stride_sn, stride_wg,
-                      stride_sg, FMT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, STEPS: tl.constexpr):
-    """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (clamped to the unit's
-    own sub-steps) and, for FP4, their block scales (tiled alongside)."""
-    j = u % splits
-    n0 = ((u // splits) % num_n) * BN
-    s0 = (j % SPLIT) * CHUNK
-    steps = tl.minimum(tl.minimum(CHUNK, n_steps - s0), STEPS)
-    _prefetch_tiled_run(w_ptr, n0, s0, steps, stride_wn, stride_wg, TILE_BYTES_C, STEPS, GATED)
-    if FMT >= 2:
-        _prefetch_tiled_run(s_ptr, n0, s0, steps, stride_sn, stride_sg, scale_chunk_c(FMT), STEPS, GATED)
-
-
-@triton.jit
-def _prefetch_tiled_run(ptr, n0, s0, steps, stride, stride_g, CHUNK: tl.constexpr, STEPS: tl.constexpr,
-                        GATED: tl.constexpr):
-    """Prefetch into L2 sub-steps [s0, s0 + steps) (steps <= STEPS) of tile row n0 of a tile-major array with
-    CHUNK bytes per row and sub-step: one contiguous run, one 128-byte line per element (and the same run
-    stride_g further on when GATED: the up projection)."""
-    LINES: tl.constexpr = TILE_ROWS_C * CHUNK // 128
-    lines = tl.minimum(tl.arange(0, STEPS * LINES), steps * LINES - 1) * 128
-    p = ptr + byte_offsets(n0, s0 * CHUNK, stride, CHUNK, True) + lines
-    _prefetch_l2(p)
-    if GATED:
-        _prefetch_l2(p + stride_g)
-
-
-@triton.jit
-def _nanosleep(ns):
-    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [ns], dtype=tl.int32, is_pure=False,
-                              pack=1)
-
-
-@triton.jit
-def _load_acquire(ptr):
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _await_row(flag_ptr, target, wbase, sbase, n0, s0, steps, stride_wn, stride_sn, FMT: tl.constexpr,
-               TILED: tl.constexpr, ASM: tl.constexpr, STEPS: tl.constexpr):
-    """Wait until the counter at flag_ptr reaches target, each thread with acquire semantics (ASM, the GPU; the
-    interpreter runs programs one after another, so the count is always there). If it has not yet, first
-    prefetch into L2 up to STEPS sub-steps [s0, s0 + steps) of tile row n0 of the unit's tile-major weights (and
-    FP4 scales), which do not depend on what it waits for."""
-    if ASM:
-        seen = _load_acquire(flag_ptr)
-        if seen < target:
-            if STEPS > 0 and TILED:
-                run = tl.minimum(steps, STEPS)
-                _prefetch_tiled_run(wbase, n0, s0, run, stride_wn, 0, TILE_BYTES_C, STEPS, False)
-                if FMT >= 2:
-                    _prefetch_tiled_run(sbase, n0, s0, run, stride_sn, 0, scale_chunk_c(FMT), STEPS, False)
-            backoff = seen * 0 + 128   # ns, doubling to 2 us: a poll is an L2 access to the slice of the flag
-            while seen < target:
-                _nanosleep(backoff)
-                backoff = tl.minimum(backoff * 2, 2048)
-                seen = _load_acquire(flag_ptr)
-    else:
-        tl.device_assert(tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") >= target, "h row not written")
-
-
-@triton.jit
-def _signal_row(flag_ptr):
-    """One more tile of a row is written: every thread's stores come before the release."""
-    tl.debug_barrier()
-    tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr):
-    """The down launch's unit (`_launch_layout`'s numbering, ROWS_TOKEN) for the fused pair's v-th down unit, in the
-    order gate/up completes h rows: pair by pair (token, slot), the shared expert's rows first when its gate/up
-    units come first (X_READY), else last."""
-    routed = R * num_n * SPLIT * TOPK
-    w = v - R * num_n * SPLIT_S if SHARED and SHARED_FIRST else v
-    pair = w // (num_n * SPLIT)
-    rem = w % (num_n * SPLIT)
-    u = ((pair // TOPK) * num_n + rem // SPLIT) * splits + (pair % TOPK) * SPLIT + rem % SPLIT
-    if SHARED:
-        s = v if SHARED_FIRST else v - routed
-        u = tl.where((w < 0) | (w >= routed), (s // SPLIT_S) * splits + TOPK * SPLIT + s % SPLIT_S, u)
-    return u
-
-
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s",
-                               "d_M", "d_R", "d_SPLIT", "d_TOPK", "d_CHUNK", "d_P", "d_CHUNK_S", "d_SPLIT_S",
-                               "d_n_steps_s", "h_rows"])
-def _moe_pair_kernel(
-    x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
-    M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
-    stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
-    stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
-    stride_ss2g,
-    d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
-    d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
-    d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn, d_stride_s2e,
-    d_stride_s2g, d_stride_ym,
-    d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg, d_stride_swn,
-    d_stride_ssg, d_stride_ssn, d_stride_ss2g,
-    sync_ptr, h_rows,
-    FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
-    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
-    TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
-    D_FMT: tl.constexpr, D_SCALE_F32: tl.constexpr, D_BN: tl.constexpr, D_FMT_S: tl.constexpr,
-    D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
-    AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True,
-):
-    """The MoE decode pair in one launch: the gate/up launch's units (the `_gemv_kernel` arguments, ROWS_PAIR,
-    GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
-    may differ). A program's first unit is its own id; each later one comes from a ticket (the sync line 0),
-    drawn near the end of the unit before, units in that order until none is left. A down unit only waits for
-    gate/up units of lower numbers: first units of programs that are resident (`launch_pair` starts no more
-    programs than fit on the GPU at once, and the hardware starts them in id order) or units running programs
-    drew. Every gate/up output tile written counts into its h row's flag (line 2 + row, one 128-byte line
-    each); a down unit waits for its row's count (L2-prefetching AWAIT_L2 sub-steps of its weights meanwhile),
-    so down's first wave runs while gate/up finishes - no launch gap. The last program out (line 1 counts
-    them) re-arms every flag. Split partials are summed in split order as in two launches: the same bits."""
-    tl.static_assert(ROWS == 1 and GATED, "the first part of the pair is the gate/up launch")
-    up_total, up_splits, up_n, up_shared, up_first_shared, up_first_routed = _launch_layout(
-        N, R, SPLIT, TOPK, P, SPLIT_S, 1, BN, SHARED, X_READY)
-    dn_total, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed = _launch_layout(
-        d_N, d_R, d_SPLIT, d_TOPK, d_P, d_SPLIT_S, 2, D_BN, SHARED, False)
-    total = up_total + dn_total
-    done_ptr = sync_ptr + SYNC_LINE
-    ready_ptr = sync_ptr + 2 * SYNC_LINE
-    if PDL:   # as `_gemv_kernel`; the tickets are this kernel's own scratch, which the routing kernel never touches
-        gdc_launch_dependents()
-        if not (X_READY and SHARED):
-            gdc_wait()
-    t = tl.program_id(0)   # the first unit: the program's own; later ones: tickets
-    while t < total:
-        if t < up_total:
-            nxt = _gemv_unit(t, up_splits, up_n, up_shared, up_first_shared, up_first_routed,
-                       x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
-                       M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
-                       stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e,
-                       stride_s2g, stride_ym,
-                       sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
-                       stride_ssn, stride_ss2g, ready_ptr, 0, sync_ptr,
-                       FMT, SCALE_F32, 1, True, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                       PDL, GCOL, X_READY, True, False, 0, True)
-        else:
-            if PDL:
-                gdc_wait()   # reads the expert ids
-            u = t - up_total
-            if PAIR_ORDER:
-                u = _pair_down_unit(u, d_R, dn_n, dn_splits, d_SPLIT, d_SPLIT_S, d_TOPK, SHARED, X_READY)
-            nxt = _gemv_unit(u, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed,
-                       d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
-                       d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
-                       d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn,
-                       d_stride_s2e, d_stride_s2g, d_stride_ym,
-                       d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
-                       d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
-                       D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
-                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True)
-        # the next unit, drawn near the end of this one: a ticket drawn at its start would fix the assignment
-        # early, like a persistent grid's round robin (measured slower: units sat unevenly on the SMs)
-        t = tl.num_programs(0) + nxt
-    if PDL:
-        gdc_wait()   # (a program that drew no unit) nothing below runs before the previous kernel is done
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        # the last program out: every unit is done and every ticket drawn; re-arm for the next launch
-        for c in range(0, h_rows, 128):
-            offs = c + tl.arange(0, 128)
-            tl.store(ready_ptr + offs * SYNC_LINE, tl.zeros((128,), dtype=tl.int32), mask=offs < h_rows)
-        tl.store(sync_ptr, 0)
-        tl.store(done_ptr, 0)
 
 
 @triton.jit
@@ -1206,65 +827,6 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
     return _Prepared(kernel_args(split, chunk, split_s, chunk_s, ws), consts, units, nprog, slots)
 
 
-# the down launch's constexprs that may differ from gate/up's; `_moe_pair_kernel` takes them prefixed D_
-_PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", "TILED_S", "GCOL")
-
-
-def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out: torch.Tensor, up: GemvConfig,
-                down: GemvConfig, *, tokens: int, topk: int, ids, rw, limit: float, shared: tuple | None = None,
-                scratch=None, x_ready: bool = False, fused: bool | None = None, await_l2: int = 0,
-                pair_order: bool = True):
-    """The MoE decode pair (`kernels.moe`): gate/up (`up`: ROWS_PAIR over the tokens * topk pairs, then the shared
-    expert's rows, SwiGLU) into h, and the down projection (`down`: ROWS_TOKEN, the routing weights and the top-k
-    sum fused) from h into out. `shared`: (w13, w2) of the shared expert; `x_ready` as in `launch`.
-
-    `fused`: both in one launch (`_moe_pair_kernel`), each unit as `launch` would run it with the same split
-    plan, so out holds the same bits as the two launches give. None: fused where the down projection takes more
-    than one wave of CTAs (its first wave then overlaps the tail of gate/up: 2-5 % faster at 4-8 tokens on the
-    H200), else two launches (at 1 token both are single waves and the fused pair's signalling measured 6-9 %
-    slower; bench/RESULTS.md round nine). `await_l2`: sub-steps of a down unit's weights prefetched into L2 while
-    it waits for its h row (measured slower, so 0); `pair_order` False: down units in their own launch's order
-    instead of the order gate/up completes h rows (the same bits; for benchmarks)."""
-    pairs = tokens * topk
-    h_rows = pairs + (tokens if shared is not None else 0)
-    sw13, sw2 = shared if shared is not None else (None, None)
-    n_up, n_dn = h_rows * triton.cdiv(w13.out_features, up.BN), tokens * triton.cdiv(w2.out_features, down.BN)
-    need = n_up + n_dn + (2 + h_rows) * SYNC_LINE
-    buf = scratch.counters(x.device, need) if scratch is not None else \
-        torch.zeros(need, dtype=torch.int32, device=x.device)
-    pu = _prepare(x, w13, h, up, M=h_rows, rows=ROWS_PAIR, R=h_rows, gated=True, topk=1, x_div=topk, ids=ids,
-                  rw=None, limit=limit, group_r=0, x_gstride=0, shared=sw13, pairs=pairs, scratch=scratch,
-                  x_ready=x_ready, cnt=buf[:n_up])
-    pd = _prepare(h, w2, out, down, M=tokens, rows=ROWS_TOKEN, R=tokens, gated=False, topk=topk, x_div=1, ids=ids,
-                  rw=rw, limit=0.0, group_r=0, x_gstride=0, shared=sw2, pairs=pairs, scratch=scratch, x_ready=False,
-                  cnt=buf[n_up:n_up + n_dn])
-    if fused is None:
-        fused = pd.units > pd.slots
-    if not fused:
-        _gemv_kernel[(pu.programs,)](*pu.args, **pu.consts)
-        _gemv_kernel[(pd.programs,)](*pd.args, **pd.consts)
-        return
-    # one launch: programmatic dependent launch as gate/up's (`moe` gives it only gate/up, after routing)
-    consts = {k: v for k, v in pu.consts.items() if k != "PDL_L2"}
-    for k, v in pd.consts.items():
-        if k in _PAIR_DOWN_CONSTS:
-            consts["D_" + k] = v
-        elif k not in ("ROWS", "GATED", "X_READY", "PDL_L2", "PDL", "launch_pdl") and consts.get(k) != v:
-            raise ValueError(f"the fused MoE pair needs the same {k} for gate/up and down, got {consts.get(k)} "
-                             f"and {v}")
-    consts["AWAIT_L2"] = await_l2
-    consts["PAIR_ORDER"] = pair_order
-    args = (*pu.args, *pd.args, buf[n_up + n_dn:], h_rows)
-    units = pu.units + pd.units
-    if interpreting():
-        programs = 1   # programs run one after another: a second one's first unit would come after all others
-    else:
-        key = ("pair", x.device, tuple(sorted((k, str(v)) for k, v in consts.items())))
-        per_sm = scratch.resident(key, lambda: resident_ctas(
-            _moe_pair_kernel.warmup(*args, grid=(1,), **consts), up.num_warps, x.device)) \
-            if scratch is not None else 4
-        programs = min(units, num_sms(x.device) * per_sm)
-    _moe_pair_kernel[(programs,)](*args, **consts)
 
 
 # FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages at up to 8 rows: with

@@ -1,7 +1,7 @@
 """Triton MoE: routing, sorting tokens by expert, and the two fused stages.
 
 Decode (T <= DECODE_TOKENS): no sorting, the register-streaming GEMV (`gemv.py`) for both stages, in one
-launch or two (`gemv.launch_pair`). Gate/up: one unit per (token, slot) pair, N tile and K split, SwiGLU in
+launch or two (`moe_pair.launch_pair`). Gate/up: one unit per (token, slot) pair, N tile and K split, SwiGLU in
 the epilogue. Down: one output tile per (token, N tile) whose K splits are (slot, K split): each expert's
 partial is scaled by its routing weight and the ordered sum of all of them is the MoE output - the top-k sum
 fused and deterministic, no fp32 rows.
@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from ..formats import FP4_FORMATS, QWeight
-from . import gemm, gemv, ref
+from . import gemm, gemv, moe_pair, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
 from .host import has_pdl, num_sms, scale_views
 from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
@@ -280,7 +280,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `after_route=True` is the caller's promise that the previous kernel on the stream is `route`'s and that x
     was written before it: the GEMV pair's gate/up launch then streams the shared expert first, overlapping
     the routing kernel where the GPU has programmatic dependent launch (`gemv.launch(x_ready=True)`). The
-    result is the same bits either way, as it is in one launch or two (`gemv.launch_pair`)."""
+    result is the same bits either way, as it is in one launch or two (`moe_pair.launch_pair`)."""
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
@@ -307,9 +307,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
         # the shared expert while the routing kernel runs
         overlap = after_route and shared is not None
-        gemv.launch_pair(x, w13, h, w2, out, gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False), tokens=T,
-                         topk=k, ids=ids, rw=weights.reshape(-1), limit=limit, shared=shared, scratch=scratch,
-                         x_ready=overlap)
+        moe_pair.launch_pair(x, w13, h, w2, out, gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False),
+                             tokens=T, topk=k, ids=ids, rw=weights.reshape(-1), limit=limit, shared=shared,
+                             scratch=scratch, x_ready=overlap)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
