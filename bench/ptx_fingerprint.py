@@ -1,0 +1,70 @@
+"""Fingerprints of the decode GEMV's and the MoE pair's PTX, to show that a refactor left the kernels' code alone.
+
+    PYTHONPATH=/path/to/triton-3.6 python bench/ptx_fingerprint.py --out before.json
+    ... change the code ...
+    PYTHONPATH=/path/to/triton-3.6 python bench/ptx_fingerprint.py --compare before.json
+
+Compiles 19 variants for sm_90 without a GPU (`bench/sass.py`: every format, the dense / pair / token row modes,
+MMA N 8 and 16, 2 and 3 stages, gated, tiled, PDL, group columns, an FP8 shared expert, the pair in one launch),
+drops debug lines (`.loc`, `.file`, comments, debug sections) and hashes the rest. The same hash means the same
+PTX, so the GPU runs the same code. Used for the split of gemv.py into decode.py, sync.py and moe_pair.py
+(bench/RESULTS.md, round ten).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import sass  # noqa: E402  (sets up the import path and drops TRITON_INTERPRET)
+
+
+def clean(ptx: str) -> str:
+    lines = [s for s in (line.strip() for line in ptx.splitlines()) if s and not s.startswith((".loc", ".file", "//"))]
+    return re.sub(r"\.section\s+\.debug\w*\s*\{.*?\n\}", "", "\n".join(lines), flags=re.S)
+
+
+def variants():
+    """(name, compile thunk) for every variant."""
+    for fmt in ("nvfp4", "mxfp4", "fp8"):
+        fp4 = fmt != "fp8"
+        yield f"dense {fmt} N8 tiled pdl", lambda f=fmt: sass.compile_gemv(f, 2, 64, 2, 0, False, 128, 8, tiled=True,
+                                                                            pdl=True)
+        yield f"dense {fmt} N16 3 stages", lambda f=fmt: sass.compile_gemv(f, 2, 64, 3, 0, False, 128, 16)
+        yield f"dense {fmt} gated N16", lambda f=fmt: sass.compile_gemv(f, 2, 64, 2, 0, True, 0, 16, tiled=True)
+        yield f"pair {fmt} fp8 shared, group columns, x ready", lambda f=fmt, g=fp4: sass.compile_gemv(
+            f, 2, 64, 2, 1, True, 128, 8, shared="fp8", tiled=True, pdl=True, gcol=g, x_ready=True)
+        yield f"token {fmt} fp8 shared, group columns", lambda f=fmt, g=fp4: sass.compile_gemv(
+            f, 2, 64, 2, 2, False, 128, 8, shared="fp8", tiled=True, gcol=g)
+    for fmt in ("nvfp4", "mxfp4"):
+        yield f"one-launch pair {fmt} fp8 shared, pdl, x ready", lambda f=fmt: sass.compile_pair(
+            f, "fp8", True, pdl=True, x_ready=True)
+        yield f"one-launch pair {fmt} no shared", lambda f=fmt: sass.compile_pair(f, None, True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", help="write the fingerprints here (JSON)")
+    ap.add_argument("--compare", help="fingerprints written before (JSON): exit 1 on any difference")
+    args = ap.parse_args()
+    prints = {}
+    for name, build in variants():
+        prints[name] = hashlib.sha256(clean(build().asm["ptx"]).encode()).hexdigest()[:16]
+        print(f"{prints[name]}  {name}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(prints, indent=1))
+    if args.compare:
+        before = json.loads(Path(args.compare).read_text())
+        changed = sorted(n for n in before.keys() | prints.keys() if before.get(n) != prints.get(n))
+        print(f"{len(prints) - len(changed)} of {len(prints)} identical; changed: {changed or 'none'}")
+        sys.exit(1 if changed else 0)
+
+
+if __name__ == "__main__":
+    main()
