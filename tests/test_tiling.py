@@ -119,9 +119,8 @@ def test_w4a4_reads_tiled_weights():
     assert torch.equal(ref.linear_w4a4(x, w.tile()), ref.linear_w4a4(x, w))
 
 
-@pytest.mark.parametrize("T,kw", [(3, {}), (3, dict(decode="round1", decode_down="fused")),
-                                  (3, dict(decode="round1", decode_down="pairs")), (11, {})],
-                         ids=["gemv-pair", "round1-fused", "round1-pairs", "sorted"])
+@pytest.mark.parametrize("T,kw", [(3, {}), (3, dict(decode="round1")), (11, {})],
+                         ids=["gemv-pair", "round1", "sorted"])
 def test_moe_reads_tiled_experts(T, kw):
     E, k, D, I = 5, 2, 128, 128
     (w13, t13), (w2, t2) = both("nvfp4", I, D, (E, 2), 0.5), both("mxfp4", D, I, (E,), 0.1)

@@ -5,8 +5,8 @@ launch or two (`moe_pair.launch_pair`). Gate/up: one unit per (token, slot) pair
 the epilogue. Down: one output tile per (token, N tile) whose K splits are (slot, K split): each expert's
 partial is scaled by its routing weight and the ordered sum of all of them is the MoE output - the top-k sum
 fused and deterministic, no fp32 rows.
-When the weights' format or shape does not suit the GEMV, the round-one decode kernels below run instead:
-stage 1 one program per (token, slot) pair and N-tile, stage 2 pairs + row sum or the token-major kernel.
+When the weights' format or shape does not suit the GEMV, round one's decode tiles (`gemm.py`) run instead:
+stage 1 one program per (token, slot) pair and N tile, stage 2 the routed pairs, then a row sum.
 
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
@@ -25,11 +25,9 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from ..formats import FP4_FORMATS, QWeight
 from . import gemm, gemv, moe_pair, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
-from .host import has_pdl, num_sms, scale_views
-from .tiles import FMT_CODES, _accumulate_8, _accumulate_fp4, _load_x_halves, _load_x_tile, epilogue_factor
+from .host import has_pdl
 
 DECODE_TOKENS = 8
-DECODE_DOWN = "pairs"  # round-one kernels: measured faster than "fused" at 1 and 8 tokens (bench/RESULTS.md)
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -156,66 +154,17 @@ def align(ids: torch.Tensor, n_experts: int, BM: int):
     return rows, blk_e, nblk, nb_max
 
 
-# ------------------------------------------------------------------------------ decode down projection
-
-@triton.jit(do_not_specialize=["T"])
-def _down_decode_kernel(h_ptr, w_ptr, s_ptr, s2_ptr, ids_ptr, rw_ptr, y_ptr, T, N, K, TOPK,
-                        stride_hm, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_ym,
-                        FMT: tl.constexpr, SCALE_F32: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-                        ASM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        EVEN_K: tl.constexpr, PROMOTE: tl.constexpr, TILED: tl.constexpr):
-    """y[t, n] = sum_s rw[t, s] * (W2[ids[t, s]] @ h[t*TOPK + s])[n]: one token per program (row 0 of a
-    BM-row MMA), its k experts in a loop, the sum in registers."""
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_r = tl.arange(0, BM)
-    rmask = offs_r == 0
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    nmask = offs_n < N
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for s in range(TOPK):
-        p = t * TOPK + s
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        wbase = w_ptr + e * stride_we
-        sbase = s_ptr + e * stride_se
-        xrow = p + offs_r * 0
-        part = tl.zeros((BM, BN), dtype=tl.float32)
-        for c in range(0, tl.cdiv(K, BK)):
-            if FMT >= 2:
-                xe, xo = _load_x_halves(h_ptr, xrow, rmask, c * BK, stride_hm, BM, BK, DOT)
-                part = _accumulate_fp4(part, xe, xo, wbase, sbase, offs_n, nmask, c * BK, stride_wn, stride_sn,
-                                       FMT, BN, BK, DOT, PREC, ASM, TILED)
-            else:
-                xt = _load_x_tile(h_ptr, xrow, rmask, c * BK, K, stride_hm, BK, EVEN_K, DOT)
-                part = _accumulate_8(part, xt, wbase, sbase, offs_n, nmask, c * BK, K, stride_wn, stride_sn,
-                                     FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED)
-        f = epilogue_factor(s2_ptr + e * stride_s2e, FMT) * tl.load(rw_ptr + p).to(tl.float32)
-        acc += part * f
-    yrow = (t + offs_r * 0).to(tl.int64)
-    tl.store(y_ptr + yrow[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=rmask[:, None] & nmask[None, :])
-
-
 # ------------------------------------------------------------------------------------------- wrappers
 
 def _fp4(fmt: str) -> bool:
     return fmt in FP4_FORMATS
 
 
-def decode_configs(T: int, k: int, E: int, I: int, K: int, D: int, fmt_up: str, fmt_down: str, device,
-                   down: str = "pairs"):
+def decode_configs(T: int, k: int, I: int, K: int, D: int, fmt_up: str, fmt_down: str, device):
     """Tiles of the decode path: both stages use the dense decode tiles over T*k one-row blocks (split-K in
-    the same launch when that leaves SMs idle); the fused down projection has only T programs per N-tile."""
-    up = gemm.pick_config(1, I, K, fmt_up, device, gated=True, row_blocks=T * k)
-    if down == "pairs":
-        return up, gemm.pick_config(1, D, I, fmt_down, device, row_blocks=T * k)
-    target = 2 * num_sms(device)
-    bk_down = gemm.k_block(fmt_down, I, 256 if _fp4(fmt_down) else 128)
-    if up is None or bk_down is None:
-        return None, None
-    bn_down = next((bn for bn in (128, 64, 32) if T * triton.cdiv(D, bn) >= target), 16)
-    stages = 8 if bn_down <= 32 else 4
-    return up, Config(16, min(bn_down, gemm._pow2_at_most(D, 128)), bk_down, 1, T * k, 4, stages)
+    the same launch when that leaves SMs idle)."""
+    return (gemm.pick_config(1, I, K, fmt_up, device, gated=True, row_blocks=T * k),
+            gemm.pick_config(1, D, I, fmt_down, device, row_blocks=T * k))
 
 
 def sorted_configs(P: int, E: int, I: int, K: int, D: int, fmt_up: str, fmt_down: str):
@@ -266,12 +215,12 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
-        decode: str = "auto", decode_down: str = DECODE_DOWN, scratch: gemm.Scratch | None = None,
+        decode: str = "auto", scratch: gemm.Scratch | None = None,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
-    pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels,
-    whose down projection `decode_down` picks: "fused" (token-major) or "pairs" (grouped GEMM + row sum).
+    pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
+    (gate/up over the pairs, then the routed down projection over the pairs and a row sum).
 
     `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in the same launches (one more
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots);
@@ -284,7 +233,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
-                     configs=configs, decode=decode, decode_down=decode_down, scratch=scratch)
+                     configs=configs, decode=decode, scratch=scratch)
         return routed + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
@@ -313,20 +262,17 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
-        up, down = decode_configs(T, k, E, I, K, D, w13.fmt, w2.fmt, x.device, decode_down)
+        up, down = decode_configs(T, k, I, K, D, w13.fmt, w2.fmt, x.device)
         up, down = configs.get("up", up), configs.get("down", down)
         if up is None or down is None:
             return fallback(x, ids, weights, w13, w2, limit)
         up = replace(up, BM=16, group_m=P)
         gemm.launch(x, w13, h, up, M=P, rows=ROWS_PAIR, gated=True, x_div=k, num_m=P, limit=limit, ids=ids,
                     scratch=scratch)
-        if decode_down == "fused":
-            _launch_down_decode(h, w2, ids, weights, out, replace(down, BM=16), T, k)
-        else:
-            y = torch.empty(P, D, dtype=torch.float32, device=x.device)
-            gemm.launch(h, w2, y, replace(down, BM=16, group_m=P), M=P, rows=ROWS_PAIR, epi=EPI_ROUTED,
-                        x_div=1, num_m=P, ids=ids, rw=weights.reshape(-1), scratch=scratch)
-            gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+        y = torch.empty(P, D, dtype=torch.float32, device=x.device)
+        gemm.launch(h, w2, y, replace(down, BM=16, group_m=P), M=P, rows=ROWS_PAIR, epi=EPI_ROUTED,
+                    x_div=1, num_m=P, ids=ids, rw=weights.reshape(-1), scratch=scratch)
+        gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
         return out
     up, down = sorted_configs(P, E, I, K, D, w13.fmt, w2.fmt)
     up, down = configs.get("up", up), configs.get("down", down)
@@ -361,18 +307,3 @@ def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_to
     return (sw13.leading == (2,) and not sw2.leading and gemv.supported(sw13, x, 1) and gemv.supported(sw2, h, 1)
             and (sw13.out_features, sw13.in_features) == (w13.out_features, w13.in_features)
             and (sw2.out_features, sw2.in_features) == (w2.out_features, w2.in_features))
-
-
-def _launch_down_decode(h, w2: QWeight, ids, weights, out, cfg: Config, T: int, k: int):
-    N, K = w2.out_features, w2.in_features
-    scale, scale_f32, s2 = scale_views(w2)
-    wt = w2.weight.view(torch.uint8) if w2.fmt != "dense" else w2.weight
-    dot, prec, asm_ok = gemm.dot_dtype(h)
-    asm = asm_ok if cfg.asm is None else (cfg.asm and asm_ok)
-    _down_decode_kernel[(T, triton.cdiv(N, cfg.BN))](
-        h, wt, scale, s2 if s2 is not None else wt, ids, weights, out, T, N, K, k,
-        h.stride(0), wt.stride(0), wt.stride(1), scale.stride(0), scale.stride(1),
-        s2.stride(0) if s2 is not None else 0, out.stride(0),
-        FMT=FMT_CODES[w2.fmt], SCALE_F32=scale_f32, DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN,
-        BK=cfg.BK, EVEN_K=K % cfg.BK == 0, PROMOTE=True, TILED=w2.tiled, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
