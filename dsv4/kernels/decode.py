@@ -196,9 +196,9 @@ def _group_multipliers(s, FMT: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr
 
 @triton.jit
 def _group_scales(s, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr):
-    """Scale words of a sub-step [BN, 2] -> fp32 [BN, 8] in `_to_mma` row order: column g is the factor from
+    """Scale words of a sub-step [BN, 2] -> fp32 [BN, 8] in `gemv._to_mma` row order: column g is the factor from
     the group columns' partials of K columns 16g .. 16g + 15 (x * 2^64 times E2M1 * 2^-126) to the tile prescale
-    that `tiles.epilogue_factor` undoes, less the 2^53 that `_unit_acc` applies to the column sum. NVFP4 (a
+    that `tiles.epilogue_factor` undoes, less the 2^53 that `gemv._unit_acc` applies to the column sum. NVFP4 (a
     group per column): the e4m3 scale; MXFP4 (a group per two columns): 2^(e - 134), a normal fp32 for exponent
     bytes 8 .. 254 (block scales 2^-119 .. 2^127)."""
     # built like `_group_multipliers`: the scale word of every weight word [BN, 16] (thread c of a row holds

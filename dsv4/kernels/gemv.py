@@ -281,7 +281,7 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
             acc = blk
         else:
             acc += blk * _fp8_block_scale(sbase, rows_mma, nmask_mma, step // 2, stride_sn, SCALE_F32)[:, None]
-    if GC:   # the group columns' sum, and the 2^53 that `_group_scales` leaves out
+    if GC:   # the group columns' sum, and the 2^53 that `decode._group_scales` leaves out
         acc = tl.where(tl.arange(0, MP)[None, :] == 0, tl.sum(acc, axis=1)[:, None] * (2.0 ** 53), 0.0)
         if PAIRED:
             acc2 = tl.where(tl.arange(0, MP)[None, :] == 0, tl.sum(acc2, axis=1)[:, None] * (2.0 ** 53), 0.0)

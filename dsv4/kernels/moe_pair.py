@@ -22,9 +22,9 @@ from .sync import SYNC_LINE
 
 @triton.jit
 def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr):
-    """The down launch's unit (`_launch_layout`'s numbering, ROWS_TOKEN) for the fused pair's v-th down unit, in the
-    order gate/up completes h rows: pair by pair (token, slot), the shared expert's rows first when its gate/up
-    units come first (X_READY), else last."""
+    """The down launch's unit (`gemv._launch_layout`'s numbering, ROWS_TOKEN) for the fused pair's v-th down unit,
+    in the order gate/up completes h rows: pair by pair (token, slot), the shared expert's rows first when its
+    gate/up units come first (X_READY), else last."""
     routed = R * num_n * SPLIT * TOPK
     w = v - R * num_n * SPLIT_S if SHARED and SHARED_FIRST else v
     pair = w // (num_n * SPLIT)
@@ -61,7 +61,7 @@ def _moe_pair_kernel(
     D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
     AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True,
 ):
-    """The MoE decode pair in one launch: the gate/up launch's units (the `_gemv_kernel` arguments, ROWS_PAIR,
+    """The MoE decode pair in one launch: the gate/up launch's units (the `gemv._gemv_kernel` arguments, ROWS_PAIR,
     GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
     may differ). A program's first unit is its own id; each later one comes from a ticket (the sync line 0),
     drawn near the end of the unit before, units in that order until none is left. A down unit only waits for
@@ -79,7 +79,7 @@ def _moe_pair_kernel(
     total = up_total + dn_total
     done_ptr = sync_ptr + SYNC_LINE
     ready_ptr = sync_ptr + 2 * SYNC_LINE
-    if PDL:   # as `_gemv_kernel`; the tickets are this kernel's own scratch, which the routing kernel never touches
+    if PDL:   # as `gemv._gemv_kernel`; the tickets are this kernel's own scratch, which routing never touches
         gdc_launch_dependents()
         if not (X_READY and SHARED):
             gdc_wait()
