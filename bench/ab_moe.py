@@ -9,8 +9,8 @@
 Calls on the device tool can land on different H200s (copy bandwidth 4249 vs 4274 GB/s), so a change worth a
 few percent is only measured against its predecessor in one process. Both packages get the same weights, inputs
 and routings (made by this tree's `bench/common.py`); each repeat times the reference pair, then this tree's,
-each as `kernels.moe` launches it (gate/up over (token, slot) pairs with the FP8 shared expert, then down with
-the routing weights and the top-k sum), and the outputs are compared.
+each as two launches (gate/up over (token, slot) pairs with the FP8 shared expert, then down with the routing
+weights and the top-k sum), and the outputs are compared.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def export(commit: str, out: Path):
 
 
 def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
-    """The MoE decode pair as `kernels.moe` launches it, with package `mod`'s gemv."""
+    """The MoE decode pair as two launches of package `mod`'s gemv (no PDL; `--layer` times `kernels.moe`
+    itself, which may run the pair as one launch: `moe_pair.launch_pair`)."""
     T, P = x.shape[0], ids.numel()
     cfg = mod.GemvConfig(pdl=False)
     mod.launch(x, w13, h, cfg, M=P + T, rows=mod.ROWS_PAIR, R=P + T, gated=True, x_div=k, ids=ids, limit=10.0,
