@@ -263,6 +263,12 @@ def correctness(run: Run):
             bound = 2e-2 if run.toy else 1e-2
             record(f"moe {s.name} {fmt} T={t}", rel_err(y, ref.moe(x, ids, wts, w13, w2, 10.0)), bound,
                    written=bool(torch.isfinite(y).all()))
+            # round one's decode tiles (t <= 8) and the sorted path with the top-k sum fused
+            y_fused = run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1", fused_sum=True)
+            record(f"moe {s.name} {fmt} T={t} fused top-k sum (same bits as the sum kernel)",
+                   rel_err(y_fused, ref.moe(x, ids, wts, w13, w2, 10.0)), bound,
+                   exact=torch.equal(y_fused, run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1")),
+                   written=bool(torch.isfinite(y_fused).all()))
         del w13, w2
     # MoE with the shared expert in the same two GEMV launches (mixed formats, as the official checkpoints)
     for s, fmt, sfmt in ((sh, "mxfp4", "fp8"), (big, "nvfp4", "fp8"), (sh, "nvfp4", "nvfp4")):
@@ -543,7 +549,14 @@ def moe_table(run: Run):
 
             ms = run.timer.per_call_ms([lambda x=x, lg=lg: layer(x, lg) for x, lg in zip(xs, logits)])
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
-            ms_alt = None
+            ms_alt = ms_fused = None
+            if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
+
+                def routed_fused(x, lg):
+                    wts, ids = run.ops.route(lg, bias, s.k, 1.5)
+                    return run.ops.moe(x, ids, wts, w13, w2, 10.0, fused_sum=True)
+
+                ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed_fused(x, lg) for x, lg in zip(xs, logits)])
             if t <= 8:  # the other decode kernels on the same inputs, for the record
 
                 def routed_alt(x, lg):
@@ -559,12 +572,14 @@ def moe_table(run: Run):
                        pct_floor=100 * (floor / (copy * 1e9)) / (ms * 1e-3),
                        routed_us=ms_r * 1e3, routed_floor_mb=floor_routed / 1e6,
                        routed_pct_floor=100 * (floor_routed / (copy * 1e9)) / (ms_r * 1e-3),
-                       routed_other_decode_us=None if ms_alt is None else ms_alt * 1e3)
+                       routed_other_decode_us=None if ms_alt is None else ms_alt * 1e3,
+                       routed_fused_sum_us=None if ms_fused is None else ms_fused * 1e3)
             rows.append(row)
             print(f"  {s.name:8s} {fmt:5s} T={t:<4d} experts {row['experts_touched']:6.1f}  layer {row['us']:8.1f} us "
                   f"= {row['pct_floor']:3.0f}% of floor ({row['floor_mb']:.0f} MB)  | routed only "
                   f"{row['routed_us']:8.1f} us = {row['routed_pct_floor']:3.0f}%"
-                  + ("" if ms_alt is None else f" (other decode kernels: {ms_alt * 1e3:.1f} us)"),
+                  + ("" if ms_alt is None else f" (other decode kernels: {ms_alt * 1e3:.1f} us)")
+                  + ("" if ms_fused is None else f" (top-k sum fused: {ms_fused * 1e3:.1f} us)"),
                   flush=True)
         del w13, w2, sw13, sw2
 
@@ -601,10 +616,12 @@ def table(run: Run) -> str:
                      f"{x['speedup']:7.2f}" + ("" if x.get("gemv_us") is None else f"  gemv {x['gemv_us']:.1f}"))
     lines.append("")
     lines.append(f"{'model':8s} {'fmt':5s} {'T':>4s} {'experts':>7s} {'layer us':>9s} {'floor MB':>8s} {'%floor':>6s} "
-                 f"{'routed us':>9s} {'%floor':>6s}")
+                 f"{'routed us':>9s} {'%floor':>6s} {'fused-sum us':>12s}")
     for x in r.get("moe", []):
+        fused = x.get("routed_fused_sum_us")
         lines.append(f"{x['model']:8s} {x['fmt']:5s} {x['T']:4d} {x['experts_touched']:7.1f} {x['us']:9.1f} "
-                     f"{x['floor_mb']:8.0f} {x['pct_floor']:6.0f} {x['routed_us']:9.1f} {x['routed_pct_floor']:6.0f}")
+                     f"{x['floor_mb']:8.0f} {x['pct_floor']:6.0f} {x['routed_us']:9.1f} {x['routed_pct_floor']:6.0f} "
+                     + (f"{fused:12.1f}" if fused is not None else f"{'-':>12s}"))
     mc = r.get("model_check")
     if mc:
         lines.append("")

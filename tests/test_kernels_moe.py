@@ -144,3 +144,77 @@ def test_split_k_in_every_row_mode():
                  config=gemm.Config(16, 32, 32, split_k=4), scratch=scratch)
     assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("T,fmt13,fmt2,split", [(3, "nvfp4", "mxfp4", False), (21, "mxfp4", "nvfp4", False),
+                                                (11, "nvfp4", "fp8", True), (3, "fp8", "nvfp4", True)],
+                         ids=["decode-pairs", "sorted", "sorted-split-k", "decode-split-k"])
+def test_fused_topk_sum_gives_the_sum_kernels_bits(T, fmt13, fmt2, split):
+    """`moe(fused_sum=True)`: the routed down GEMM adds each token's k rows itself (the last program to write one
+    of them, for each N tile) - the same bits as the separate sum kernel, with split-K too (only the last split's
+    program counts its rows), and the semaphores re-armed (the same Scratch three times, one of them plain).
+    K = 64 keeps decode on round one's tiles (the GEMV pair takes K a multiple of 128)."""
+    from dsv4.kernels import gemm
+
+    E, k, D, I = 6, 3, 64, 96
+    w13 = stacked(fmt13, (E, 2), I, D)
+    w2 = stacked(fmt2, (E,), D, I)
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    configs = {"up": gemm.Config(16, 32, 32, split_k=2), "down": gemm.Config(16, 32, 32, split_k=3)} if split else None
+    scratch = gemm.Scratch()
+    plain = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, configs=configs, scratch=scratch)
+    assert rel_err(plain, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+    for _ in range(2):
+        fused = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, configs=configs, scratch=scratch,
+                         fused_sum=True)
+        assert torch.equal(fused, plain)
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("mode", ["pairs", "sorted", "sorted-split-k"])
+def test_fused_topk_sum_waits_for_every_row(mode):
+    """The down launch alone, its fp32 rows and sum rows poisoned with NaN beforehand: a token's sum row must be
+    added only after all its k rows are written (by whichever program writes the last), so any early read would
+    carry a NaN. The rows and sums must equal the unfused launch's, summed by `gemm.sum_rows`. (The interpreter
+    runs programs one after another; that the last arrival sees the other programs' rows on a GPU - release /
+    acquire on the semaphore, as split-K's - is bench/run_all.py's check.)"""
+    from dsv4.kernels import gemm
+
+    E, k, D, I, T = 6, 3, 64, 96, 9
+    w2 = stacked("nvfp4", (E,), D, I)
+    h = torch.randn(T * k, I)
+    wts, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    P, rw = T * k, wts.reshape(-1)
+    if mode == "pairs":
+        cfg = gemm.Config(16, 32, 32, group_m=P)
+        rows = dict(rows=gemm.ROWS_PAIR, num_m=P, ids=ids)
+    else:
+        cfg = gemm.Config(16, 32, 32, split_k=3 if mode == "sorted-split-k" else 1)
+        rows_idx, blk_e, nblk, nb_max = tmoe.align(ids, E, cfg.BM)
+        cfg = gemm.Config(16, 32, 32, split_k=cfg.split_k, group_m=nb_max)
+        rows = dict(rows=gemm.ROWS_SORTED, num_m=nb_max, ids=blk_e, rows_idx=rows_idx, nblk=nblk)
+    scratch = gemm.Scratch()
+    y, want = torch.empty(P, D), torch.empty(T, D)
+    gemm.launch(h, w2, y, cfg, M=P, epi=gemm.EPI_ROUTED, rw=rw, scratch=scratch, **rows)
+    gemm.sum_rows(y, want, T, D, k, y.stride(0), k * y.stride(0))
+    y_fused, got = torch.full((P, D), float("nan")), torch.full((T, D), float("nan"))
+    gemm.launch(h, w2, y_fused, cfg, M=P, epi=gemm.EPI_ROUTED, rw=rw, scratch=scratch, sum_out=got, topk=k, **rows)
+    assert torch.equal(y_fused, y) and torch.equal(got, want)
+    assert int(scratch.counters(h.device, 1).abs().sum()) == 0
+
+
+def test_fused_topk_sum_refuses_what_it_cannot_sum():
+    """`gemm.launch(sum_out=...)` sums routed rows only, tokens x topk of them: anything else is an error that
+    says what it got."""
+    from dsv4.kernels import gemm
+
+    w2 = stacked("nvfp4", (4,), 64, 64)
+    h, y = torch.randn(6, 64), torch.empty(6, 64)
+    ids, rw = torch.zeros(6, dtype=torch.int64), torch.ones(6)
+    cfg = gemm.Config(16, 32, 32)
+    with pytest.raises(ValueError, match="topk 4"):   # 6 rows are not tokens x 4
+        gemm.launch(h, w2, y, cfg, M=6, rows=gemm.ROWS_PAIR, epi=gemm.EPI_ROUTED, num_m=6, ids=ids, rw=rw,
+                    sum_out=torch.empty(1, 64), topk=4)
+    with pytest.raises(ValueError, match="epi 0"):
+        gemm.launch(h, w2, y, cfg, M=6, rows=gemm.ROWS_PAIR, num_m=6, ids=ids, sum_out=torch.empty(2, 64), topk=3)

@@ -5,7 +5,8 @@ The same kernel serves
   in-register dequantization), used on CUDA only for fp32 activations and FP8 with fp32 scales: for bf16
   prefill (M > 64) `linear` dequantizes once (`_dequant_kernel`) and calls cuBLAS, which measured ~1.8x faster;
 * the shared expert and MoE gate/up (GATED: two shards, clamped SwiGLU in the epilogue);
-* the MoE down projection (EPI_ROUTED: routing weight in the epilogue, fp32 rows per (token, slot));
+* the MoE down projection (EPI_ROUTED: routing weight in the epilogue, fp32 rows per (token, slot); with
+  `launch(sum_out=...)` the same launch also adds each token's top-k rows into its output row);
 * the W4A4 emulation (A_FP4: NVFP4 activations, alpha applied once to the fp32 accumulator).
 
 Row modes: ROWS_DENSE (rows 0..M-1, one weight), ROWS_PAIR (program m = (token, slot) pair m, expert
@@ -30,11 +31,13 @@ from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _lo
 
 ROWS_DENSE, ROWS_PAIR, ROWS_SORTED = 0, 1, 2
 EPI_STORE, EPI_ROUTED = 0, 2
+EPI_ROUTED_SUM = 3   # EPI_ROUTED, then the top-k sum in the same launch (`launch(sum_out=...)`)
 
 
 @triton.jit(do_not_specialize=["M", "NUM_M", "X_DIV", "SPLIT_K", "GROUP_M"])
 def _qgemm_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, y_ptr, rw_ptr, rows_ptr, ids_ptr, nblk_ptr, ws_ptr, cnt_ptr,
+    sum_ptr, sum_cnt_ptr, stride_sum, TOPK,
     M, N, K, NUM_M, X_DIV, SPLIT_K, GROUP_M, limit,
     stride_xm, stride_xsm,
     stride_we, stride_wg, stride_wn,
@@ -112,6 +115,7 @@ def _qgemm_kernel(
 
     offs_y = yrow.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     omask = rmask[:, None] & nmask[None, :]
+    stored = rmask   # rows this program writes (with split-K: only the last split's program)
     if SPLIT:
         # split-K in one launch: park the fp32 partial(s), count arrivals on this output tile's semaphore; the
         # last program sums the partials in split order (deterministic), re-arms the semaphore for the next
@@ -137,6 +141,7 @@ def _qgemm_kernel(
                     acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
         omask = omask & ((tl.zeros((BM, BN), dtype=tl.int32) + arrived) == SPLIT_K - 1)  # only the last stores
+        stored = rmask & ((offs_r * 0 + arrived) == SPLIT_K - 1)
 
     f = epilogue_factor(s2base, FMT)
     if A_FP4:  # alpha = input_scale * weight_scale_2, once; 2^18 undoes both operands' prescale
@@ -153,6 +158,33 @@ def _qgemm_kernel(
     else:
         rw = tl.load(rw_ptr + yrow, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + offs_y, acc * f * rw[:, None], mask=omask)
+        if EPI == 3:
+            _topk_sum(y_ptr, sum_ptr, sum_cnt_ptr + pid_n, yrow, stored, offs_n, nmask, stride_ym, stride_sum,
+                      num_n, TOPK, BM, BN)
+
+
+@triton.jit
+def _topk_sum(y_ptr, sum_ptr, cnt_ptr, yrow, stored, offs_n, nmask, stride_ym, stride_sum, num_n, TOPK,
+              BM: tl.constexpr, BN: tl.constexpr):
+    """The top-k sum fused into the routed down projection: y row p = token * TOPK + slot holds the slot's fp32
+    routed output. Each row this program stored counts into its token's semaphore for this N tile (cnt_ptr +
+    token * num_n, acquire-release); the program whose row is a token's last to arrive adds that token's TOPK
+    rows in slot order (whoever arrives last: deterministic, the bits of `_sum_kernel`), writes the sum row and
+    re-arms the semaphore."""
+    tl.debug_barrier()   # every thread's y stores come before the release
+    token = yrow // TOPK
+    sem = cnt_ptr + token * num_n
+    seen = tl.atomic_add(sem, 1, mask=stored, sem="acq_rel", scope="gpu")
+    done = stored & (seen == TOPK - 1)
+    dmask = done[:, None] & nmask[None, :]
+    total = tl.zeros((BM, BN), dtype=tl.float32)
+    for j in range(0, TOPK):
+        row = (token * TOPK + j).to(tl.int64)
+        total += tl.load(y_ptr + row[:, None] * stride_ym + offs_n[None, :], mask=dmask, other=0.0,
+                         cache_modifier=".cg")
+    tl.store(sum_ptr + token.to(tl.int64)[:, None] * stride_sum + offs_n[None, :],
+             total.to(sum_ptr.dtype.element_ty), mask=dmask)
+    tl.atomic_xchg(sem, 0, mask=done, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -266,10 +298,14 @@ def supported(x: torch.Tensor, w: QWeight) -> bool:
 
 def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gated: bool = False,
            epi: int = EPI_STORE, x_div: int = 1, num_m: int | None = None, limit: float = 0.0,
-           ids=None, rows_idx=None, nblk=None, rw=None, x_sf=None, input_scale=None, scratch=None):
-    """Launch `_qgemm_kernel` for one (possibly stacked) QWeight into `y`. cfg.split_k > 1 (dense rows only)
-    (any row mode) reduces in-kernel through an fp32 workspace and semaphores from `scratch` (a fresh zeroed set
-    without one)."""
+           ids=None, rows_idx=None, nblk=None, rw=None, x_sf=None, input_scale=None, scratch=None,
+           sum_out=None, topk: int = 1):
+    """Launch `_qgemm_kernel` for one (possibly stacked) QWeight into `y`. cfg.split_k > 1 (any row mode)
+    reduces in-kernel through an fp32 workspace and semaphores from `scratch` (a fresh zeroed set without one).
+
+    `sum_out` [M / topk, N] (EPI_ROUTED only): the top-k sum in the same launch - y holds the routed fp32 row of
+    every (token, slot) pair p = token * topk + slot, and sum_out[token] gets the sum of its topk rows in slot
+    order (`_topk_sum`; the bits of `sum_rows`)."""
     N, K = w.out_features, w.in_features
     fmt = FMT_CODES[w.fmt]
     scale, scale_f32, s2 = scale_views(w)
@@ -285,11 +321,20 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
     tiles = num_m * triton.cdiv(N, cfg.BN)
     grid = (tiles, cfg.split_k)
     dummy = wt
-    ws = cnt = None
+    ws = cnt = sum_cnt = None
+    if sum_out is not None and (epi != EPI_ROUTED or gated or M % topk or sum_out.shape[0] * topk != M):
+        raise ValueError(f"the fused top-k sum needs the routed down projection (EPI_ROUTED, not gated) over "
+                         f"tokens x topk rows; got epi {epi}, gated {gated}, M {M}, topk {topk}, "
+                         f"sum_out {tuple(sum_out.shape)}")
+    n_sum = (M // topk) * triton.cdiv(N, cfg.BN) if sum_out is not None else 0
+    if cfg.split_k > 1 or n_sum:
+        # semaphores: split-K's per output tile, then the top-k sum's per (token, N tile)
+        n_split = tiles if cfg.split_k > 1 else 0
+        buf = scratch.counters(x.device, n_split + n_sum) if scratch is not None else \
+            torch.zeros(n_split + n_sum, dtype=torch.int32, device=x.device)
+        cnt, sum_cnt = buf[:max(n_split, 1)], buf[n_split:n_split + n_sum]
     if cfg.split_k > 1:  # fp32 partials [split, (gate, up), rows, N]; rows are output rows (M, or pairs)
         ws = torch.empty(cfg.split_k, 2 if gated else 1, M, N, dtype=torch.float32, device=x.device)
-        cnt = scratch.counters(x.device, tiles) if scratch is not None else \
-            torch.zeros(tiles, dtype=torch.int32, device=x.device)
     out = y
     _qgemm_kernel[grid](
         x, x_sf if x_sf is not None else dummy, wt, scale if scale is not None else dummy,
@@ -297,13 +342,16 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
         out, rw if rw is not None else dummy, rows_idx if rows_idx is not None else dummy,
         ids if ids is not None else dummy, nblk if nblk is not None else dummy,
         ws if ws is not None else dummy, cnt if cnt is not None else dummy,
+        sum_out if sum_out is not None else dummy, sum_cnt if sum_cnt is not None else dummy,
+        sum_out.stride(0) if sum_out is not None else 0, topk,
         M, N, K, num_m, x_div, cfg.split_k, min(cfg.group_m, num_m), float(limit),
         x.stride(0), x_sf.stride(0) if x_sf is not None else 0,
         swe, swg, wt.stride(-2),
         sse, ssg, scale.stride(-2) if scale is not None else 0,
         s2e, s2g,
         out.stride(-2), ws.stride(0) if ws is not None else 0,
-        FMT=fmt, SCALE_F32=scale_f32, A_FP4=x_sf is not None, ROWS=rows, GATED=gated, EPI=epi,
+        FMT=fmt, SCALE_F32=scale_f32, A_FP4=x_sf is not None, ROWS=rows, GATED=gated,
+        EPI=EPI_ROUTED_SUM if sum_out is not None else epi,
         DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         EVEN_K=K % cfg.BK == 0, PROMOTE=scale_f32 or cfg.BM < 64, SPLIT=cfg.split_k > 1, TILED=w.tiled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

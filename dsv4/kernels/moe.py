@@ -10,7 +10,8 @@ stage 1 one program per (token, slot) pair and N tile, stage 2 the routed pairs,
 
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
-stage 2 writes routing-weighted fp32 rows per pair and `_sum_kernel` adds each token's k rows in slot order.
+stage 2 writes routing-weighted fp32 rows per pair and `gemm._sum_kernel` adds each token's k rows in slot
+order (with `fused_sum`, stage 2 adds them itself: `gemm._topk_sum`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
 from .host import has_pdl
 
 DECODE_TOKENS = 8
+# the routed down GEMM adds each token's k rows itself (`gemm.launch(sum_out=...)`) instead of `gemm.sum_rows`
+# after it: the same bits, one launch fewer. Off until it is checked and timed on a GPU (bench/run_all.py)
+FUSED_TOPK_SUM = False
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -215,7 +219,7 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
-        decode: str = "auto", scratch: gemm.Scratch | None = None,
+        decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
@@ -229,11 +233,14 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `after_route=True` is the caller's promise that the previous kernel on the stream is `route`'s and that x
     was written before it: the GEMV pair's gate/up launch then streams the shared expert first, overlapping
     the routing kernel where the GPU has programmatic dependent launch (`gemv.launch(x_ready=True)`). The
-    result is the same bits either way, as it is in one launch or two (`moe_pair.launch_pair`)."""
+    result is the same bits either way, as it is in one launch or two (`moe_pair.launch_pair`).
+
+    `fused_sum` (round one's decode tiles and the sorted path): the routed down projection adds each token's
+    k rows in the same launch instead of a separate sum kernel; the same bits."""
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
-                     configs=configs, decode=decode, scratch=scratch)
+                     configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum)
         return routed + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
@@ -271,8 +278,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
                     scratch=scratch)
         y = torch.empty(P, D, dtype=torch.float32, device=x.device)
         gemm.launch(h, w2, y, replace(down, BM=16, group_m=P), M=P, rows=ROWS_PAIR, epi=EPI_ROUTED,
-                    x_div=1, num_m=P, ids=ids, rw=weights.reshape(-1), scratch=scratch)
-        gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+                    x_div=1, num_m=P, ids=ids, rw=weights.reshape(-1), scratch=scratch,
+                    sum_out=out if fused_sum else None, topk=k)
+        if not fused_sum:
+            gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
         return out
     up, down = sorted_configs(P, E, I, K, D, w13.fmt, w2.fmt)
     up, down = configs.get("up", up), configs.get("down", down)
@@ -285,8 +294,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
                 ids=blk_e, rows_idx=rows, nblk=nblk, scratch=scratch)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)
     gemm.launch(h, w2, y, down, M=P, rows=ROWS_SORTED, epi=EPI_ROUTED, x_div=1, num_m=nb_max,
-                ids=blk_e, rows_idx=rows, nblk=nblk, rw=weights.reshape(-1), scratch=scratch)
-    gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+                ids=blk_e, rows_idx=rows, nblk=nblk, rw=weights.reshape(-1), scratch=scratch,
+                sum_out=out if fused_sum else None, topk=k)
+    if not fused_sum:
+        gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
     return out
 
 
