@@ -71,6 +71,21 @@ def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: b
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_qgemm(fmt: str, rows: int, epi: int, bm: int = 16, bn: int = 128, bk: int = 128, split: bool = False,
+                  warps: int = 4, stages: int = 3):
+    """`gemm._qgemm_kernel` (round one's tiles and the grouped MoE GEMM) with bf16 x, tiled weights and an fp32 y,
+    e.g. the routed down projection with the top-k sum fused (rows=ROWS_SORTED, epi=EPI_ROUTED_SUM)."""
+    from dsv4.kernels import gemm
+    fn = gemm._qgemm_kernel
+    consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, A_FP4=False, ROWS=rows, GATED=False, EPI=epi, DOT=tl.bfloat16,
+                  PREC="tf32", ASM=True, BM=bm, BN=bn, BK=bk, EVEN_K=True, PROMOTE=True, SPLIT=split, TILED=True)
+    types = dict(TYPES, xs_ptr="*u8", a_ptr="*fp32", y_ptr="*fp32", rows_ptr="*i32", ids_ptr="*i32", nblk_ptr="*i32",
+                 sum_ptr="*bf16", sum_cnt_ptr="*i32")
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
 def loop_counts(cubin: bytes):
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
