@@ -172,7 +172,6 @@ def _load_scales(sbase, srow, step, sk, FMT: tl.constexpr):
     return s
 
 
-
 @triton.jit
 def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
              ASM: tl.constexpr, GCOL: tl.constexpr):
@@ -412,31 +411,22 @@ def _gemv_unit(
     xcol = (n0 // tl.maximum(GROUP_R, 1)) * X_GSTRIDE   # block-diagonal (wo_a): this tile's x columns
     e64 = e.to(tl.int64)
     s0 = ks * CHUNK
+    # the shared expert's unit (SHARED only; a compile-time False otherwise, so no branch is emitted)
+    shared_unit = on_shared if SHARED else False
     if AWAIT:   # ROWS_TOKEN: x row `pair` (routed slot) or P + r (the shared expert's), written by gate/up units
-        if SHARED:
-            if on_shared:
-                s0 = ks * CHUNK_S
-                _await_row(ready_ptr + (P + r) * SYNC_LINE, ready_target, sw_ptr, ss_ptr, n0, s0,
-                           tl.minimum(CHUNK_S, n_steps_s - s0), stride_swn, stride_ssn, FMT_S, TILED_S, ASM, AWAIT_L2)
-            else:
-                _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n0,
-                           s0, tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
-        else:
-            _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n0, s0,
-                       tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
-    if SHARED:
-        if on_shared:
+        if shared_unit:
             s0 = ks * CHUNK_S
-            acc, acc_u, f, f_u = _weight_unit(
-                x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
-                tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-                stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S, GCOL)
+            _await_row(ready_ptr + (P + r) * SYNC_LINE, ready_target, sw_ptr, ss_ptr, n0, s0,
+                       tl.minimum(CHUNK_S, n_steps_s - s0), stride_swn, stride_ssn, FMT_S, TILED_S, ASM, AWAIT_L2)
         else:
-            acc, acc_u, f, f_u = _weight_unit(
-                x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
-                s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
-                stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN,
-                MP, W, DOT, ASM, PF, TILED, GCOL)
+            _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+                       n0, s0, tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
+    if shared_unit:
+        s0 = ks * CHUNK_S
+        acc, acc_u, f, f_u = _weight_unit(
+            x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
+            tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
+            stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S, GCOL)
     else:
         acc, acc_u, f, f_u = _weight_unit(
             x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
@@ -532,8 +522,6 @@ def _gemv_kernel(
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
                    PDL, GCOL, X_READY, False, False, 0, False)
-
-
 
 
 @triton.jit
@@ -825,8 +813,6 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
         ws = torch.empty(parts * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)
     nprog = units if (interp or not cfg.persistent) else max(1, min(units, slots))
     return _Prepared(kernel_args(split, chunk, split_s, chunk_s, ws), consts, units, nprog, slots)
-
-
 
 
 # FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages at up to 8 rows: with
