@@ -276,12 +276,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         up = replace(up, BM=16, group_m=P)
         gemm.launch(x, w13, h, up, M=P, rows=ROWS_PAIR, gated=True, x_div=k, num_m=P, limit=limit, ids=ids,
                     scratch=scratch)
-        y = torch.empty(P, D, dtype=torch.float32, device=x.device)
-        gemm.launch(h, w2, y, replace(down, BM=16, group_m=P), M=P, rows=ROWS_PAIR, epi=EPI_ROUTED,
-                    x_div=1, num_m=P, ids=ids, rw=weights.reshape(-1), scratch=scratch,
-                    sum_out=out if fused_sum else None, topk=k)
-        if not fused_sum:
-            gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+        _routed_down(h, w2, out, replace(down, BM=16, group_m=P), weights, k, fused_sum, scratch,
+                     rows=ROWS_PAIR, num_m=P, ids=ids)
         return out
     up, down = sorted_configs(P, E, I, K, D, w13.fmt, w2.fmt)
     up, down = configs.get("up", up), configs.get("down", down)
@@ -292,13 +288,22 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     down = replace(down, BM=up.BM, group_m=nb_max)
     gemm.launch(x, w13, h, up, M=P, rows=ROWS_SORTED, gated=True, x_div=k, num_m=nb_max, limit=limit,
                 ids=blk_e, rows_idx=rows, nblk=nblk, scratch=scratch)
-    y = torch.empty(P, D, dtype=torch.float32, device=x.device)
-    gemm.launch(h, w2, y, down, M=P, rows=ROWS_SORTED, epi=EPI_ROUTED, x_div=1, num_m=nb_max,
-                ids=blk_e, rows_idx=rows, nblk=nblk, rw=weights.reshape(-1), scratch=scratch,
-                sum_out=out if fused_sum else None, topk=k)
+    _routed_down(h, w2, out, down, weights, k, fused_sum, scratch, rows=ROWS_SORTED, num_m=nb_max, ids=blk_e,
+                 rows_idx=rows, nblk=nblk)
+    return out
+
+
+def _routed_down(h, w2: QWeight, out, cfg: Config, weights, k: int, fused_sum: bool, scratch, **row_mode):
+    """Round one's down projection over the (token, slot) pairs of h into routing-weighted fp32 rows, then each
+    token's k rows summed in slot order into out: in the same launch (`fused_sum`) or by `gemm.sum_rows`.
+    `row_mode`: the launch's row mode and its indices (`gemm.launch`'s rows, num_m, ids, rows_idx, nblk)."""
+    T, D = out.shape
+    P = T * k
+    y = torch.empty(P, D, dtype=torch.float32, device=h.device)
+    gemm.launch(h, w2, y, cfg, M=P, epi=EPI_ROUTED, x_div=1, rw=weights.reshape(-1), scratch=scratch,
+                sum_out=out if fused_sum else None, topk=k, **row_mode)
     if not fused_sum:
         gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
-    return out
 
 
 def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_tokens: int, configs) -> bool:
