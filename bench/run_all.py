@@ -261,12 +261,12 @@ def correctness(run: Run):
             y = run.ops.moe(x, ids, wts, w13, w2, 10.0)
             # (the interpreter truncates fp32->bf16 instead of rounding: the toy run gets a looser bound)
             bound = 2e-2 if run.toy else 1e-2
-            record(f"moe {s.name} {fmt} T={t}", rel_err(y, ref.moe(x, ids, wts, w13, w2, 10.0)), bound,
-                   written=bool(torch.isfinite(y).all()))
+            want = ref.moe(x, ids, wts, w13, w2, 10.0)
+            record(f"moe {s.name} {fmt} T={t}", rel_err(y, want), bound, written=bool(torch.isfinite(y).all()))
             # round one's decode tiles (t <= 8) and the sorted path with the top-k sum fused
             y_fused = run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1", fused_sum=True)
             record(f"moe {s.name} {fmt} T={t} fused top-k sum (same bits as the sum kernel)",
-                   rel_err(y_fused, ref.moe(x, ids, wts, w13, w2, 10.0)), bound,
+                   rel_err(y_fused, want), bound,
                    exact=torch.equal(y_fused, run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1")),
                    written=bool(torch.isfinite(y_fused).all()))
         del w13, w2
@@ -543,20 +543,16 @@ def moe_table(run: Run):
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
                 return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2), after_route=True)
 
-            def routed(x, lg):
+            def routed(x, lg, **kw):
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                return run.ops.moe(x, ids, wts, w13, w2, 10.0)
+                return run.ops.moe(x, ids, wts, w13, w2, 10.0, **kw)
 
             ms = run.timer.per_call_ms([lambda x=x, lg=lg: layer(x, lg) for x, lg in zip(xs, logits)])
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
             ms_alt = ms_fused = None
             if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
-
-                def routed_fused(x, lg):
-                    wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                    return run.ops.moe(x, ids, wts, w13, w2, 10.0, fused_sum=True)
-
-                ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed_fused(x, lg) for x, lg in zip(xs, logits)])
+                ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True)
+                                                  for x, lg in zip(xs, logits)])
             if t <= 8:  # the other decode kernels on the same inputs, for the record
 
                 def routed_alt(x, lg):
