@@ -1,5 +1,11 @@
 """Shared pieces of the kernel tests: strict Triton ops (a reference fallback fails the test) and the error metric."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
@@ -33,3 +39,16 @@ def stacked_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.
     if fmt == "fp8-f32":
         return QWeight("fp8", *quantize_fp8_block(w, torch.float32))
     raise ValueError(f"unknown test weight format {fmt!r}")
+
+
+def compile_in_subprocess(script: str, cases) -> dict:
+    """Run a compile `script` (python -c) for the GPU without one: a subprocess at the repository root with
+    TRITON_INTERPRET unset and json(cases) as argv[1]; returns the JSON it prints after "RESULT "."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
+                          env=env, cwd=root, timeout=600)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert line is not None, f"sm_90 compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(line[len("RESULT "):])

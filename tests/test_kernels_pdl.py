@@ -11,18 +11,11 @@ The H200 check that a chain of dependent GEMVs gives the same bits with and with
 bench/run_all.py.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from dsv4.kernels import gemv
-
-ROOT = Path(__file__).resolve().parents[1]
+from kernel_util import compile_in_subprocess
 
 # compiles the kernel (NVFP4 routed weights, 2 warps, MMA N = 8; an FP8 shared expert where asked) through
 # bench/sass.py's compile_gemv and prints, per case, the PTX lines that matter
@@ -133,13 +126,7 @@ CASES = [("dense tiled", 0, True, True, False, False), ("dense row-major", 0, Tr
 
 @pytest.fixture(scope="module")
 def ptx():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CASES)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, f"sm_90 compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return compile_in_subprocess(_COMPILE, CASES)
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES if c[2] and not c[5]])

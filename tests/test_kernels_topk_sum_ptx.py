@@ -8,15 +8,9 @@ thread that holds a replica of the row through shared memory and a barrier; the 
 (`ld.global.cg`); the semaphore is re-armed only after the sum rows are stored.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from kernel_util import compile_in_subprocess
 
 _COMPILE = r"""
 import json, sys
@@ -35,13 +29,7 @@ CASES = [("sorted, 16 rows", 16, False), ("sorted, 64 rows, split-K", 64, True)]
 
 @pytest.fixture(scope="module")
 def ptx():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(CASES)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert line is not None, f"sm_90 compile failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return json.loads(line[len("RESULT "):])
+    return compile_in_subprocess(_COMPILE, CASES)
 
 
 def first(lines, pred, start=0):
