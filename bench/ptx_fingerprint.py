@@ -4,8 +4,9 @@
     ... change the code ...
     PYTHONPATH=/path/to/triton-3.6 python bench/ptx_fingerprint.py --compare before.json
 
-Compiles 19 variants for sm_90 without a GPU (`bench/sass.py`: every format, the dense / pair / token row modes,
-MMA N 8 and 16, 2 and 3 stages, gated, tiled, PDL, group columns, an FP8 shared expert, the pair in one launch),
+Compiles 27 variants for sm_90 without a GPU (`bench/sass.py`: every format, the dense / pair / token row modes,
+MMA N 8 and 16, 2 and 3 stages, gated, tiled, PDL, group columns, an FP8 shared expert, the shared expert as token
+columns, the pair in one launch),
 drops debug lines (`.loc`, `.file`, comments, debug sections) and hashes the rest. The same hash means the same
 PTX, so the GPU runs the same code. Used for the split of gemv.py into decode.py, sync.py and moe_pair.py
 (bench/RESULTS.md, round ten).
@@ -42,10 +43,16 @@ def variants():
             f, 2, 64, 2, 1, True, 128, 8, shared="fp8", tiled=True, pdl=True, gcol=g, x_ready=True)
         yield f"token {fmt} fp8 shared, group columns", lambda f=fmt, g=fp4: sass.compile_gemv(
             f, 2, 64, 2, 2, False, 128, 8, shared="fp8", tiled=True, gcol=g)
+        yield f"pair {fmt} {fmt} shared as token columns, x ready", lambda f=fmt, g=fp4: sass.compile_gemv(
+            f, 2, 64, 2, 1, True, 128, 8, shared=f, tiled=True, pdl=True, gcol=g, x_ready=True, cols=True)
+        yield f"token {fmt} {fmt} shared as token columns", lambda f=fmt, g=fp4: sass.compile_gemv(
+            f, 2, 64, 2, 2, False, 128, 8, shared=f, tiled=True, gcol=g, cols=True)
     for fmt in ("nvfp4", "mxfp4"):
         yield f"one-launch pair {fmt} fp8 shared, pdl, x ready", lambda f=fmt: sass.compile_pair(
             f, "fp8", True, pdl=True, x_ready=True)
         yield f"one-launch pair {fmt} no shared", lambda f=fmt: sass.compile_pair(f, None, True)
+        yield f"one-launch pair {fmt} fp8 shared as token columns, pdl, x ready", lambda f=fmt: sass.compile_pair(
+            f, "fp8", True, pdl=True, x_ready=True, cols=True)
 
 
 def main():

@@ -399,21 +399,30 @@ def test_fused_pair_down_order_is_a_permutation_in_h_row_order():
 
     @triton.jit
     def order(out_ptr, R, num_n, splits, SPLIT, SPLIT_S, TOPK, N_UNITS, SHARED: tl.constexpr,
-              FIRST: tl.constexpr):
+              FIRST: tl.constexpr, COLS: tl.constexpr):
         for v in range(0, N_UNITS):
-            tl.store(out_ptr + v, moe_pair._pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED, FIRST))
+            tl.store(out_ptr + v, moe_pair._pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED, FIRST,
+                                                           COLS))
 
     R, num_n, SPLIT, SPLIT_S, TOPK = 3, 4, 2, 3, 2
-    for shared, first in ((True, True), (True, False), (False, False)):
+    for shared, first, cols in ((True, True, False), (True, False, False), (False, False, False), (True, True, True),
+                                (True, False, True)):
         splits = SPLIT * TOPK + (SPLIT_S if shared else 0)
-        n = R * num_n * splits
+        n_shared = (1 if cols else R) * num_n * SPLIT_S if shared else 0
+        n = R * num_n * SPLIT * TOPK + n_shared
         got = torch.empty(n, dtype=torch.int32)
-        order[(1,)](got, R, num_n, splits, SPLIT, SPLIT_S, TOPK, n, SHARED=shared, FIRST=first)
-        assert sorted(got.tolist()) == list(range(n)), (shared, first)
-        # the h row each down unit reads (ROWS_TOKEN: token r = tile // num_n, slot j // SPLIT; slot TOPK = shared)
-        tile, j = got // splits, got % splits
-        slot = torch.clamp(j // SPLIT, max=TOPK)
-        hrow = torch.where(slot == TOPK, R * TOPK + tile // num_n, (tile // num_n) * TOPK + slot)
+        order[(1,)](got, R, num_n, splits, SPLIT, SPLIT_S, TOPK, n, SHARED=shared, FIRST=first, COLS=cols)
+        assert sorted(got.tolist()) == list(range(n)), (shared, first, cols)
+        # the h row each down unit reads (ROWS_TOKEN: token r = tile // num_n, slot j // SPLIT; slot TOPK = shared;
+        # cols: the shared units first in the launch, one block for all tokens, then SPLIT * TOPK per routed tile)
+        if cols:
+            routed_u = got - n_shared
+            tile, slot = routed_u // (SPLIT * TOPK), (routed_u % (SPLIT * TOPK)) // SPLIT
+            hrow = torch.where(got < n_shared, R * TOPK, (tile // num_n) * TOPK + slot)
+        else:
+            tile, j = got // splits, got % splits
+            slot = torch.clamp(j // SPLIT, max=TOPK)
+            hrow = torch.where(slot == TOPK, R * TOPK + tile // num_n, (tile // num_n) * TOPK + slot)
         routed = hrow[hrow < R * TOPK]
         assert torch.equal(routed, routed.sort().values)   # pair by pair
         if shared:
@@ -443,6 +452,60 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
             assert a["SPLIT_S"] == ratio * a["SPLIT"], (shared_fmt, a["SPLIT"], a["SPLIT_S"])
             if ratio == 2:
                 assert a["CHUNK_S"] == a["CHUNK"], (shared_fmt, a["CHUNK"], a["CHUNK_S"])
+
+
+@pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 5), ("mxfp4", "nvfp4", 8)])
+def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_fmt, T):
+    """From SHARED_COLS_TOKENS tokens the shared expert is one row block whose MMA columns are the tokens
+    (`COLS`): its gate/up units write h rows P .. P + T - 1 at once, and each down unit's partial counts into
+    every token's output tile, the last arrival summing that tile. The result is the reference's, in two
+    launches and in one (the same bits, the shared units first or last, the down units in either order),
+    with forced K splits, and the semaphores and row flags re-arm. An FP8 shared expert gets twice the FP4
+    experts' splits even over several waves (4 SMs here)."""
+    monkeypatch.setattr(gemv, "num_sms", lambda device: 4)
+    E, k, D, I = 6, 2, 512, 256
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
+    x = torch.randn(T, D) * 2
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
+    assert rel_err(tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch()),
+                   want) < 1e-6
+    assert kernel_calls and all(a["COLS"] for a in kernel_calls)
+    if shared_fmt == "fp8" and fmt != "fp8":
+        assert all(a["SPLIT_S"] == 2 * a["SPLIT"] and a["CHUNK_S"] == a["CHUNK"] for a in stages(kernel_calls))
+    scratch, rows, cfg = gemm.Scratch(), T * k + T, gemv.GemvConfig(split=2)
+    runs = []
+    for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, False), (False, True, True)):
+        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
+        kernel_calls.clear()
+        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+                             shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, pair_order=order)
+        runs.append((h, out))
+        # gate/up has 4 K steps here, so the forced split of 2 holds
+        assert kernel_calls[-1]["COLS"] and stages(kernel_calls)[0]["SPLIT"] == 2
+    assert rel_err(runs[0][1], want) < 1e-6
+    for h, out in runs[1:]:
+        assert torch.equal(h, runs[0][0]) and torch.equal(out, runs[0][1])
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+
+
+def test_shared_expert_keeps_a_row_block_per_token_below_four_tokens_and_without_the_pair(kernel_calls):
+    """`shared_cols`: the per-token layout at 1-3 tokens (measured faster there), in dense launches and without
+    a shared expert; the token columns from 4 to 8 tokens (the MMA's N)."""
+    s13 = make_weight("fp8", 128, 256, (2,))
+    for rows, R, pairs, want in ((gemv.ROWS_PAIR, 3 * 3, 3 * 2, False), (gemv.ROWS_PAIR, 4 * 3, 4 * 2, True),
+                                 (gemv.ROWS_TOKEN, 8, 16, True), (gemv.ROWS_TOKEN, 9, 18, False),
+                                 (gemv.ROWS_DENSE, 4, 0, False)):
+        assert gemv.shared_cols(rows, R, pairs, s13) == want, (rows, R)
+        assert not gemv.shared_cols(rows, R, pairs, None)
+    E, k, D, I, T = 4, 2, 256, 128, 3
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=(s13, make_weight("fp8", D, I)),
+             scratch=gemm.Scratch())
+    assert kernel_calls and not any(a["COLS"] for a in kernel_calls)
 
 
 def test_large_fp4_weights_stream_with_three_stages():
@@ -479,6 +542,19 @@ H200_SLOTS = 132 * 8   # SMs x resident CTAs of the default GEMV
 def test_split_plans_at_v4_shapes(case, args, want):
     """(units, partials, split, chunk, split_s, chunk_s) at V4 MoE shapes on an H200's 1056 slots."""
     assert gemv.plan_splits(*args, H200_SLOTS) == want
+
+
+def test_split_plans_with_the_shared_expert_as_token_columns():
+    """`cols`: one shared row block for all tokens, and an FP8 shared expert always split twice as finely as the
+    FP4 experts, so that its units are as long as theirs. V4-Flash gate/up at 8 tokens: 49 row blocks instead
+    of 56 per N tile, so the routed split is 2 (3 waves of 16 steps) instead of 1 (2 waves of 32)."""
+    assert gemv.plan_splits(gemv.ROWS_PAIR, 56, 48, 6, 32, 32, 64, H200_SLOTS, cols=True) == (3200, 4, 2, 16, 4, 16)
+    assert gemv.plan_splits(gemv.ROWS_TOKEN, 4, 4, 6, 112, 24, 48, H200_SLOTS, cols=True) == \
+        (2912, 8, 1, 24, 2, 24)
+    # an FP4 shared expert keeps the routed split; a forced split is taken by both
+    assert gemv.plan_splits(gemv.ROWS_TOKEN, 8, 8, 6, 64, 16, 16, H200_SLOTS, cols=True)[2:5:2] == (1, 1)
+    assert gemv.plan_splits(gemv.ROWS_TOKEN, 8, 8, 6, 64, 16, 32, H200_SLOTS, forced=2, cols=True) == \
+        (64 * (48 * 2 + 2), 14, 2, 8, 2, 16)
 
 
 def test_split_plans_without_a_shared_expert_or_with_a_forced_split():

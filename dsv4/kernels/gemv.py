@@ -56,6 +56,9 @@ The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x r
 * ROWS_PAIR: one row per (token, slot) pair, weight ids[pair] (MoE gate/up, GATED = SwiGLU epilogue).
 * ROWS_TOKEN: one token per unit, its k experts are extra K splits: the routing weight and each expert's
   factor scale the partials, whose ordered sum is the MoE output (the top-k sum fused, deterministic).
+The MoE's shared expert rides in the ROWS_PAIR / ROWS_TOKEN launches: as one more row block (slot) per token,
+or, from 4 tokens (`shared_cols`, `COLS`), as one row block whose MMA columns are the tokens, so that each of
+its weight tiles is read and decoded once instead of once per token.
 Gated FP4 units stream gate and up in one K loop, a sub-step of each per iteration (`_unit_acc`, PAIRED).
 
 The MoE pair (gate/up ROWS_PAIR, then down ROWS_TOKEN) can run as one launch (`moe_pair.py`): every unit is
@@ -314,20 +317,25 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
 
 @triton.jit
 def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, ROWS: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr,
-                   X_READY: tl.constexpr):
+                   X_READY: tl.constexpr, COLS: tl.constexpr = False):
     """(units, splits per output tile, N tiles, shared units, first shared unit, first routed unit) of one launch:
-    the unit numbering `_gemv_unit` decodes."""
+    the unit numbering `_gemv_unit` decodes. The shared expert's units (SPLIT_S per N tile of each of its row
+    blocks: one per token, or one for all tokens with COLS) form their own range in ROWS_PAIR, first when
+    X_READY, and in ROWS_TOKEN with COLS, first; without COLS, ROWS_TOKEN gives them the splits j >= TOPK *
+    SPLIT of every token's tiles."""
     num_n = tl.cdiv(N, BN)
     splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
     total = R * num_n * splits
     shared_units = total * 0
     first_shared = total * 0
     first_routed = total * 0
-    if ROWS == 1 and SHARED:   # SPLIT units per routed tile, SPLIT_S per shared tile
-        shared_units = (R - P) * num_n * SPLIT_S
-        total = P * num_n * SPLIT + shared_units
-        first_shared = 0 if X_READY else total - shared_units
-        first_routed = shared_units if X_READY else 0
+    if SHARED and (ROWS == 1 or COLS):
+        shared_units = (1 if COLS else R - P) * num_n * SPLIT_S
+        routed = (P * SPLIT if ROWS == 1 else R * SPLIT * TOPK) * num_n
+        total = routed + shared_units
+        shared_first = X_READY or ROWS == 2   # ROWS_TOKEN: so that the tiles' last arrivals spread over routed units
+        first_shared = 0 if shared_first else routed
+        first_routed = shared_units if shared_first else 0
     return total, splits, num_n, shared_units, first_shared, first_routed
 
 
@@ -346,6 +354,7 @@ def _gemv_unit(
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
     SIGNAL: tl.constexpr, AWAIT: tl.constexpr, AWAIT_L2: tl.constexpr, TICKET: tl.constexpr,
+    COLS: tl.constexpr = False,
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
@@ -360,14 +369,18 @@ def _gemv_unit(
     nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the unit's type)
     j = u % splits
     tile = u // splits
-    if ROWS == 1 and SHARED:
+    if SHARED and (ROWS == 1 or COLS):
         if u >= first_shared and u < first_shared + shared_units:
-            nsplit = SPLIT_S + u * 0
-            j = (u - first_shared) % SPLIT_S
-            tile = P * num_n + (u - first_shared) // SPLIT_S
+            if ROWS == 1:
+                nsplit = SPLIT_S + u * 0
+                j = (u - first_shared) % SPLIT_S
+                tile = P * num_n + (u - first_shared) // SPLIT_S
+            else:   # COLS: token 0's tile stands for every token's (rows below); the slot TOPK
+                j = TOPK * SPLIT + (u - first_shared) % SPLIT_S
+                tile = (u - first_shared) // SPLIT_S
         else:
-            j = (u - first_routed) % SPLIT
-            tile = (u - first_routed) // SPLIT
+            j = (u - first_routed) % (SPLIT if ROWS == 1 else SPLIT * TOPK)
+            tile = (u - first_routed) // (SPLIT if ROWS == 1 else SPLIT * TOPK)
         if WAIT_PER_UNIT:
             if u >= first_routed:
                 gdc_wait()   # a routed unit reads the expert ids
@@ -413,6 +426,7 @@ def _gemv_unit(
     s0 = ks * CHUNK
     # the shared expert's unit (SHARED only; a compile-time False otherwise, so no branch is emitted)
     shared_unit = on_shared if SHARED else False
+    tokens = R - P if ROWS == 1 else R   # (COLS: MMA column t of the shared unit is token t)
     if AWAIT:   # ROWS_TOKEN: x row `pair` (routed slot) or P + r (the shared expert's), written by gate/up units
         if shared_unit:
             s0 = ks * CHUNK_S
@@ -423,16 +437,25 @@ def _gemv_unit(
                        n0, s0, tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
     if shared_unit:
         s0 = ks * CHUNK_S
+        xrow_s = xrow
+        rmask_s = rmask
+        if COLS:   # one row block for every token: column t reads x row t (gate/up) or h row P + t (down)
+            xrow_s = offs_r + (0 if ROWS == 1 else P)
+            rmask_s = offs_r < tokens
         acc, acc_u, f, f_u = _weight_unit(
-            x_ptr, xrow, rmask, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
+            x_ptr, xrow_s, rmask_s, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
             tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
-            stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S, GCOL)
+            stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S,
+            GCOL and not COLS)
     else:
         acc, acc_u, f, f_u = _weight_unit(
             x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
             s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
             stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
             W, DOT, ASM, PF, TILED, GCOL)
+    if SHARED and COLS:   # ... and writes row t of its output block: h row P + t (gate/up), out row t (down)
+        rmask = tl.where(on_shared, offs_r < tokens, rmask)
+        yrow = tl.where(on_shared, offs_r + (P if ROWS == 1 else 0), yrow)
     if WAIT_PER_UNIT:
         gdc_wait()   # before any write: h and the workspace may reuse memory the previous kernel reads
     ticket = u * 0
@@ -451,7 +474,21 @@ def _gemv_unit(
             tl.store(part + plane + offs_ws, acc_u * f_u, mask=omask)
         tl.debug_barrier()
         cnt = cnt_ptr + tile
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if ROWS == 2 and COLS and shared_unit:
+            # one partial for every token's tile (N tile pid_n of row block t): count into each, and sum the
+            # tiles this unit completes
+            cnts = cnt_ptr + offs_r * num_n + pid_n
+            last = rmask & (tl.atomic_add(cnts, 1, mask=rmask, sem="acq_rel", scope="gpu") == nsplit - 1)
+            if tl.max(last.to(tl.int32), axis=0) > 0:
+                lmask = omask & last[None, :]
+                acc = tl.zeros((BN, MP), dtype=tl.float32)
+                for i in range(0, nsplit):
+                    acc += tl.load(ws_ptr + i * plane + offs_ws, mask=lmask, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(cnts, 0, mask=last, sem="relaxed", scope="gpu")
+                _epilogue(y_ptr, offs_y, lmask, acc, acc, 1.0, 1.0, limit, False)
+            arrived = nsplit * 0   # not the last for tile `tile` below
+        else:
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == nsplit - 1:
             acc = tl.zeros((BN, MP), dtype=tl.float32)
             if GATED:
@@ -484,7 +521,7 @@ def _gemv_kernel(
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
-    X_READY: tl.constexpr = False,
+    X_READY: tl.constexpr = False, COLS: tl.constexpr = False,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -493,7 +530,9 @@ def _gemv_kernel(
     SPLIT_S K splits of CHUNK_S sub-steps, so that its units stream about as many bytes as a routed one):
     ROWS_PAIR pairs P .. R - 1 are the shared expert's rows (x row r - P), their units after all routed ones;
     ROWS_TOKEN tokens get SPLIT_S more splits j >= TOPK * SPLIT, the slot TOPK, which reads h row P + token
-    with routing weight 1.
+    with routing weight 1. COLS: the shared expert's units are one row block for all R - P (ROWS_PAIR) or R
+    tokens, MMA column t being token t; in ROWS_TOKEN they come first and each counts into every token's
+    output tile (`_gemv_unit`).
 
     X_READY (ROWS_PAIR with SHARED; `launch(x_ready=True)`: x was written before the previous kernel started,
     which is `moe.route`): the shared expert's units come first, and with PDL a unit waits for the previous
@@ -501,7 +540,7 @@ def _gemv_kernel(
     expert streams while the routing kernel runs. Split partials are summed in split order whoever computes
     them, so the result is the same bits."""
     total, splits, num_n, shared_units, first_shared, first_routed = _launch_layout(
-        N, R, SPLIT, TOPK, P, SPLIT_S, ROWS, BN, SHARED, X_READY)
+        N, R, SPLIT, TOPK, P, SPLIT_S, ROWS, BN, SHARED, X_READY, COLS)
     if PDL:
         # programmatic dependent launch: the next kernel may take SM slots as this one's CTAs finish; this one
         # waits for the previous kernel before it reads x, ids or scratch, or writes anything. Before the wait
@@ -521,7 +560,7 @@ def _gemv_kernel(
                    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                   PDL, GCOL, X_READY, False, False, 0, False)
+                   PDL, GCOL, X_READY, False, False, 0, False, COLS)
 
 
 @triton.jit
@@ -649,25 +688,47 @@ def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeigh
     return wanted and fp4 and (rows != ROWS_DENSE or M == 1)
 
 
+SHARED_COLS_TOKENS = 4   # from this many tokens (up to the MMA's N, 8) the shared expert's units read all tokens
+
+
+def shared_cols(rows: int, R: int, pairs: int, shared: QWeight | None) -> bool:
+    """Whether the MoE's shared expert runs as one row block whose MMA columns are the tokens (`COLS`) instead of
+    one row block per token: each of its weight tiles is then read and decoded once for all tokens, and its
+    units get K splits as long as the routed ones' (`plan_splits`). What the shared expert adds to the pair
+    (bench/profile_shared.py, run 88, FP8 shared beside NVFP4 experts): V4-Pro 33 / 41 us at 4 / 8 tokens
+    against 45 / 75 per token, level at 2; V4-Flash 24 against 25 us at 8 tokens, 1-2 us more at 2 and 4."""
+    tokens = R - pairs if rows == ROWS_PAIR else R
+    return shared is not None and rows in (ROWS_PAIR, ROWS_TOKEN) and SHARED_COLS_TOKENS <= tokens <= mma_n(1)
+
+
 def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
     """Programmatic dependent launch: asked for, on a CUDA GPU with `griddepcontrol` (sm_90+), not interpreted."""
     return cfg.pdl and has_pdl(device)
 
 
 def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_steps: int, n_steps_s: int,
-                slots: int, forced: int = 0) -> tuple[int, int, int, int, int, int]:
+                slots: int, forced: int = 0, cols: bool = False) -> tuple[int, int, int, int, int, int]:
     """(units, partials per output tile, split, chunk, split_s, chunk_s) of one launch: R row blocks (of which
     `routed_rows` stream the routed weight, the rest the shared expert's with n_steps_s sub-steps; 0 = none),
-    ROWS_TOKEN slots of `topk` routed experts plus the shared one. Chunks are whole step pairs.
+    ROWS_TOKEN slots of `topk` routed experts plus the shared one. Chunks are whole step pairs. `cols`
+    (`shared_cols`): the shared expert has one row block for all tokens.
 
     The routed split is `forced` or `choose_split`'s, and the shared expert gets the same. A sub-step is 64
     bytes of a row in every format, so an FP8 shared expert beside FP4 experts then has twice their sub-steps
     per unit and sets the launch's tail: plans whose shared units are as long as the routed ones replace it
     where one fits in one wave and costs less (cost = waves x (longest unit + UNIT_OVERHEAD_STEPS)). V4-Flash
     MoE at 1 token: 49.2 -> 45.5 us; with more waves the extra units and partials measured slower
-    (bench/RESULTS.md, round six), so those are not tried."""
+    (bench/RESULTS.md, round six), so those are not tried. With `cols` the shared units are few (one row
+    block), so an FP8 shared expert always gets twice the routed split."""
     shared = n_steps_s > 0
-    slots_per_row = topk + shared if rows == ROWS_TOKEN else 1
+    # row blocks (ROWS_TOKEN: (token, slot) blocks) of the routed weights and of the shared expert per N tile
+    routed_blocks = R * topk if rows == ROWS_TOKEN else routed_rows
+    if not shared:
+        shared_blocks = 0
+    elif cols:
+        shared_blocks = 1
+    else:
+        shared_blocks = R if rows == ROWS_TOKEN else R - routed_rows
 
     def plan(split, split_s):
         chunk = triton.cdiv(n_steps, split)
@@ -678,17 +739,18 @@ def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_st
         split_s = triton.cdiv(max(n_steps_s, 1), chunk_s)
         if rows == ROWS_TOKEN:
             parts = split * topk + (split_s if shared else 0)
-            units = R * num_n * parts
         else:
             parts = max(split, split_s) if shared else split
-            units = num_n * (routed_rows * split + (R - routed_rows) * split_s)
+        units = num_n * (routed_blocks * split + shared_blocks * split_s)
         longest = max(chunk, chunk_s) if shared else chunk
         cost = triton.cdiv(units, slots) * (longest + UNIT_OVERHEAD_STEPS)
         return (units, parts, split, chunk, split_s, chunk_s), cost
 
-    split = forced or choose_split(R * num_n * slots_per_row, n_steps, slots)
-    best, best_cost = plan(split, split)
+    split = forced or choose_split((routed_blocks + shared_blocks) * num_n, n_steps, slots)
     ratio = n_steps_s // n_steps
+    if cols and ratio > 1 and not forced:   # few shared units: always as long as the routed ones
+        return plan(split, split * ratio)[0]
+    best, best_cost = plan(split, split)
     if ratio > 1 and not forced:
         for s in range(1, max(1, n_steps // 2) + 1):
             balanced, cost = plan(s, s * ratio)
@@ -730,7 +792,8 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
 
     `shared` (ROWS_PAIR / ROWS_TOKEN): the MoE's shared expert, any supported format, same N and K, streamed in
     the same launch. ROWS_PAIR: R = M = pairs + tokens, rows from `pairs` on are the shared expert's (x row
-    r - pairs); ROWS_TOKEN: x has pairs + R rows, each token's extra slot reads row pairs + token.
+    r - pairs); ROWS_TOKEN: x has pairs + R rows, each token's extra slot reads row pairs + token. From
+    SHARED_COLS_TOKENS tokens its units cover every token at once (`shared_cols`); the same rows are written.
 
     `x_ready` (ROWS_PAIR with `shared`): the caller promises that x was written before the previous kernel on
     the stream started and that that kernel writes neither x nor the weights (it is `moe.route`'s); the shared
@@ -776,7 +839,8 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                   FMT_S=FMT_CODES[shared.fmt if shared is not None else w.fmt], SCALE_F32_S=sscale_f32,
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
                   PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
-                  X_READY=x_ready and shared is not None and rows == ROWS_PAIR)
+                  X_READY=x_ready and shared is not None and rows == ROWS_PAIR,
+                  COLS=shared_cols(rows, R, pairs, shared))
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
@@ -807,7 +871,8 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
     slots = num_sms(x.device) * per_sm
     routed_rows = pairs if rows == ROWS_PAIR and shared is not None else R
     units, parts, split, chunk, split_s, chunk_s = plan_splits(
-        rows, R, routed_rows, topk, num_n, n_steps, n_steps_s if shared is not None else 0, slots, cfg.split)
+        rows, R, routed_rows, topk, num_n, n_steps, n_steps_s if shared is not None else 0, slots, cfg.split,
+        consts["COLS"])
     ws = cnt.view(torch.float32)   # unused without splits (the kernel still needs typed pointers)
     if parts > 1:
         ws = torch.empty(parts * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)

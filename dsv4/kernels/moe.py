@@ -227,7 +227,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     (gate/up over the pairs, then the routed down projection over the pairs and a row sum).
 
     `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in the same launches (one more
-    pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots);
+    pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots; from
+    4 tokens one row block for all tokens, `gemv.shared_cols`);
     every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`).
 
     `after_route=True` is the caller's promise that the previous kernel on the stream is `route`'s and that x

@@ -21,18 +21,25 @@ from .sync import SYNC_LINE
 
 
 @triton.jit
-def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr):
+def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.constexpr, SHARED_FIRST: tl.constexpr,
+                    COLS: tl.constexpr = False):
     """The down launch's unit (`gemv._launch_layout`'s numbering, ROWS_TOKEN) for the fused pair's v-th down unit,
     in the order gate/up completes h rows: pair by pair (token, slot), the shared expert's rows first when its
-    gate/up units come first (X_READY), else last."""
+    gate/up units come first (X_READY), else last. COLS: the shared expert's units are their own range before
+    the routed ones in the down launch, one row block for all tokens."""
     routed = R * num_n * SPLIT * TOPK
-    w = v - R * num_n * SPLIT_S if SHARED and SHARED_FIRST else v
+    n_shared = (1 if COLS else R) * num_n * SPLIT_S
+    w = v - n_shared if SHARED and SHARED_FIRST else v
     pair = w // (num_n * SPLIT)
     rem = w % (num_n * SPLIT)
-    u = ((pair // TOPK) * num_n + rem // SPLIT) * splits + (pair % TOPK) * SPLIT + rem % SPLIT
+    stride = SPLIT * TOPK if COLS else splits   # units per routed (token, N tile)
+    u = ((pair // TOPK) * num_n + rem // SPLIT) * stride + (pair % TOPK) * SPLIT + rem % SPLIT
     if SHARED:
         s = v if SHARED_FIRST else v - routed
-        u = tl.where((w < 0) | (w >= routed), (s // SPLIT_S) * splits + TOPK * SPLIT + s % SPLIT_S, u)
+        if COLS:   # the down launch's own order: the shared units first
+            u = tl.where((w < 0) | (w >= routed), s, u + n_shared)
+        else:
+            u = tl.where((w < 0) | (w >= routed), (s // SPLIT_S) * splits + TOPK * SPLIT + s % SPLIT_S, u)
     return u
 
 
@@ -59,7 +66,7 @@ def _moe_pair_kernel(
     TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
     D_FMT: tl.constexpr, D_SCALE_F32: tl.constexpr, D_BN: tl.constexpr, D_FMT_S: tl.constexpr,
     D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
-    AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True,
+    AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True, COLS: tl.constexpr = False,
 ):
     """The MoE decode pair in one launch: the gate/up launch's units (the `gemv._gemv_kernel` arguments, ROWS_PAIR,
     GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
@@ -69,13 +76,15 @@ def _moe_pair_kernel(
     programs than fit on the GPU at once, and the hardware starts them in id order) or units running programs
     drew. Every gate/up output tile written counts into its h row's flag (line 2 + row, one 128-byte line
     each); a down unit waits for its row's count (L2-prefetching AWAIT_L2 sub-steps of its weights meanwhile),
-    so down's first wave runs while gate/up finishes - no launch gap. The last program out (line 1 counts
-    them) re-arms every flag. Split partials are summed in split order as in two launches: the same bits."""
+    so down's first wave runs while gate/up finishes - no launch gap (COLS: the shared expert's h rows are one
+    block, its tiles counting into the flag of its first row P, on which its down units wait). The last program
+    out (line 1 counts them) re-arms every flag. Split partials are summed in split order as in two launches:
+    the same bits."""
     tl.static_assert(ROWS == 1 and GATED, "the first part of the pair is the gate/up launch")
     up_total, up_splits, up_n, up_shared, up_first_shared, up_first_routed = _launch_layout(
-        N, R, SPLIT, TOPK, P, SPLIT_S, 1, BN, SHARED, X_READY)
+        N, R, SPLIT, TOPK, P, SPLIT_S, 1, BN, SHARED, X_READY, COLS)
     dn_total, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed = _launch_layout(
-        d_N, d_R, d_SPLIT, d_TOPK, d_P, d_SPLIT_S, 2, D_BN, SHARED, False)
+        d_N, d_R, d_SPLIT, d_TOPK, d_P, d_SPLIT_S, 2, D_BN, SHARED, False, COLS)
     total = up_total + dn_total
     done_ptr = sync_ptr + SYNC_LINE
     ready_ptr = sync_ptr + 2 * SYNC_LINE
@@ -94,13 +103,13 @@ def _moe_pair_kernel(
                        sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                        stride_ssn, stride_ss2g, ready_ptr, 0, sync_ptr,
                        FMT, SCALE_F32, 1, True, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                       PDL, GCOL, X_READY, True, False, 0, True)
+                       PDL, GCOL, X_READY, True, False, 0, True, COLS)
         else:
             if PDL:
                 gdc_wait()   # reads the expert ids
             u = t - up_total
             if PAIR_ORDER:
-                u = _pair_down_unit(u, d_R, dn_n, dn_splits, d_SPLIT, d_SPLIT_S, d_TOPK, SHARED, X_READY)
+                u = _pair_down_unit(u, d_R, dn_n, dn_splits, d_SPLIT, d_SPLIT_S, d_TOPK, SHARED, X_READY, COLS)
             nxt = _gemv_unit(u, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed,
                        d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
                        d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
@@ -109,7 +118,7 @@ def _moe_pair_kernel(
                        d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
                        d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
                        D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
-                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True)
+                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS)
         # the next unit, drawn near the end of this one: a ticket drawn at its start would fix the assignment
         # early, like a persistent grid's round robin (measured slower: units sat unevenly on the SMs)
         t = tl.num_programs(0) + nxt
