@@ -1,0 +1,88 @@
+"""What the MoE's shared expert costs in the decode pair, and where.
+
+    python bench/profile_shared.py [--tokens 1,2,4,8]
+    TRITON_INTERPRET=1 python bench/profile_shared.py --toy      # CPU dry run on a toy shape
+
+For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
+token count, `kernels.moe.moe` timed as:
+* routed: the GEMV pair without the shared expert;
+* in pair: with the shared expert in the pair's launches (this tree's layout: `gemv.shared_cols`);
+* per token: the same with the shared expert as one row block per token (`shared_cols` forced off);
+* apart: the routed pair, then the shared expert as its own two dense GEMV launches (`moe.mlp`), then the add;
+* alone: the shared expert's two dense launches by themselves.
+Outputs of "in pair" and "per token" are compared (`=` when bit-identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
+
+from dsv4.kernels import gemm, gemv, moe, ops_for, refuse_fallback  # noqa: E402
+
+LIMIT = 10.0
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.toy else "cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer, scratch = Timer(dev), gemm.Scratch()
+    linear = ops_for(dev, "triton").linear
+    copy = copy_bandwidth(dev, 0.01 if args.toy else 2.0)
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    real_cols = gemv.shared_cols
+    for s in ((TOY,) if args.toy else (FLASH, PRO)):
+        w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
+        w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
+        shared = random_qweight("fp8", (2,), s.I, s.D, dev, gen), random_qweight("fp8", (), s.D, s.I, dev, gen)
+        shared_mb = (nbytes(shared[0]) + nbytes(shared[1])) / 1e6
+        for T in (int(t) for t in args.tokens.split(",")):
+            xs, ids, rws, _, _, _ = moe_decode_inputs(s, T, 2 if args.toy else 8, dev, gen)
+            kw = dict(fallback=refuse_fallback, scratch=scratch)
+
+            def routed(i):
+                return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, **kw)
+
+            def in_pair(i):
+                return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, **kw)
+
+            def alone(i):
+                return moe.mlp(xs[i], *shared, LIMIT, fallback=refuse_fallback, linear=linear,
+                               scratch=scratch)
+
+            def apart(i):
+                return routed(i) + alone(i)
+
+            rows = {}
+            for name, fn in (("routed", routed), ("in pair", in_pair), ("apart", apart), ("alone", alone)):
+                rows[name] = timer.per_call_ms([lambda i=i, fn=fn: fn(i) for i in range(len(xs))]) * 1e3
+            cols = in_pair(0)
+            gemv.shared_cols = lambda *a: False
+            try:
+                rows["per token"] = timer.per_call_ms([lambda i=i: in_pair(i) for i in range(len(xs))]) * 1e3
+                per_token = in_pair(0)
+            finally:
+                gemv.shared_cols = real_cols
+            same = "=" if torch.equal(cols, per_token) else \
+                f"{float((cols.double() - per_token.double()).norm() / per_token.double().norm()):.1e}"
+            shared_us = {k: rows[k] - rows["routed"] for k in ("in pair", "per token", "apart")}
+            print(f"{s.name:8s} T={T}  routed {rows['routed']:7.1f} us | + shared ({shared_mb:.0f} MB, alone "
+                  f"{rows['alone']:5.1f} us): in pair {rows['in pair']:7.1f} (+{shared_us['in pair']:5.1f})  per "
+                  f"token {rows['per token']:7.1f} (+{shared_us['per token']:5.1f}) {same}  apart "
+                  f"{rows['apart']:7.1f} (+{shared_us['apart']:5.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
