@@ -30,7 +30,8 @@ from .host import has_pdl
 
 DECODE_TOKENS = 8
 # the routed down GEMM adds each token's k rows itself (`gemm.launch(sum_out=...)`) instead of `gemm.sum_rows`
-# after it: the same bits, one launch fewer. Off until it is checked and timed on a GPU (bench/run_all.py)
+# after it: the same bits, one launch fewer. Off: on the H200 it gave the same bits but measured level to 4 %
+# slower at 64-512 tokens (bench/RESULTS.md, round eleven, runs 85, 86, 89)
 FUSED_TOPK_SUM = False
 
 
