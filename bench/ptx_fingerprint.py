@@ -6,10 +6,10 @@
 
 Compiles 27 variants for sm_90 without a GPU (`bench/sass.py`: every format, the dense / pair / token row modes,
 MMA N 8 and 16, 2 and 3 stages, gated, tiled, PDL, group columns, an FP8 shared expert, the shared expert as token
-columns, the pair in one launch),
-drops debug lines (`.loc`, `.file`, comments, debug sections) and hashes the rest. The same hash means the same
-PTX, so the GPU runs the same code. Used for the split of gemv.py into decode.py, sync.py and moe_pair.py
-(bench/RESULTS.md, round ten).
+columns, the pair in one launch), drops debug lines (`.loc`, `.file`, comments, debug sections and their `$L__tmp`
+labels) and hashes the rest. The same hash means the same PTX, so the GPU runs the same code. Used for the split of
+gemv.py into decode.py, sync.py and moe_pair.py (bench/RESULTS.md, round ten) and the split-sum helper
+(`tiles._sum_split_partials`, round eleven).
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ import sass  # noqa: E402  (sets up the import path and drops TRITON_INTERPRET)
 
 
 def clean(ptx: str) -> str:
-    lines = [s for s in (line.strip() for line in ptx.splitlines()) if s and not s.startswith((".loc", ".file", "//"))]
+    """PTX without debug lines: `.loc` / `.file`, comments, the debug sections and the `$L__tmpN:` labels that only
+    they refer to (an inlined helper adds some)."""
+    lines = [s for s in (line.strip() for line in ptx.splitlines())
+             if s and not s.startswith((".loc", ".file", "//")) and not re.fullmatch(r"\$L__tmp\d+:", s)]
     return re.sub(r"\.section\s+\.debug\w*\s*\{.*?\n\}", "", "\n".join(lines), flags=re.S)
 
 
