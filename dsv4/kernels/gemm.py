@@ -27,7 +27,7 @@ from ..formats import FP4_FORMATS, QWeight
 from . import gemv
 from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves,
-                    _load_x_tile, _load_xfp4_halves, byte_offsets, epilogue_factor)
+                    _load_x_tile, _load_xfp4_halves, _sum_split_partials, byte_offsets, epilogue_factor)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_SORTED = 0, 1, 2
 EPI_STORE, EPI_ROUTED = 0, 2
@@ -131,14 +131,7 @@ def _qgemm_kernel(
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
         last = arrived == SPLIT_K - 1
         if last:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if GATED:
-                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                part = ws_ptr + s * stride_ysplit
-                acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+            acc, acc_u = _sum_split_partials(ws_ptr, stride_ysplit, plane, offs_ws, omask, SPLIT_K, BM, BN, GATED)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
         omask = omask & ((tl.zeros((BM, BN), dtype=tl.int32) + arrived) == SPLIT_K - 1)  # only the last stores
         stored = rmask & ((offs_r * 0 + arrived) == SPLIT_K - 1)

@@ -79,7 +79,7 @@ from ..formats import FP4_FORMATS, QWeight
 from .decode import _fp4_decode, _fp8_decode, _group_multipliers, _group_scales
 from .host import has_pdl, interpreting, lead_strides, num_sms, scale_views
 from .sync import SYNC_LINE, _await_row, _prefetch_unit_l2, _signal_row
-from .tiles import FMT_CODES, TILE_BYTES_C, byte_offsets, epilogue_factor, scale_chunk_c
+from .tiles import FMT_CODES, TILE_BYTES_C, _sum_split_partials, byte_offsets, epilogue_factor, scale_chunk_c
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
@@ -481,23 +481,15 @@ def _gemv_unit(
             last = rmask & (tl.atomic_add(cnts, 1, mask=rmask, sem="acq_rel", scope="gpu") == nsplit - 1)
             if tl.max(last.to(tl.int32), axis=0) > 0:
                 lmask = omask & last[None, :]
-                acc = tl.zeros((BN, MP), dtype=tl.float32)
-                for i in range(0, nsplit):
-                    acc += tl.load(ws_ptr + i * plane + offs_ws, mask=lmask, other=0.0, cache_modifier=".cg")
+                acc, _ = _sum_split_partials(ws_ptr, plane, plane, offs_ws, lmask, nsplit, BN, MP, False)
                 tl.atomic_xchg(cnts, 0, mask=last, sem="relaxed", scope="gpu")
                 _epilogue(y_ptr, offs_y, lmask, acc, acc, 1.0, 1.0, limit, False)
             arrived = nsplit * 0   # not the last for tile `tile` below
         else:
             arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         if arrived == nsplit - 1:
-            acc = tl.zeros((BN, MP), dtype=tl.float32)
-            if GATED:
-                acc_u = tl.zeros((BN, MP), dtype=tl.float32)
-            for i in range(0, nsplit):
-                part = ws_ptr + i * (2 * plane if GATED else plane)
-                acc += tl.load(part + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
-                if GATED:
-                    acc_u += tl.load(part + plane + offs_ws, mask=omask, other=0.0, cache_modifier=".cg")
+            acc, acc_u = _sum_split_partials(ws_ptr, 2 * plane if GATED else plane, plane, offs_ws, omask, nsplit,
+                                             BN, MP, GATED)
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
             _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
             if SIGNAL:

@@ -219,6 +219,22 @@ def _load_xfp4_halves(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, B
 
 
 @triton.jit
+def _sum_split_partials(ws_ptr, split_stride, plane, offs, mask, n, R: tl.constexpr, C: tl.constexpr,
+                        GATED: tl.constexpr):
+    """The fp32 [R, C] partials of n K splits parked at ws_ptr + i * split_stride + offs (GATED: the up
+    projection's `plane` elements further on), summed in split order - deterministic, whichever program does it.
+    Read with .cg: other programs wrote them. Returns (sum, up sum); the up sum is zeros unless GATED."""
+    acc = tl.zeros((R, C), dtype=tl.float32)
+    acc_u = tl.zeros((R, C), dtype=tl.float32)
+    for i in range(0, n):
+        part = ws_ptr + i * split_stride
+        acc += tl.load(part + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if GATED:
+            acc_u += tl.load(part + plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc, acc_u
+
+
+@triton.jit
 def epilogue_factor(s2_ptr, FMT: tl.constexpr):
     """The fp32 factor that undoes the tile prescale (and applies NVFP4's per-tensor weight_scale_2)."""
     if FMT == 3:
