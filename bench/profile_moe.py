@@ -1,7 +1,7 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
     python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--no-gcol] [--route]
-                                [--fused] [--await-l2 0,16] [--slot-pairs]
+                                [--fused] [--await-l2 0,16]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
@@ -13,10 +13,9 @@ Split 0 is the launch's own choice (`gemv.choose_split`); other splits are force
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
 gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`).
---fused: the pair once more in one launch (`moe_pair.launch_pair`), for each --await-l2 (sub-steps of its weights a
-down unit prefetches into L2 while it waits for its h row); with --route also after the routing kernel.
---slot-pairs: down once more per split, and the pair (two launches, one launch with --fused, after the routing
-kernel with --route) once more, with `GemvConfig(slot_pairs=True)` for down (two slots' experts per unit).
+--fused: the pair once more in one launch (`moe_pair.launch_pair(fused=True)`, also where `moe` takes two), for
+each --await-l2 (sub-steps of its weights a down unit prefetches into L2 while it waits for its h row); with
+--route also after the routing kernel.
 """
 
 from __future__ import annotations
@@ -46,9 +45,6 @@ def main():
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
-    ap.add_argument("--down-l2", default="", help="with --fused: launch_pair down_l2 values (experiment), "
-                    "each also with down_l2_last")
-    ap.add_argument("--slot-pairs", action="store_true", help="also time down with GemvConfig(slot_pairs=True)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -68,36 +64,30 @@ def main():
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 
             # picked / weights: a routing of rotation i other than moe_decode_inputs' (--route)
-            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None, slot_pairs=False):
+            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None):
                 gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
                                                                num_stages=stages), M=P + T,
                             rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
                             ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
                             scratch=scratch, x_ready=x_ready)
 
-            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None, slot_pairs=False):
+            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None):
                 gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
-                                                                num_stages=stages, slot_pairs=slot_pairs), M=T,
+                                                                num_stages=stages), M=T,
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
                             rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
-            def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=0, slot_pairs=False,
-                      down_l2=0, last=False):
+            def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=0):
                 cfg = gemv.GemvConfig(pdl=pdl)
-                moe_pair.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, gemv.GemvConfig(pdl=pdl, slot_pairs=slot_pairs),
-                                     tokens=T, topk=s.k,
+                moe_pair.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, cfg, tokens=T, topk=s.k,
                                      ids=ids[i] if picked is None else picked,
                                      rw=rws[i] if weights is None else weights, limit=10.0, shared=(sw13, sw2),
-                                     scratch=scratch, x_ready=x_ready, await_l2=await_l2, fused=True,
-                                     down_l2=down_l2, down_l2_last=last)
+                                     scratch=scratch, x_ready=x_ready, await_l2=await_l2, fused=True)
 
-            launches = [("gate/up", up, up_bytes, False), ("down", down, down_bytes, False)]
-            launches += [("down sp", down, down_bytes, True)] * args.slot_pairs
-            for name, fn, nb, sp in launches:
+            for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
                 for stages in (int(v) for v in args.stages.split(",")):
                     for split in (int(v) for v in args.splits.split(",")):
-                        ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages, slot_pairs=sp)
-                                                for i in range(rot)])
+                        ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages) for i in range(rot)])
                         pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
                         print(f"{s.name:8s} T={T:<3d} {name:8s} {stages} st. split {split or 'auto':>4}: "
                               f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
@@ -105,12 +95,6 @@ def main():
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol
             awaits = [int(v) for v in args.await_l2.split(",")] if args.fused else []
             variants += [(f"one launch, L2 {a}", dict(await_l2=a)) for a in awaits]
-            for d in ([int(v) for v in args.down_l2.split(",")] if args.down_l2 and args.fused else []):
-                variants += [(f"one launch, dl2 {d}", dict(await_l2=0, down_l2=d)),
-                             (f"one launch, dl2 {d} last", dict(await_l2=0, down_l2=d, last=True))]
-            if args.slot_pairs:
-                variants += [("both, slot pairs", dict(slot_pairs=True))]
-                variants += [("one launch, sp", dict(await_l2=0, slot_pairs=True))] * args.fused
             for label, kw in variants:
                 versus = ""   # a variant's output against the plain pair's
                 run = (lambda i, **kw: fused(i, **kw)) if "await_l2" in kw else \
@@ -128,14 +112,13 @@ def main():
                 logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
                 bias = torch.zeros(s.E, device=dev)
 
-                def routed(i, ready, await_l2=None, sp=False):   # the routing kernel's ids, not moe_decode_inputs'
+                def routed(i, ready, await_l2=None):   # the routing kernel's ids, not moe_decode_inputs' (the same count)
                     rw, picked = moe.route(logits[i], bias, s.k, 1.5)
                     if await_l2 is not None:
-                        fused(i, pdl=ready, x_ready=ready, picked=picked, weights=rw.reshape(-1), await_l2=await_l2,
-                              slot_pairs=sp)
+                        fused(i, pdl=ready, x_ready=ready, picked=picked, weights=rw.reshape(-1), await_l2=await_l2)
                         return
                     up(i, 0, pdl=ready, x_ready=ready, picked=picked)
-                    down(i, 0, picked=picked, weights=rw.reshape(-1), slot_pairs=sp)
+                    down(i, 0, picked=picked, weights=rw.reshape(-1))
 
                 ms = timer.per_call_ms([lambda i=i: moe.route(logits[i], bias, s.k, 1.5) for i in range(rot)])
                 print(f"{s.name:8s} T={T:<3d} {'routing alone':18s}: {ms * 1e3:7.1f} us", flush=True)
@@ -143,16 +126,13 @@ def main():
                 plain = outs[0].clone()
                 routed(0, True)
                 same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
-                cases = [("routing + pair", False, None, False), ("overlapped", True, None, False)] \
-                    + [(f"overlapped, 1 launch, L2 {a}", True, a, False) for a in awaits]
-                if args.slot_pairs:
-                    cases += [("overlapped, sp", True, None, True)]
-                    cases += [("overlapped, 1 l., sp", True, 0, True)] * args.fused
-                for label, ready, a, sp in cases:
-                    if a is not None or sp:
-                        routed(0, True, a, sp)
+                cases = [("routing + pair", False, None), ("overlapped", True, None)] \
+                    + [(f"overlapped, 1 launch, L2 {a}", True, a) for a in awaits]
+                for label, ready, a in cases:
+                    if a is not None:
+                        routed(0, True, a)
                         same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
-                    ms = timer.per_call_ms([lambda i=i: routed(i, ready, a, sp) for i in range(rot)])
+                    ms = timer.per_call_ms([lambda i=i: routed(i, ready, a) for i in range(rot)])
                     print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us{same if ready else ''}",
                           flush=True)
         del w13, w2, sw13, sw2

@@ -39,12 +39,12 @@ NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stri
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
                  pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False, x_ready: bool = False,
-                 cols: bool = False, slots: int = 1):
+                 cols: bool = False):
     fn = gemv._gemv_kernel
     consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp, DOT=tl.bfloat16, ASM=True,
                   W=warps, SHARED=shared is not None, FMT_S=FMT_CODES[shared or fmt], SCALE_F32_S=False, PF=prefetch,
                   TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol, X_READY=x_ready,
-                  COLS=cols, SLOTS=slots)
+                  COLS=cols)
     sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize
@@ -55,7 +55,7 @@ def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: b
 
 
 def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: bool = False, x_ready: bool = False,
-                 gcol: bool = True, stages: int = 2, cols: bool = False, slots: int = 1):
+                 gcol: bool = True, stages: int = 2, cols: bool = False):
     """`moe_pair._moe_pair_kernel` (the MoE decode pair in one launch) as `moe` runs it: 2 warps, BN 64, MMA N 8,
     the routed experts (and the shared expert, if given) in the same format for gate/up and down."""
     fn = moe_pair._moe_pair_kernel
@@ -64,7 +64,7 @@ def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: b
                   ASM=True, W=2, SHARED=shared is not None, FMT_S=fmt_s, SCALE_F32_S=False, PF=1, TILED=tiled,
                   TILED_S=tiled, PDL=pdl, GCOL=gcol, X_READY=x_ready, D_FMT=FMT_CODES[fmt], D_SCALE_F32=False, D_BN=64,
                   D_FMT_S=fmt_s, D_SCALE_F32_S=False, D_TILED=tiled, D_TILED_S=tiled, D_GCOL=gcol, AWAIT_L2=0,
-                  COLS=cols, D_SLOTS=slots)
+                  COLS=cols)
     sig = {n: "constexpr" if n in consts else "*i32" if n == "sync_ptr" else
            TYPES.get(n.removeprefix("d_"), "i32") for n in fn.arg_names}
     nodiv = NO_DIVISIBILITY | {"d_" + n for n in NO_DIVISIBILITY} | {"h_rows"}

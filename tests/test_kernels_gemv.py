@@ -490,61 +490,6 @@ def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_f
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
 
 
-@pytest.mark.parametrize("fmt,shared_fmt,T,split", [("nvfp4", "fp8", 2, 1), ("mxfp4", None, 3, 2),
-                                                     ("nvfp4", "nvfp4", 5, 2), ("nvfp4", "fp8", 1, 2)])
-def test_down_projection_slot_pairs(monkeypatch, kernel_calls, fmt, shared_fmt, T, split):
-    """`GemvConfig.slot_pairs`: each down unit streams the experts of slots 2s and 2s + 1, each against its own h
-    row, and parks their routing-weighted sum as one partial. Against an fp64 einsum of the dequantized experts
-    (independent of the kernel's split and pairing), with and without the shared expert (per token at 1-3
-    tokens, token columns at 5), in two launches and in one (4 SMs: the down units take several waves),
-    forced K splits; the semaphores and row flags re-arm. An odd top-k keeps one slot per unit."""
-    monkeypatch.setattr(gemv, "num_sms", lambda device: 4)
-    E, k, D, I = 7, 4, 256, 512
-    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
-    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) \
-        if shared_fmt else None
-    x = torch.randn(T, D) * 2
-    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    P = T * k
-    h = torch.randn(P + (T if shared else 0), I)
-    experts = w2.dequantize(torch.float64)[ids.reshape(-1)]                    # [P, D, I]
-    want = torch.einsum("pdi,pi,p->pd", experts, h[:P].double(), w.reshape(-1).double()).view(T, k, D).sum(1)
-    if shared:
-        want += h[P:].double() @ shared[1].dequantize(torch.float64).T
-    scratch = gemm.Scratch()
-    for _ in range(2):
-        out = torch.full((T, D), float("nan"))
-        kernel_calls.clear()
-        gemv.launch(h, w2, out, gemv.GemvConfig(split=split, slot_pairs=True), M=T, rows=gemv.ROWS_TOKEN, R=T,
-                    topk=k, ids=ids, rw=w.reshape(-1), shared=shared[1] if shared else None, pairs=P,
-                    scratch=scratch)
-        call = kernel_calls[-1]
-        assert (call["SLOTS"], call["TOPK"], call["SPLIT"]) == (2, k // 2, split)
-        assert rel_err(out, want) < 1e-6
-    # the whole pair, in two launches and in one: the same bits; against the reference MoE
-    up, down = gemv.GemvConfig(), gemv.GemvConfig(split=split, slot_pairs=True)
-    want_moe = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
-    runs = []
-    for fused in (False, True):
-        hh, out = torch.full((P + (T if shared else 0), I), float("nan")), torch.full((T, D), float("nan"))
-        kernel_calls.clear()
-        moe_pair.launch_pair(x, w13, hh, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=w.reshape(-1),
-                             limit=LIMIT, shared=shared, scratch=scratch, fused=fused)
-        assert stages(kernel_calls)[-1]["SLOTS"] == 2 and kernel_calls[-1]["kernel"] == ("pair" if fused else "gemv")
-        runs.append(out)
-    assert rel_err(runs[0], want_moe) < 1e-6 and torch.equal(runs[0], runs[1])
-    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
-    # an odd top-k: one slot per unit
-    w3, ids3 = ref.route(torch.randn(T, E), torch.zeros(E), 3, 1.5)
-    out = torch.empty(T, D)
-    gemv.launch(h[:T * 3], w2, out, gemv.GemvConfig(slot_pairs=True), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=3,
-                ids=ids3, rw=w3.reshape(-1), pairs=T * 3, scratch=scratch)
-    assert kernel_calls[-1]["SLOTS"] == 1
-    experts = w2.dequantize(torch.float64)[ids3.reshape(-1)]
-    want = torch.einsum("pdi,pi,p->pd", experts, h[:T * 3].double(), w3.reshape(-1).double()).view(T, 3, D).sum(1)
-    assert rel_err(out, want) < 1e-6
-
-
 def test_shared_expert_keeps_a_row_block_per_token_below_four_tokens_and_without_the_pair(kernel_calls):
     """`shared_cols`: the per-token layout at 1-3 tokens (measured faster there), in dense launches and without
     a shared expert; the token columns from 4 to 8 tokens (the MMA's N)."""

@@ -206,7 +206,7 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
               stride_xm, stride_wn, stride_sn,
               FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, MP: tl.constexpr, W: tl.constexpr,
               DOT: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr, GCOL: tl.constexpr,
-              stride_wg=0, stride_sg=0, PAIRED: tl.constexpr = False, xrow1=0, X1: tl.constexpr = False):
+              stride_wg=0, stride_sg=0, PAIRED: tl.constexpr = False):
     """fp32 [BN, MP] partial of one weight over sub-steps [s0, s1), two per iteration (an FP8 iteration is one
     128-K scale block, s0 even). A missing second step (odd count) re-reads the first step's weights against
     zero x. Returns (partial, partial again).
@@ -214,8 +214,7 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
     PAIRED (FP4 gate/up): the partials (gate, up) of two weights stride_wg / stride_sg bytes apart, an iteration
     being one sub-step of each against the same x: one loop, so the pipeline fills once per unit instead of
     once per weight, with twice the bytes in flight per x sub-tile. Each accumulator sees its sub-steps in the
-    same order as unpaired: the same bits. X1 (the down projection's slot pairs, `GemvConfig.slot_pairs`): the
-    second weight reads its own x row xrow1 (its expert's h row), stride_wg / stride_sg bytes on from the first.
+    same order as unpaired: the same bits.
 
     Weight loads: without prefetch both of an iteration are issued before its first decode (Triton's
     pipeliner, num_stages > 1, stages them and x through shared memory but waits for them at the top of the
@@ -265,9 +264,7 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
                 n0 = _load_scales(sbase, srow, tl.minimum(step + STEP, s1 - 1), sk, FMT)
                 n1 = _load_scales(sbase1, srow, tl.minimum(step1 + STEP, s1 - 1), sk, FMT)
         x0 = _x_subtile(x_ptr, xrow, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, XG)
-        if PAIRED and X1:
-            x1 = _x_subtile(x_ptr, xrow1, rmask, xcol + step * KS, stride_xm, MP, KS, DOT, XG)
-        elif PAIRED:
+        if PAIRED:
             x1 = x0
         else:
             x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP,
@@ -357,7 +354,7 @@ def _gemv_unit(
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
     SIGNAL: tl.constexpr, AWAIT: tl.constexpr, AWAIT_L2: tl.constexpr, TICKET: tl.constexpr,
-    COLS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
+    COLS: tl.constexpr = False,
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
@@ -365,11 +362,7 @@ def _gemv_unit(
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
     L2-prefetching up to AWAIT_L2 sub-steps of its tile-major weights first if it has to wait. TICKET: draws
     the program's next ticket (returned) once its weights are read, so that the atomic's round trip overlaps
-    the unit's stores; else returns 0.
-
-    SLOTS = 2 (ROWS_TOKEN, FP4 experts, `GemvConfig.slot_pairs`): TOPK counts slot pairs; a routed unit streams
-    the experts of slots 2s and 2s + 1 in one K loop (`_unit_acc`'s PAIRED, each against its own h row) and parks
-    their routing-weighted sum as one partial."""
+    the unit's stores; else returns 0."""
     WAIT_PER_UNIT: tl.constexpr = PDL and X_READY and ROWS == 1 and SHARED
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
@@ -419,7 +412,7 @@ def _gemv_unit(
         if SHARED:
             on_shared = slot == TOPK
             ks = tl.where(on_shared, j - TOPK * SPLIT, ks)
-        pair = r * (TOPK * SLOTS) + tl.minimum(slot, TOPK - 1) * SLOTS   # (SLOTS = 2: the pair's first slot)
+        pair = r * TOPK + tl.minimum(slot, TOPK - 1)
         yrow = r + offs_r * 0
         xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
         e = tl.load(ids_ptr + pair).to(tl.int32)
@@ -442,9 +435,6 @@ def _gemv_unit(
         else:
             _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                        n0, s0, tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
-            if SLOTS == 2:
-                _await_row(ready_ptr + (pair + 1) * SYNC_LINE, ready_target, w_ptr, s_ptr, n0, s0, 0, stride_wn,
-                           stride_sn, FMT, TILED, ASM, 0)
     if shared_unit:
         s0 = ks * CHUNK_S
         xrow_s = xrow
@@ -457,20 +447,6 @@ def _gemv_unit(
             tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
             stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S,
             GCOL and not COLS)
-    elif SLOTS == 2:
-        tl.static_assert(ROWS == 2 and FMT >= 2 and not GATED, "slot pairs are the FP4 down projection's")
-        e1 = tl.load(ids_ptr + pair + 1).to(tl.int64)
-        rw1 = tl.load(rw_ptr + pair + 1).to(tl.float32)
-        acc, acc1 = _unit_acc(
-            x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, rows, rows_mma,
-            nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), stride_xm, stride_wn, stride_sn, FMT, SCALE_F32, BN,
-            MP, W, DOT, ASM, PF, TILED, GCOL, (e1 - e64) * stride_we, (e1 - e64) * stride_se, True, xrow + 1,
-            True)
-        acc = acc * (epilogue_factor(s2_ptr + e64 * stride_s2e, FMT) * rw) \
-            + acc1 * (epilogue_factor(s2_ptr + e1 * stride_s2e, FMT) * rw1)
-        acc_u = acc
-        f = 1.0
-        f_u = 1.0
     else:
         acc, acc_u, f, f_u = _weight_unit(
             x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
@@ -537,7 +513,7 @@ def _gemv_kernel(
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
-    X_READY: tl.constexpr = False, COLS: tl.constexpr = False, SLOTS: tl.constexpr = 1,
+    X_READY: tl.constexpr = False, COLS: tl.constexpr = False,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -576,7 +552,7 @@ def _gemv_kernel(
                    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                   PDL, GCOL, X_READY, False, False, 0, False, COLS, SLOTS)
+                   PDL, GCOL, X_READY, False, False, 0, False, COLS)
 
 
 @triton.jit
@@ -627,9 +603,6 @@ class GemvConfig:
     pdl: bool = True          # programmatic dependent launch where the GPU has it (sm_90+; never interpreted)
     pdl_l2: int = 2           # with pdl: sub-steps (4 KB each, a power of 2) of the first dense unit of tile-major
                               # weights prefetched into L2 before the wait; 0 = none
-    slot_pairs: bool = False  # ROWS_TOKEN (the MoE's down projection) with FP4 experts and an even top-k: a unit
-                              # streams two slots' experts in one K loop (`_gemv_unit`'s SLOTS), so half as
-                              # many units, each with twice the bytes in flight
     group_cols: bool | None = None   # FP4 weights, one x row per unit: the MMA's columns carry the scale
                               # groups (module docstring) instead of a multiply per weight pair. None: in the MoE
                               # row modes only (runs 55-62: MoE pair up to 5 % faster, dense V4-Pro wq_b /
@@ -718,12 +691,6 @@ def shared_cols(rows: int, R: int, pairs: int, shared: QWeight | None) -> bool:
     against 45 / 75 per token, level at 2; V4-Flash 24 against 25 us at 8 tokens, 1-2 us more at 2 and 4."""
     tokens = R - pairs if rows == ROWS_PAIR else R
     return shared is not None and rows in (ROWS_PAIR, ROWS_TOKEN) and SHARED_COLS_TOKENS <= tokens <= mma_n(1)
-
-
-def slot_pairs_on(cfg: GemvConfig, rows: int, topk: int, w: QWeight) -> bool:
-    """Whether a ROWS_TOKEN launch's units each stream two slots' experts (`GemvConfig.slot_pairs`): FP4 experts
-    (the paired K loop decodes FP4) and an even top-k."""
-    return cfg.slot_pairs and rows == ROWS_TOKEN and topk % 2 == 0 and w.fmt in FP4_FORMATS
 
 
 def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
@@ -858,8 +825,6 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
     dot = tl.float32 if (interp or x.dtype == torch.float32) else tl.bfloat16
     asm = (not interp) and dot == tl.bfloat16 and (cfg.asm is None or cfg.asm)
     MP = mma_n(M if rows == ROWS_DENSE else 1)
-    slots_per_unit = 2 if slot_pairs_on(cfg, rows, topk, w) else 1
-    topk //= slots_per_unit   # ROWS_TOKEN's layout counts slot pairs
     consts = dict(FMT=FMT_CODES[w.fmt], SCALE_F32=scale_f32, ROWS=rows, GATED=gated, BN=cfg.BN, MP=MP, DOT=dot,
                   ASM=asm, W=cfg.num_warps,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, SHARED=shared is not None,
@@ -867,7 +832,7 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
                   PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
                   X_READY=x_ready and shared is not None and rows == ROWS_PAIR,
-                  COLS=shared_cols(rows, R, pairs, shared), SLOTS=slots_per_unit)
+                  COLS=shared_cols(rows, R, pairs, shared))
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg

@@ -17,8 +17,7 @@ from ..formats import QWeight
 from . import gemv
 from .gemv import ROWS_PAIR, ROWS_TOKEN, GemvConfig, _gemv_unit, _launch_layout, _prepare, resident_ctas
 from .host import interpreting, num_sms
-from .sync import SYNC_LINE, _prefetch_tiled_run
-from .tiles import TILE_BYTES_C, scale_chunk_c
+from .sync import SYNC_LINE
 
 
 @triton.jit
@@ -42,34 +41,6 @@ def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.conste
         else:
             u = tl.where((w < 0) | (w >= routed), (s // SPLIT_S) * splits + TOPK * SPLIT + s % SPLIT_S, u)
     return u
-
-
-@triton.jit
-def _prefetch_down_unit(u, splits, num_n, SPLIT, TOPK, CHUNK, n_steps, CHUNK_S, n_steps_s, ids_ptr, w_ptr, s_ptr,
-                        sw_ptr, ss_ptr, stride_we, stride_se, stride_wn, stride_sn, stride_swn, stride_ssn,
-                        FMT: tl.constexpr, FMT_S: tl.constexpr, TILED_S: tl.constexpr, SHARED: tl.constexpr,
-                        BN: tl.constexpr, STEPS: tl.constexpr, LAST: tl.constexpr):
-    """L2-prefetch the first STEPS sub-steps of down unit u (ROWS_TOKEN without token columns) and their scales."""
-    j = u % splits
-    tile = u // splits
-    n0 = (tile % num_n) * BN
-    r = tile // num_n
-    slot = tl.minimum(j // SPLIT, TOPK)
-    if slot == TOPK:   # (only with SHARED)
-        if TILED_S:
-            s0 = (j - TOPK * SPLIT) * CHUNK_S
-            steps = tl.minimum(tl.minimum(CHUNK_S, n_steps_s - s0), STEPS)
-            _prefetch_tiled_run(sw_ptr, n0, s0, steps, stride_swn, 0, TILE_BYTES_C, STEPS, False, LAST)
-            if FMT_S >= 2:
-                _prefetch_tiled_run(ss_ptr, n0, s0, steps, stride_ssn, 0, scale_chunk_c(FMT_S), STEPS, False, LAST)
-    else:
-        e = tl.load(ids_ptr + r * TOPK + tl.minimum(slot, TOPK - 1)).to(tl.int64)
-        s0 = (j % SPLIT) * CHUNK
-        steps = tl.minimum(tl.minimum(CHUNK, n_steps - s0), STEPS)
-        _prefetch_tiled_run(w_ptr + e * stride_we, n0, s0, steps, stride_wn, 0, TILE_BYTES_C, STEPS, False, LAST)
-        if FMT >= 2:
-            _prefetch_tiled_run(s_ptr + e * stride_se, n0, s0, steps, stride_sn, 0, scale_chunk_c(FMT), STEPS, False,
-                                LAST)
 
 
 @triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s",
@@ -96,7 +67,6 @@ def _moe_pair_kernel(
     D_FMT: tl.constexpr, D_SCALE_F32: tl.constexpr, D_BN: tl.constexpr, D_FMT_S: tl.constexpr,
     D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
     AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True, COLS: tl.constexpr = False,
-    D_SLOTS: tl.constexpr = 1, DOWN_L2: tl.constexpr = 0, DOWN_L2_LAST: tl.constexpr = False,
 ):
     """The MoE decode pair in one launch: the gate/up launch's units (the `gemv._gemv_kernel` arguments, ROWS_PAIR,
     GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
@@ -125,14 +95,6 @@ def _moe_pair_kernel(
     t = tl.program_id(0)   # the first unit: the program's own; later ones: tickets
     while t < total:
         if t < up_total:
-            if DOWN_L2 > 0 and ASM and not COLS and D_SLOTS == 1 and D_TILED:
-                if t < dn_total:   # experiment: gate/up unit t prefetches down unit t's weights into L2
-                    if PDL:
-                        gdc_wait()
-                    _prefetch_down_unit(t, dn_splits, dn_n, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_CHUNK_S,
-                                        d_n_steps_s, d_ids_ptr, d_w_ptr, d_s_ptr, d_sw_ptr, d_ss_ptr, d_stride_we,
-                                        d_stride_se, d_stride_wn, d_stride_sn, d_stride_swn, d_stride_ssn, D_FMT,
-                                        D_FMT_S, D_TILED_S, SHARED, D_BN, DOWN_L2, DOWN_L2_LAST)
             nxt = _gemv_unit(t, up_splits, up_n, up_shared, up_first_shared, up_first_routed,
                        x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
                        M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
@@ -156,7 +118,7 @@ def _moe_pair_kernel(
                        d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
                        d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
                        D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
-                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS, D_SLOTS)
+                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS)
         # the next unit, drawn near the end of this one: a ticket drawn at its start would fix the assignment
         # early, like a persistent grid's round robin (measured slower: units sat unevenly on the SMs)
         t = tl.num_programs(0) + nxt
@@ -172,13 +134,13 @@ def _moe_pair_kernel(
 
 
 # the down launch's constexprs that may differ from gate/up's; `_moe_pair_kernel` takes them prefixed D_
-_PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", "TILED_S", "GCOL", "SLOTS")
+_PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", "TILED_S", "GCOL")
 
 
 def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out: torch.Tensor, up: GemvConfig,
                 down: GemvConfig, *, tokens: int, topk: int, ids, rw, limit: float, shared: tuple | None = None,
                 scratch=None, x_ready: bool = False, fused: bool | None = None, await_l2: int = 0,
-                pair_order: bool = True, down_l2: int = 0, down_l2_last: bool = False):
+                pair_order: bool = True):
     """The MoE decode pair (`kernels.moe`): gate/up (`up`: ROWS_PAIR over the tokens * topk pairs, then the shared
     expert's rows, SwiGLU) into h, and the down projection (`down`: ROWS_TOKEN, the routing weights and the top-k
     sum fused) from h into out. `shared`: (w13, w2) of the shared expert; `x_ready` as in `launch`.
@@ -210,7 +172,7 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
         gemv._gemv_kernel[(pd.programs,)](*pd.args, **pd.consts)
         return
     # one launch: programmatic dependent launch as gate/up's (`moe` gives it only gate/up, after routing)
-    consts = {k: v for k, v in pu.consts.items() if k not in ("PDL_L2", "SLOTS")}   # (gate/up's SLOTS is 1)
+    consts = {k: v for k, v in pu.consts.items() if k != "PDL_L2"}
     for k, v in pd.consts.items():
         if k in _PAIR_DOWN_CONSTS:
             consts["D_" + k] = v
@@ -219,8 +181,6 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
                              f"and {v}")
     consts["AWAIT_L2"] = await_l2
     consts["PAIR_ORDER"] = pair_order
-    consts["DOWN_L2"] = down_l2
-    consts["DOWN_L2_LAST"] = down_l2_last
     args = (*pu.args, *pd.args, buf[n_up + n_dn:], h_rows)
     units = pu.units + pd.units
     if interpreting():

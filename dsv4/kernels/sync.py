@@ -28,12 +28,6 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_l2_last(ptrs):
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_unit_l2(w_ptr, s_ptr, u, splits, num_n, SPLIT, CHUNK, n_steps, stride_wn, stride_sn, stride_wg,
                       stride_sg, FMT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, STEPS: tl.constexpr):
     """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (clamped to the unit's
@@ -49,17 +43,14 @@ def _prefetch_unit_l2(w_ptr, s_ptr, u, splits, num_n, SPLIT, CHUNK, n_steps, str
 
 @triton.jit
 def _prefetch_tiled_run(ptr, n0, s0, steps, stride, stride_g, CHUNK: tl.constexpr, STEPS: tl.constexpr,
-                        GATED: tl.constexpr, LAST: tl.constexpr = False):
+                        GATED: tl.constexpr):
     """Prefetch into L2 sub-steps [s0, s0 + steps) (steps <= STEPS) of tile row n0 of a tile-major array with
     CHUNK bytes per row and sub-step: one contiguous run, one 128-byte line per element (and the same run
     stride_g further on when GATED: the up projection)."""
     LINES: tl.constexpr = TILE_ROWS_C * CHUNK // 128
     lines = tl.minimum(tl.arange(0, STEPS * LINES), steps * LINES - 1) * 128
     p = ptr + byte_offsets(n0, s0 * CHUNK, stride, CHUNK, True) + lines
-    if LAST:
-        _prefetch_l2_last(p)
-    else:
-        _prefetch_l2(p)
+    _prefetch_l2(p)
     if GATED:
         _prefetch_l2(p + stride_g)
 
