@@ -3,6 +3,7 @@
     python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--no-gcol] [--route]
                                 [--fused] [--await-l2 0,16]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
+    ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/profile_moe.py --once
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
 token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
@@ -45,6 +46,7 @@ def main():
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
+    ap.add_argument("--once", action="store_true", help="gate/up and down once each (for ncu), no timing")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -84,6 +86,10 @@ def main():
                                      rw=rws[i] if weights is None else weights, limit=10.0, shared=(sw13, sw2),
                                      scratch=scratch, x_ready=x_ready, await_l2=await_l2, fused=True)
 
+            if args.once:
+                up(0, 0), down(0, 0)
+                torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+                continue
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
                 for stages in (int(v) for v in args.stages.split(",")):
                     for split in (int(v) for v in args.splits.split(",")):
