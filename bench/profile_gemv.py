@@ -22,7 +22,6 @@ from dsv4.kernels import gemm, gemv  # noqa: E402
 
 VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "default": gemv.GemvConfig(),
-    "last arrival": gemv.GemvConfig(summer=False),
     "w2 bn64 noregcap": gemv.GemvConfig(maxnreg=0),
     "w2 bn64 st1": gemv.GemvConfig(num_stages=1),
     "w2 bn64 st3": gemv.GemvConfig(num_stages=3),

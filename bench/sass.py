@@ -39,12 +39,12 @@ NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stri
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
                  pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False, x_ready: bool = False,
-                 cols: bool = False, summer: int = 2 if gemv.GemvConfig().summer else 0):
+                 cols: bool = False):
     fn = gemv._gemv_kernel
     consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp, DOT=tl.bfloat16, ASM=True,
                   W=warps, SHARED=shared is not None, FMT_S=FMT_CODES[shared or fmt], SCALE_F32_S=False, PF=prefetch,
                   TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol, X_READY=x_ready,
-                  COLS=cols, SUMMER=summer)
+                  COLS=cols)
     sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize

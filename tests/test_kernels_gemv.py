@@ -154,52 +154,6 @@ def test_split_k_rearms_and_bf16(launches, fmt):
     assert len(launches) == 3
 
 
-def test_split_k_summer_and_last_arrival_give_the_same_bits(kernel_calls):
-    """`GemvConfig.summer` (the default): a split-K tile's highest-numbered unit sums its partials after waiting
-    for the others' counts (the interpreter runs programs in order, so a summer that is not the highest unit
-    fails its wait's assertion); `summer=False`: the last to arrive sums. Dense, gated and the MoE's two row modes
-    with the shared expert per token and as token columns; the same bits either way, counters re-armed."""
-    E, k, D, I = 5, 2, 512, 512   # 4 FP4 / 8 FP8 sub-steps: split 2 holds
-    w13 = make_weight("nvfp4", I, D, (E, 2), 0.5)
-    w2 = make_weight("nvfp4", D, I, (E,), 0.1)
-    sh = make_weight("fp8", I, D, (2,), 0.5), make_weight("fp8", D, I, (), 0.1)
-    dense = make_weight("mxfp4", 70, 512)
-    scratch = gemm.Scratch()
-    for T in (2, 4):   # the shared expert per token, then as token columns
-        x = torch.randn(T, D)
-        w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-        P = T * k
-        h = torch.randn(P + T, I)
-        outs = {}
-        for summer in (True, False):
-            kernel_calls.clear()
-            cfg = gemv.GemvConfig(split=2, summer=summer)
-            y = gemv.linear(x, dense, cfg, scratch=scratch)
-            g = torch.empty(P + T, I)
-            gemv.launch(x, w13, g, cfg, M=P + T, rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=k, ids=ids,
-                        limit=LIMIT, shared=sh[0], pairs=P, scratch=scratch)
-            out = torch.empty(T, D)
-            gemv.launch(h, w2, out, cfg, M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids, rw=w.reshape(-1),
-                        shared=sh[1], pairs=P, scratch=scratch)
-            assert [c["SUMMER"] for c in kernel_calls] == [1 if summer else 0] * 3   # 1: the interpreter's
-            assert all(c["SPLIT"] == 2 for c in kernel_calls) and kernel_calls[-1]["COLS"] == (T == 4)
-            outs[summer] = y, g, out
-        for a, b in zip(outs[True], outs[False]):
-            assert torch.equal(a, b)
-        y, g, out = outs[True]
-        assert rel_err(y, ref.linear(x, dense)) < 1e-6
-        experts = w2.dequantize(torch.float64)[ids.reshape(-1)]
-        want = torch.einsum("pdi,pi,p->pd", experts, h[:P].double(), w.reshape(-1).double()).view(T, k, D).sum(1)
-        want += h[P:].double() @ sh[1].dequantize(torch.float64).T
-        assert rel_err(out, want) < 1e-6
-        w13d, s13d = w13.dequantize(torch.float64), sh[0].dequantize(torch.float64)   # [E, 2, I, D], [2, I, D]
-        xd, pe = x.double(), ids.reshape(-1)
-        gate = torch.cat([torch.einsum("pid,pd->pi", w13d[pe, 0], xd.repeat_interleave(k, 0)), xd @ s13d[0].T])
-        up = torch.cat([torch.einsum("pid,pd->pi", w13d[pe, 1], xd.repeat_interleave(k, 0)), xd @ s13d[1].T])
-        assert rel_err(g, ref.swiglu(gate, up, LIMIT)) < 1e-6
-        assert int(scratch.counters(x.device, 1).abs().sum()) == 0
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("prefetch", [0, 3])
 def test_every_weight_load_schedule_matches_reference(launches, fmt, prefetch):
@@ -434,6 +388,19 @@ def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_w
         y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
         assert [c["kernel"] for c in kernel_calls] == kernels, (sms, T)
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+
+
+def test_one_launch_pair_needs_the_ptx_build_on_a_gpu(monkeypatch):
+    """On a GPU the one-launch pair's down units wait for their h rows with PTX acquire loads, which the plain-Triton
+    build (`GemvConfig(asm=False)`) leaves out: asked for, one launch is refused before anything runs."""
+    monkeypatch.setattr(moe_pair, "interpreting", lambda: False)
+    E, k, D, I, T = 4, 2, 128, 128, 1
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2)), make_weight("nvfp4", D, I, (E,))
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    with pytest.raises(ValueError, match="GemvConfig.asm"):
+        moe_pair.launch_pair(torch.randn(T, D), w13, torch.empty(T * k, I), w2, torch.empty(T, D),
+                             gemv.GemvConfig(asm=False), gemv.GemvConfig(asm=False), tokens=T, topk=k, ids=ids,
+                             rw=w.reshape(-1), limit=LIMIT, fused=True)
 
 
 def test_fused_pair_down_order_is_a_permutation_in_h_row_order():

@@ -47,9 +47,8 @@ launch after `moe.route` (`x_ready`) waits per unit instead: its shared-expert u
 read x and their weights while the routing kernel still runs, and wait only before they write.
 
 Work: units (row block, N tile, K split), one program each (`GemvConfig.persistent`); split-K partials go
-to an fp32 workspace and one unit of each output tile sums them in split order (deterministic, one launch;
-semaphores from `gemm.Scratch`, re-armed by the kernel): the tile's highest-numbered unit, which waits for the
-others' counts while they end without waiting for anything (`GemvConfig.summer`), or the last to arrive.
+to an fp32 workspace and the last arriving unit of an output tile sums them in split order (deterministic,
+one launch; semaphores from `gemm.Scratch`, re-armed by the kernel).
 The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x registers of N = 16) and
 16 above. Row modes:
 * ROWS_DENSE: up to 16 rows of x, one weight; GROUP_R > 0 makes it block-diagonal (wo_a: weight rows
@@ -79,7 +78,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ..formats import FP4_FORMATS, QWeight
 from .decode import _fp4_decode, _fp8_decode, _group_multipliers, _group_scales
 from .host import has_pdl, interpreting, lead_strides, num_sms, scale_views
-from .sync import SYNC_LINE, _await_count, _await_row, _prefetch_unit_l2, _signal_row
+from .sync import SYNC_LINE, _await_row, _prefetch_unit_l2, _signal_row
 from .tiles import FMT_CODES, TILE_BYTES_C, _sum_split_partials, byte_offsets, epilogue_factor, scale_chunk_c
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
@@ -355,7 +354,7 @@ def _gemv_unit(
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
     SIGNAL: tl.constexpr, AWAIT: tl.constexpr, AWAIT_L2: tl.constexpr, TICKET: tl.constexpr,
-    COLS: tl.constexpr = False, SUMMER: tl.constexpr = 0,
+    COLS: tl.constexpr = False,
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
@@ -363,13 +362,7 @@ def _gemv_unit(
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
     L2-prefetching up to AWAIT_L2 sub-steps of its tile-major weights first if it has to wait. TICKET: draws
     the program's next ticket (returned) once its weights are read, so that the atomic's round trip overlaps
-    the unit's stores; else returns 0.
-
-    Split-K tiles: the last unit to arrive sums the partials (each unit's count is an acquire-release add whose
-    result it waits for), or, with SUMMER (`GemvConfig.summer`; launches whose units start in unit order and wait
-    for nothing else), the tile's highest-numbered unit, after waiting for the others' counts (SUMMER 2: polling,
-    on a GPU; 1: the interpreter, which runs programs in order, asserts them); the others then only add theirs
-    (release, no result to wait for) and end. The same sum in split order: the same bits."""
+    the unit's stores; else returns 0."""
     WAIT_PER_UNIT: tl.constexpr = PDL and X_READY and ROWS == 1 and SHARED
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
@@ -472,7 +465,7 @@ def _gemv_unit(
     offs_y = yrow.to(tl.int64)[None, :] * stride_ym + rows_mma[:, None]
     omask = rmask[None, :] & nmask_mma[:, None]
     if nsplit > 1:
-        # park the scaled partial, count arrivals; one unit of the tile sums all in split order
+        # park the scaled partial, count arrivals; the last unit of the tile sums all in split order
         offs_ws = yrow.to(tl.int64)[None, :] * N + rows_mma[:, None]
         plane = M.to(tl.int64) * N
         part = ws_ptr + j.to(tl.int64) * (2 * plane if GATED else plane)
@@ -481,43 +474,26 @@ def _gemv_unit(
             tl.store(part + plane + offs_ws, acc_u * f_u, mask=omask)
         tl.debug_barrier()
         cnt = cnt_ptr + tile
-        if SUMMER:
-            # the tile's highest unit number: routed split TOPK * SPLIT - 1 with COLS (the shared units come
-            # first), else split nsplit - 1
-            summer = j == (TOPK * SPLIT - 1 if ROWS == 2 and COLS else nsplit - 1)
-            if ROWS == 2 and COLS and shared_unit:   # one partial for every token's tile
-                tl.atomic_add(cnt_ptr + offs_r * num_n + pid_n, 1, mask=rmask, sem="release", scope="gpu")
-            elif summer:
-                _await_count(cnt, nsplit - 1, SUMMER == 2)
-                acc, acc_u = _sum_split_partials(ws_ptr, 2 * plane if GATED else plane, plane, offs_ws, omask,
-                                                 nsplit, BN, MP, GATED)
-                tl.store(cnt, 0)   # re-armed: every other unit of the tile has counted
-                _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
-                if SIGNAL:
-                    _signal_row(ready_ptr + r * SYNC_LINE)
-            else:
-                tl.atomic_add(cnt, 1, sem="release", scope="gpu")
+        if ROWS == 2 and COLS and shared_unit:
+            # one partial for every token's tile (N tile pid_n of row block t): count into each, and sum the
+            # tiles this unit completes
+            cnts = cnt_ptr + offs_r * num_n + pid_n
+            last = rmask & (tl.atomic_add(cnts, 1, mask=rmask, sem="acq_rel", scope="gpu") == nsplit - 1)
+            if tl.max(last.to(tl.int32), axis=0) > 0:
+                lmask = omask & last[None, :]
+                acc, _ = _sum_split_partials(ws_ptr, plane, plane, offs_ws, lmask, nsplit, BN, MP, False)
+                tl.atomic_xchg(cnts, 0, mask=last, sem="relaxed", scope="gpu")
+                _epilogue(y_ptr, offs_y, lmask, acc, acc, 1.0, 1.0, limit, False)
+            arrived = nsplit * 0   # not the last for tile `tile` below
         else:
-            if ROWS == 2 and COLS and shared_unit:
-                # one partial for every token's tile (N tile pid_n of row block t): count into each, and sum the
-                # tiles this unit completes
-                cnts = cnt_ptr + offs_r * num_n + pid_n
-                last = rmask & (tl.atomic_add(cnts, 1, mask=rmask, sem="acq_rel", scope="gpu") == nsplit - 1)
-                if tl.max(last.to(tl.int32), axis=0) > 0:
-                    lmask = omask & last[None, :]
-                    acc, _ = _sum_split_partials(ws_ptr, plane, plane, offs_ws, lmask, nsplit, BN, MP, False)
-                    tl.atomic_xchg(cnts, 0, mask=last, sem="relaxed", scope="gpu")
-                    _epilogue(y_ptr, offs_y, lmask, acc, acc, 1.0, 1.0, limit, False)
-                arrived = nsplit * 0   # not the last for tile `tile` below
-            else:
-                arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if arrived == nsplit - 1:
-                acc, acc_u = _sum_split_partials(ws_ptr, 2 * plane if GATED else plane, plane, offs_ws, omask, nsplit,
-                                                 BN, MP, GATED)
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-                _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
-                if SIGNAL:
-                    _signal_row(ready_ptr + r * SYNC_LINE)
+            arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if arrived == nsplit - 1:
+            acc, acc_u = _sum_split_partials(ws_ptr, 2 * plane if GATED else plane, plane, offs_ws, omask, nsplit,
+                                             BN, MP, GATED)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
+            _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
+            if SIGNAL:
+                _signal_row(ready_ptr + r * SYNC_LINE)
     else:
         _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, f, f_u if GATED else f, limit, GATED)
         if SIGNAL:
@@ -537,7 +513,7 @@ def _gemv_kernel(
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
-    X_READY: tl.constexpr = False, COLS: tl.constexpr = False, SUMMER: tl.constexpr = 0,
+    X_READY: tl.constexpr = False, COLS: tl.constexpr = False,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -576,7 +552,7 @@ def _gemv_kernel(
                    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                   PDL, GCOL, X_READY, False, False, 0, False, COLS, SUMMER)
+                   PDL, GCOL, X_READY, False, False, 0, False, COLS)
 
 
 @triton.jit
@@ -627,10 +603,6 @@ class GemvConfig:
     pdl: bool = True          # programmatic dependent launch where the GPU has it (sm_90+; never interpreted)
     pdl_l2: int = 2           # with pdl: sub-steps (4 KB each, a power of 2) of the first dense unit of tile-major
                               # weights prefetched into L2 before the wait; 0 = none
-    summer: bool = True       # split-K tiles summed by their highest-numbered unit, the others not waiting for
-                              # their count's result (`_gemv_unit`); False: by the last to arrive. The one-launch
-                              # MoE pair always takes the last arrival (its down units wait for gate/up rows and
-                              # run in another order)
     group_cols: bool | None = None   # FP4 weights, one x row per unit: the MMA's columns carry the scale
                               # groups (module docstring) instead of a multiply per weight pair. None: in the MoE
                               # row modes only (runs 55-62: MoE pair up to 5 % faster, dense V4-Pro wq_b /
@@ -860,8 +832,7 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                   PF=cfg.prefetch, TILED=w.tiled, TILED_S=shared is not None and shared.tiled,
                   PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
                   X_READY=x_ready and shared is not None and rows == ROWS_PAIR,
-                  COLS=shared_cols(rows, R, pairs, shared),
-                  SUMMER=(1 if interp else 2) if cfg.summer else 0)   # 2: the summer polls (a GPU)
+                  COLS=shared_cols(rows, R, pairs, shared))
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg

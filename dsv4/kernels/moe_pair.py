@@ -151,7 +151,13 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
     H200), else two launches (at 1 token both are single waves and the fused pair's signalling measured 6-9 %
     slower; bench/RESULTS.md round nine). `await_l2`: sub-steps of a down unit's weights prefetched into L2 while
     it waits for its h row (measured slower, so 0); `pair_order` False: down units in their own launch's order
-    instead of the order gate/up completes h rows (the same bits; for benchmarks)."""
+    instead of the order gate/up completes h rows (the same bits; for benchmarks).
+
+    On a GPU, one launch needs the PTX build (`GemvConfig.asm` not False): its down units wait for their h rows
+    with PTX acquire loads (`sync._await_row`), which the plain-Triton build leaves out."""
+    polls = interpreting() or up.asm is not False
+    if fused and not polls:
+        raise ValueError("the one-launch MoE pair waits for its h rows with PTX loads; it needs GemvConfig.asm")
     pairs = tokens * topk
     h_rows = pairs + (tokens if shared is not None else 0)
     sw13, sw2 = shared if shared is not None else (None, None)
@@ -165,21 +171,18 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
     pd = _prepare(h, w2, out, down, M=tokens, rows=ROWS_TOKEN, R=tokens, gated=False, topk=topk, x_div=1, ids=ids,
                   rw=rw, limit=0.0, group_r=0, x_gstride=0, shared=sw2, pairs=pairs, scratch=scratch, x_ready=False,
                   cnt=buf[n_up:n_up + n_dn])
-    polls = pu.consts["ASM"] or interpreting()   # a GPU build waits for its row flags with PTX acquire loads
     if fused is None:
         fused = pd.units > pd.slots and polls
-    elif fused and not polls:
-        raise ValueError("the one-launch MoE pair waits for its h rows with PTX loads: it needs GemvConfig.asm")
     if not fused:
         gemv._gemv_kernel[(pu.programs,)](*pu.args, **pu.consts)
         gemv._gemv_kernel[(pd.programs,)](*pd.args, **pd.consts)
         return
     # one launch: programmatic dependent launch as gate/up's (`moe` gives it only gate/up, after routing)
-    consts = {k: v for k, v in pu.consts.items() if k not in ("PDL_L2", "SUMMER")}   # (the last arrival sums)
+    consts = {k: v for k, v in pu.consts.items() if k != "PDL_L2"}
     for k, v in pd.consts.items():
         if k in _PAIR_DOWN_CONSTS:
             consts["D_" + k] = v
-        elif k not in ("ROWS", "GATED", "X_READY", "PDL_L2", "PDL", "launch_pdl", "SUMMER") and consts.get(k) != v:
+        elif k not in ("ROWS", "GATED", "X_READY", "PDL_L2", "PDL", "launch_pdl") and consts.get(k) != v:
             raise ValueError(f"the fused MoE pair needs the same {k} for gate/up and down, got {consts.get(k)} "
                              f"and {v}")
     consts["AWAIT_L2"] = await_l2

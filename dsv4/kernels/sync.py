@@ -92,25 +92,6 @@ def _await_row(flag_ptr, target, wbase, sbase, n0, s0, steps, stride_wn, stride_
 
 
 @triton.jit
-def _await_count(ptr, target, SPIN: tl.constexpr):
-    """Wait until the counter at ptr reaches target, with acquire semantics, then barrier the CTA (the split-K
-    tile's designated summer, `gemv._gemv_unit`: it re-arms the counter next, which a thread still polling would
-    never see reach target). SPIN (a GPU): poll every 64 to 512 ns, as the units waited for started before this
-    one and are streaming their last bytes; else (the interpreter, which runs programs in order) the count must
-    already be there."""
-    if SPIN:
-        seen = _load_acquire(ptr)
-        backoff = seen * 0 + 64
-        while seen < target:
-            _nanosleep(backoff)
-            backoff = tl.minimum(backoff * 2, 512)
-            seen = _load_acquire(ptr)
-    else:
-        tl.device_assert(tl.atomic_add(ptr, 0, sem="acquire", scope="gpu") >= target, "split partials missing")
-    tl.debug_barrier()
-
-
-@triton.jit
 def _signal_row(flag_ptr):
     """One more tile of a row is written: every thread's stores come before the release."""
     tl.debug_barrier()
