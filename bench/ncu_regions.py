@@ -7,8 +7,8 @@ sum), each with its main stall reasons.
     ncu -i moe.ncu-rep --page source --print-source sass --csv > source.csv
     python bench/ncu_regions.py source.csv [--names "Flash up 1,Flash down 1,..."]
 
-`profile_moe.py --once` launches, per token count, V4-Flash gate/up and down, then V4-Pro's: the kernels in the
-report come in that order.
+`profile_moe.py --once` launches, per model (V4-Flash, then V4-Pro) and per token count, gate/up then down: the
+kernels in the report come in that order.
 """
 
 from __future__ import annotations

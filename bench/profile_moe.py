@@ -14,6 +14,7 @@ Split 0 is the launch's own choice (`gemv.choose_split`); other splits are force
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
 gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`).
+--once: gate/up and down once each, untimed, for a profiler (`bench/ncu_regions.py` reads ncu's source page).
 --fused: the pair once more in one launch (`moe_pair.launch_pair(fused=True)`, also where `moe` takes two), for
 each --await-l2 (sub-steps of its weights a down unit prefetches into L2 while it waits for its h row); with
 --route also after the routing kernel.
