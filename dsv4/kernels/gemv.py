@@ -89,6 +89,13 @@ MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub
                         # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
 
 
+@triton.constexpr_function
+def waits_per_unit(x_ready: bool, rows: int, shared: bool) -> bool:
+    """Whether a launch's units wait for the previous kernel one by one (under PDL) instead of all at its start: the
+    MoE gate/up launch after routing (`launch(x_ready=True)`), whose shared-expert units run while routing does."""
+    return bool(x_ready and rows == 1 and shared)   # 1: ROWS_PAIR
+
+
 # ------------------------------------------------------------------------------ operand re-indexing
 
 @triton.jit
@@ -363,7 +370,7 @@ def _gemv_unit(
     L2-prefetching up to AWAIT_L2 sub-steps of its tile-major weights first if it has to wait. TICKET: draws
     the program's next ticket (returned) once its weights are read, so that the atomic's round trip overlaps
     the unit's stores; else returns 0."""
-    WAIT_PER_UNIT: tl.constexpr = PDL and X_READY and ROWS == 1 and SHARED
+    WAIT_PER_UNIT: tl.constexpr = PDL and waits_per_unit(X_READY, ROWS, SHARED)
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
     nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the unit's type)
@@ -541,7 +548,7 @@ def _gemv_kernel(
         if PDL_L2 > 0 and ROWS == 0 and TILED:
             _prefetch_unit_l2(w_ptr, s_ptr, tl.minimum(tl.program_id(0), total - 1), splits, num_n, SPLIT, CHUNK,
                               n_steps, stride_wn, stride_sn, stride_wg, stride_sg, FMT, GATED, BN, PDL_L2)
-        if not (X_READY and ROWS == 1 and SHARED):
+        if not waits_per_unit(X_READY, ROWS, SHARED):
             gdc_wait()
     for u in range(tl.program_id(0), total, tl.num_programs(0)):
         _gemv_unit(u, splits, num_n, shared_units, first_shared, first_routed,

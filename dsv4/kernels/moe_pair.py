@@ -15,7 +15,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import QWeight
 from . import gemv
-from .gemv import ROWS_PAIR, ROWS_TOKEN, GemvConfig, _gemv_unit, _launch_layout, _prepare, resident_ctas
+from .gemv import (ROWS_PAIR, ROWS_TOKEN, GemvConfig, _gemv_unit, _launch_layout, _prepare, resident_ctas,
+                   waits_per_unit)
 from .host import interpreting, num_sms
 from .sync import SYNC_LINE
 
@@ -90,7 +91,7 @@ def _moe_pair_kernel(
     ready_ptr = sync_ptr + 2 * SYNC_LINE
     if PDL:   # as `gemv._gemv_kernel`; the tickets are this kernel's own scratch, which routing never touches
         gdc_launch_dependents()
-        if not (X_READY and SHARED):
+        if not waits_per_unit(X_READY, 1, SHARED):
             gdc_wait()
     t = tl.program_id(0)   # the first unit: the program's own; later ones: tickets
     while t < total:
