@@ -93,7 +93,7 @@ MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub
 def waits_per_unit(x_ready: bool, rows: int, shared: bool) -> bool:
     """Whether a launch's units wait for the previous kernel one by one (under PDL) instead of all at its start: the
     MoE gate/up launch after routing (`launch(x_ready=True)`), whose shared-expert units run while routing does."""
-    return bool(x_ready and rows == 1 and shared)   # 1: ROWS_PAIR
+    return bool(x_ready and rows == ROWS_PAIR and shared)
 
 
 # ------------------------------------------------------------------------------ operand re-indexing

@@ -91,7 +91,7 @@ def _moe_pair_kernel(
     ready_ptr = sync_ptr + 2 * SYNC_LINE
     if PDL:   # as `gemv._gemv_kernel`; the tickets are this kernel's own scratch, which routing never touches
         gdc_launch_dependents()
-        if not waits_per_unit(X_READY, 1, SHARED):
+        if not waits_per_unit(X_READY, ROWS, SHARED):
             gdc_wait()
     t = tl.program_id(0)   # the first unit: the program's own; later ones: tickets
     while t < total:
