@@ -89,7 +89,8 @@ def main():
 
             if args.once:
                 up(0, 0), down(0, 0)
-                torch.cuda.synchronize(dev) if dev.type == "cuda" else None
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
                 continue
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
                 for stages in (int(v) for v in args.stages.split(",")):

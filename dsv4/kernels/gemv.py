@@ -386,8 +386,9 @@ def _gemv_unit(
                 j = TOPK * SPLIT + (u - first_shared) % SPLIT_S
                 tile = (u - first_shared) // SPLIT_S
         else:
-            j = (u - first_routed) % (SPLIT if ROWS == 1 else SPLIT * TOPK)
-            tile = (u - first_routed) // (SPLIT if ROWS == 1 else SPLIT * TOPK)
+            routed_splits = SPLIT if ROWS == 1 else SPLIT * TOPK   # units per routed output tile
+            j = (u - first_routed) % routed_splits
+            tile = (u - first_routed) // routed_splits
         if WAIT_PER_UNIT:
             if u >= first_routed:
                 gdc_wait()   # a routed unit reads the expert ids
