@@ -48,6 +48,10 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "gcol no pdl": gemv.GemvConfig(group_cols=True, pdl=False),
     "bn32": gemv.GemvConfig(BN=32),
     "bn32 st3": gemv.GemvConfig(BN=32, num_stages=3),
+    # 128 rows on 2 warps: each x sub-tile (staged through shared memory) serves twice the weight rows
+    "bn128": gemv.GemvConfig(BN=128, maxnreg=0),
+    "bn128 cap 168": gemv.GemvConfig(BN=128, maxnreg=168),
+    "bn128 st3": gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),

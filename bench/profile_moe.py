@@ -1,7 +1,7 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
-    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--no-gcol] [--route]
-                                [--fused] [--await-l2 0,16]
+    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--pdl-down] [--bn 128]
+                                [--no-gcol] [--route] [--fused] [--await-l2 0,16]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
     ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/profile_moe.py --once
 
@@ -9,7 +9,8 @@ For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --form
 token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
 routing weights and the top-k sum fused) against the bytes each reads, and the pair as `kernels.moe` runs it.
 Split 0 is the launch's own choice (`gemv.choose_split`); other splits are forced (per slot for down).
---pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`); --no-gcol: once more without
+--pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`); --pdl-down: on the down launch only;
+--bn 128: once more with 128-row units (`GemvConfig.BN`, no register cap); --no-gcol: once more without
 `GemvConfig.group_cols` (a multiply per FP4 weight pair instead). Each variant's output is compared with the plain
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--splits", default="0,2,3,4,6,8")
     ap.add_argument("--pdl", action="store_true", help="also time the pair with GemvConfig(pdl=True)")
     ap.add_argument("--no-gcol", action="store_true", help="also time the pair with GemvConfig(group_cols=False)")
+    ap.add_argument("--pdl-down", action="store_true", help="also time the pair with PDL on the down launch only")
+    ap.add_argument("--bn", default="", help="also time the pair with these GemvConfig.BN (no register cap), e.g. 128")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
@@ -67,16 +70,18 @@ def main():
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 
             # picked / weights: a routing of rotation i other than moe_decode_inputs' (--route)
-            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None):
+            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None, bn=64):
                 gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
-                                                               num_stages=stages), M=P + T,
+                                                               num_stages=stages, BN=bn,
+                                                               maxnreg=-1 if bn == 64 else 0), M=P + T,
                             rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
                             ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
                             scratch=scratch, x_ready=x_ready)
 
-            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None):
+            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None, bn=64):
                 gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
-                                                                num_stages=stages), M=T,
+                                                                num_stages=stages, BN=bn,
+                                                                maxnreg=-1 if bn == 64 else 0), M=T,
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
                             rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
@@ -100,13 +105,18 @@ def main():
                         print(f"{s.name:8s} T={T:<3d} {name:8s} {stages} st. split {split or 'auto':>4}: "
                               f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
             variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
-                + [("both, no gcol", dict(gcol=False))] * args.no_gcol
+                + [("both, no gcol", dict(gcol=False))] * args.no_gcol \
+                + [("down with PDL", dict(pdl_down=True))] * args.pdl_down \
+                + [(f"both, BN {bn}", dict(bn=bn)) for bn in (int(v) for v in args.bn.split(",") if v)]
             awaits = [int(v) for v in args.await_l2.split(",")] if args.fused else []
             variants += [(f"one launch, L2 {a}", dict(await_l2=a)) for a in awaits]
             for label, kw in variants:
                 versus = ""   # a variant's output against the plain pair's
-                run = (lambda i, **kw: fused(i, **kw)) if "await_l2" in kw else \
-                    (lambda i, **kw: (up(i, 0, **kw), down(i, 0, **kw)))
+                def two(i, pdl_down=False, **kw):   # gate/up, then down (--pdl-down: PDL on down only)
+                    up(i, 0, **kw)
+                    down(i, 0, **{**kw, "pdl": kw.get("pdl", False) or pdl_down})
+
+                run = (lambda i, **kw: fused(i, **kw)) if "await_l2" in kw else two
                 if kw:
                     up(0, 0), down(0, 0)
                     plain = outs[0].clone()
