@@ -52,10 +52,15 @@ VARIANTS = {  # split 0: chosen at launch from the compiled kernel's occupancy
     "bn128": gemv.GemvConfig(BN=128, maxnreg=0),
     "bn128 cap 168": gemv.GemvConfig(BN=128, maxnreg=168),
     "bn128 st3": gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3),
+    "bn128 st4": gemv.GemvConfig(BN=128, maxnreg=0, num_stages=4),
+    "bn128 st3 split 1": gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3, split=1),
+    "bn128 st3 split 2": gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3, split=2),
+    "bn128 st3 split 4": gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3, split=4),
 }
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (PRO, "wo_b", "fp8"), (FLASH, "expert w1/w3", "nvfp4"),
           (PRO, "wq_b", "fp8"), (FLASH, "wo_b", "nvfp4"), (FLASH, "wq_b", "nvfp4"), (FLASH, "wq_b", "fp8"),
-          (FLASH, "indexer wq_b", "nvfp4"), (FLASH, "indexer wq_b", "fp8")]
+          (FLASH, "indexer wq_b", "nvfp4"), (FLASH, "indexer wq_b", "fp8"), (PRO, "wq_b", "mxfp4"),
+          (PRO, "wo_b", "mxfp4")]
 
 
 def main():
