@@ -215,11 +215,12 @@ def correctness(run: Run):
         # the GEMV's asm decoders on every column (so every scale group and word), MMA N = 16 and 8
         eye = torch.eye(k, device=dev, dtype=torch.bfloat16)
         for nrows in (16, 8):
-            for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=4)):
+            for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=4), gemv.LARGE_FP4_16_ROWS):
                 same = all(torch.equal(gemm.linear(eye[o:o + nrows], w, config=cfg, fallback=_refuse,
                                                    scratch=run.scratch).float(), wt[o:o + nrows])
                            for o in range(0, k, nrows))
-                record(f"exact dequant {fmt} gemv all columns rows={nrows} split={cfg.split}", 0.0, 0.0, exact=same)
+                record(f"exact dequant {fmt} gemv all columns rows={nrows} split={cfg.split} BN={cfg.BN}", 0.0, 0.0,
+                       exact=same)
     # FP8 with fp32 block scales (-Base checkpoints): the GEMV applies them to fp32 partials
     n, k = big.linears()["wo_b"]
     w8 = random_qweight("fp8", (), n, k, dev, gen)

@@ -58,7 +58,8 @@ def test_linear_matches_reference(launches, fmt, m, n, k):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("cfg", [gemv.GemvConfig(), gemv.GemvConfig(BN=128, num_warps=4)], ids=["w2", "w4 bn128"])
+@pytest.mark.parametrize("cfg", [gemv.GemvConfig(), gemv.GemvConfig(BN=128, num_warps=4), gemv.LARGE_FP4_16_ROWS],
+                         ids=["w2", "w4 bn128", "w2 bn128"])
 def test_dequantization_is_exact(launches, fmt, cfg):
     """x = identity rows: each output is one weight element, so the decoders' nibble and byte order, the K and
     row re-indexing (2 and 4 warps), the scales and the epilogue factor must reproduce QWeight.dequantize
@@ -522,8 +523,9 @@ def test_shared_expert_keeps_a_row_block_per_token_below_four_tokens_and_without
 
 
 def test_large_fp4_weights_stream_with_three_stages():
-    """`default_config`: 3 pipeline stages for FP4 weights from THREE_STAGE_FP4_BYTES (V4-Pro wq_b / wo_b) at up
-    to 8 rows, 2 for more rows, for smaller ones and for FP8 (measured: bench/RESULTS.md, runs 51-53 and 70)."""
+    """`default_config`: 3 pipeline stages for FP4 weights from THREE_STAGE_FP4_BYTES (V4-Pro wq_b / wo_b), with
+    units of 128 rows from 9 rows; the plain config for smaller ones and for FP8 (measured: bench/RESULTS.md, runs
+    51-53, 70 and 100-101)."""
     def weight(fmt, n, k):   # stored bytes of the right sizes; the values do not matter here
         if fmt == "nvfp4":
             return QWeight("nvfp4", torch.zeros(n, k // 2, dtype=torch.uint8),
@@ -533,7 +535,8 @@ def test_large_fp4_weights_stream_with_three_stages():
     pro_wq_b = weight("nvfp4", 65536, 1536)
     assert pro_wq_b.nbytes() >= gemv.THREE_STAGE_FP4_BYTES
     assert gemv.default_config(pro_wq_b) == gemv.default_config(pro_wq_b, 8) == gemv.GemvConfig(num_stages=3)
-    assert gemv.default_config(pro_wq_b, 9) == gemv.GemvConfig()   # MMA N = 16: the third stage costs a wave
+    assert gemv.default_config(pro_wq_b, 9) == gemv.default_config(pro_wq_b, 16) == \
+        gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3)   # MMA N = 16: half the x traffic per weight byte
     assert gemv.default_config(weight("nvfp4", 8192, 4096)) == gemv.GemvConfig()   # V4-Flash wq_b, 19 MB
     assert gemv.default_config(weight("fp8", 65536, 1536)) == gemv.GemvConfig()
 

@@ -88,7 +88,7 @@ def test_gemv_reads_tiled_weights(fmt, m):
     w, t = both(fmt, 192, 384)
     x = torch.randn(m, 384)
     for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=3), gemv.GemvConfig(BN=128, num_warps=4),
-                gemv.GemvConfig(prefetch=3)):
+                gemv.LARGE_FP4_16_ROWS, gemv.GemvConfig(prefetch=3)):
         y = gemm.linear(x, w, config=cfg, fallback=refuse, scratch=gemm.Scratch())
         assert torch.equal(gemm.linear(x, t, config=cfg, fallback=refuse, scratch=gemm.Scratch()), y)
 

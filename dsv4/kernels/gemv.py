@@ -880,19 +880,24 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
     return _Prepared(kernel_args(split, chunk, split_s, chunk_s, ws), consts, units, nprog, slots)
 
 
-# FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages at up to 8 rows: with
-# programmatic dependent launch, V4-Pro wq_b / wo_b NVFP4 (56 / 66 MB) 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash
-# wq_b / wo_b (19 MB) 2-3 % slower, FP8 level (bench/RESULTS.md, runs 51-52). With 9-16 rows (MMA N = 16) the
-# third stage's shared memory leaves 6 CTAs per SM instead of 8, and V4-Pro wq_b's 1024 units then take two
-# waves: 35.6 against 26.4 us (wo_b, split to fit, gains 5 % with it: 34.6 against 36.6 us; run 70)
+# FP4 weights of at least this many bytes (scales included) stream with 3 pipeline stages: with programmatic
+# dependent launch, V4-Pro wq_b / wo_b NVFP4 (56 / 66 MB) at up to 8 rows 21.4 -> 20.4 and 27.5 -> 26.6 us; V4-Flash
+# wq_b / wo_b (19 MB) 2-3 % slower, FP8 level (bench/RESULTS.md, runs 51-52). With 9-16 rows (MMA N = 16) each x
+# sub-tile is as many bytes as the FP4 weight tile it multiplies, and units of 128 rows (`LARGE_FP4_16_ROWS`: 2 warps,
+# 190 registers uncapped) halve that traffic; with 3 stages V4-Pro wq_b / wo_b NVFP4 26.2 -> 23.4 and 36.3 -> 33.3
+# us, MXFP4 25.4 -> 22.6 and 35.3 -> 32.1 at 16 rows, the same at 9 and 12 (runs 100-101); with 2 stages, or on
+# 19 MB weights, 128 rows measured level or slower, and 64-row units with 3 stages take two waves (run 70)
 THREE_STAGE_FP4_BYTES = 40e6
+LARGE_FP4_8_ROWS = GemvConfig(num_stages=3)
+LARGE_FP4_16_ROWS = GemvConfig(BN=128, maxnreg=0, num_stages=3)
 
 
 def default_config(w: QWeight, rows: int = 1) -> GemvConfig:
-    """The dense GEMV's configuration for a weight and `rows` rows of x: GemvConfig() but 3 stages for large FP4
-    weights where the MMA's N is 8 (up to 8 rows)."""
-    large_fp4 = w.fmt in FP4_FORMATS and w.nbytes() >= THREE_STAGE_FP4_BYTES
-    return GemvConfig(num_stages=3) if large_fp4 and mma_n(rows) == 8 else GemvConfig()
+    """The dense GEMV's configuration for a weight and `rows` rows of x: GemvConfig() but, for large FP4 weights,
+    3 stages (MMA N 8: up to 8 rows) and, from 9 rows (N 16), units of 128 rows."""
+    if w.fmt in FP4_FORMATS and w.nbytes() >= THREE_STAGE_FP4_BYTES:
+        return LARGE_FP4_8_ROWS if mma_n(rows) == 8 else LARGE_FP4_16_ROWS
+    return GemvConfig()
 
 
 def linear(x: torch.Tensor, w: QWeight, cfg: GemvConfig | None = None, out: torch.Tensor | None = None,
