@@ -580,9 +580,9 @@ def _epilogue(y_ptr, offs_y, omask, acc, acc_u, f, f_u, limit, GATED: tl.constex
 @dataclass(frozen=True)
 class GemvConfig:
     """Measured on the H200 (bench/RESULTS.md, rounds two and three): two warps on mma.sync tiles of 64 rows
-    beat one warpgroup's wgmma on 128 rows for FP8 and tie for FP4. With 16 x rows (MMA N = 16) registers
-    bound the resident warps, so the kernel is capped at 128 (16 warps per SM, no spills; the gated one would
-    spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
+    beat one warpgroup's wgmma on 128 rows for FP8 and tie for FP4 (128 rows on 2 warps win only for large FP4
+    weights at 9-16 rows: `default_config`). With 16 x rows (MMA N = 16) registers bound the resident warps, so
+    the kernel is capped at 128 (16 warps per SM, no spills; the gated one would spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
     measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10). Register prefetch of
     the weights (round four, runs 14 and 18): FP8 V4-Pro wo_b 51 -> 42 us; FP4 slower in every variant tried (more
     live registers for the same 16 warps per SM), so it is on for FP8 only.
