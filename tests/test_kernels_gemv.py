@@ -378,17 +378,33 @@ def test_down_projection_sums_many_partials(kernel_calls, split, shared_fmt):
 
 def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_wave(monkeypatch, kernel_calls):
     """`launch_pair(fused=None)`: one launch where the down projection's units exceed the CTAs that fit at once
-    (round nine: 2-5 % faster at 4-8 tokens), two launches where both stages are single waves (1 token)."""
+    (round nine: 2-5 % faster at 4-8 tokens), two launches where both stages are single waves (1 token). In two
+    launches gate/up streams with 3 pipeline stages up to `moe.THREE_STAGE_UP_TOKENS` tokens (`up_alone`), down and
+    the one-launch pair with 2."""
     E, k, D, I = 5, 2, 256, 128
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
-    for sms, T, kernels in ((1024, 1, ["gemv"] * 2), (1024, 3, ["gemv"] * 2), (4, 1, ["pair"]), (4, 3, ["pair"])):
+    assert tmoe.THREE_STAGE_UP_TOKENS == 2
+    for sms, T, kernels, stages in ((1024, 1, ["gemv"] * 2, [3, 2]), (1024, 2, ["gemv"] * 2, [3, 2]),
+                                    (1024, 3, ["gemv"] * 2, [2, 2]), (4, 1, ["pair"], [2]), (4, 3, ["pair"], [2])):
         monkeypatch.setattr(gemv, "num_sms", lambda device: sms)
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         kernel_calls.clear()
         y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
         assert [c["kernel"] for c in kernel_calls] == kernels, (sms, T)
+        assert [c["num_stages"] for c in kernel_calls] == stages, (sms, T)
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+
+
+def test_pair_refuses_a_two_launch_gate_up_of_another_tile_height():
+    """`launch_pair(up_alone=...)` shares gate/up's split-K counters, sized by `up.BN`: another BN is refused."""
+    E, k, D, I, T = 4, 2, 128, 128, 1
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2)), make_weight("nvfp4", D, I, (E,))
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    with pytest.raises(ValueError, match="up_alone.BN 128"):
+        moe_pair.launch_pair(torch.randn(T, D), w13, torch.empty(T * k, I), w2, torch.empty(T, D),
+                             gemv.GemvConfig(), gemv.GemvConfig(), tokens=T, topk=k, ids=ids, rw=w.reshape(-1),
+                             limit=LIMIT, up_alone=gemv.GemvConfig(BN=128))
 
 
 def test_one_launch_pair_needs_the_ptx_build_on_a_gpu(monkeypatch):

@@ -33,6 +33,10 @@ DECODE_TOKENS = 8
 # after it: the same bits, one launch fewer. Off: on the H200 it gave the same bits but measured level to 4 %
 # slower at 64-512 tokens (bench/RESULTS.md, round eleven, runs 85, 86, 89)
 FUSED_TOPK_SUM = False
+# up to this many tokens, where the GEMV pair runs as two launches (`moe_pair.launch_pair`), gate/up streams with 3
+# pipeline stages: V4-Pro 61.9 -> 54.8 us at 1 token, V4-Flash 26.4 -> 25.9; down and 4-8 tokens measured level or
+# slower with them (bench/RESULTS.md, run 104)
+THREE_STAGE_UP_TOKENS = 2
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -265,9 +269,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
         # the shared expert while the routing kernel runs
         overlap = after_route and shared is not None
+        up_alone = gemv.GemvConfig(pdl=overlap, num_stages=3) if T <= THREE_STAGE_UP_TOKENS else None
         moe_pair.launch_pair(x, w13, h, w2, out, gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False),
                              tokens=T, topk=k, ids=ids, rw=weights.reshape(-1), limit=limit, shared=shared,
-                             scratch=scratch, x_ready=overlap)
+                             scratch=scratch, x_ready=overlap, up_alone=up_alone)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
