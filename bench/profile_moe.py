@@ -7,7 +7,8 @@
 
 For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
 token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
-routing weights and the top-k sum fused) against the bytes each reads, and the pair as `kernels.moe` runs it.
+routing weights and the top-k sum fused) against the bytes each reads, and both launches back to back with the
+plain `GemvConfig` (`kernels.moe` departs from it where `moe.pair_configs` says: 3-stage gate/up, 128-row down).
 Split 0 is the launch's own choice (`gemv.choose_split`); other splits are forced (per slot for down).
 --pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`); --pdl-down: on the down launch only;
 --bn 128: once more with 128-row units (`GemvConfig.BN`, no register cap); --no-gcol: once more without
@@ -24,6 +25,7 @@ each --await-l2 (sub-steps of its weights a down unit prefetches into L2 while i
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -50,6 +52,7 @@ def main():
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
+    ap.add_argument("--bns", default="64", help="GemvConfig.BN of the per-launch timings (128: no register cap)")
     ap.add_argument("--once", action="store_true", help="gate/up and down once each (for ncu), no timing")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -98,12 +101,13 @@ def main():
                     torch.cuda.synchronize(dev)
                 continue
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
-                for stages in (int(v) for v in args.stages.split(",")):
-                    for split in (int(v) for v in args.splits.split(",")):
-                        ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages) for i in range(rot)])
-                        pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
-                        print(f"{s.name:8s} T={T:<3d} {name:8s} {stages} st. split {split or 'auto':>4}: "
-                              f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
+                for bn, stages, split in itertools.product((int(v) for v in args.bns.split(",")),
+                                                           [int(v) for v in args.stages.split(",")],
+                                                           [int(v) for v in args.splits.split(",")]):
+                    ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages, bn=bn) for i in range(rot)])
+                    pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
+                    print(f"{s.name:8s} T={T:<3d} {name:8s} BN {bn:3d} {stages} st. split {split or 'auto':>4}: "
+                          f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
             variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol \
                 + [("down with PDL", dict(pdl_down=True))] * args.pdl_down \

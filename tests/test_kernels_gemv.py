@@ -396,6 +396,58 @@ def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_w
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
 
+def stored_weight(fmt: str, n: int, k: int, lead: tuple = ()) -> QWeight:
+    """A weight with the stored tensors of the right sizes (zeros): for decisions made on bytes alone."""
+    if fmt == "fp8":
+        return QWeight("fp8", torch.zeros(*lead, n, k, dtype=torch.float8_e4m3fn),
+                       torch.ones(*lead, -(-n // 128), -(-k // 128)))
+    if fmt == "mxfp4":
+        return QWeight("mxfp4", torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                       torch.zeros(*lead, n, k // 32, dtype=torch.float8_e8m0fnu))
+    return QWeight("nvfp4", torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                   torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(lead))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_large_experts_stream_their_down_projection_in_128_rows_up_to_2_tokens(fmt):
+    """`moe.pair_configs`: V4-Pro's experts (12.4 MB NVFP4 / 11.7 MB MXFP4 of w2 each) run the pair as two launches
+    with 128-row down units and 3-stage gate/up at 1-2 tokens (run 109: 3-16 % faster there, slower at 3-4); V4-Flash's
+    (4.7 / 4.5 MB) and 3+ tokens keep the defaults."""
+    pro = stored_weight(fmt, 7168, 3072, (2,)).nbytes() / 2
+    flash = stored_weight(fmt, 4096, 2048, (2,)).nbytes() / 2
+    assert flash < tmoe.WIDE_DOWN_EXPERT_BYTES <= pro
+    assert tmoe.WIDE_DOWN_TOKENS == 2 and tmoe.WIDE_DOWN.BN == 128
+    for overlap in (False, True):
+        default, three = gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=overlap, num_stages=3)
+        plain_down = gemv.GemvConfig(pdl=False)
+        for T in (1, 2):
+            assert tmoe.pair_configs(T, pro, overlap) == (three, tmoe.WIDE_DOWN, None, False)
+            assert tmoe.pair_configs(T, flash, overlap) == (default, plain_down, three, None)
+        for T in (3, 4, 8):
+            assert tmoe.pair_configs(T, pro, overlap) == tmoe.pair_configs(T, flash, overlap) == \
+                (default, plain_down, None, None)
+
+
+@pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", None)])
+def test_moe_with_128_row_down_units_matches_reference(monkeypatch, kernel_calls, fmt, shared_fmt):
+    """The 128-row down projection through `moe.moe` (the byte threshold lowered to reach it at toy sizes): two
+    launches, gate/up 64 rows with 3 stages, down 128 rows (3 units over D = 384), the shared expert in both;
+    against the reference at 1-2 tokens, and the defaults again at 3."""
+    monkeypatch.setattr(tmoe, "WIDE_DOWN_EXPERT_BYTES", 0)
+    monkeypatch.setattr(gemv, "num_sms", lambda device: 1024)   # single waves: two launches at 3 tokens too
+    E, k, D, I = 5, 2, 384, 256
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
+    for T, bns, stages in ((1, [64, 128], [3, 2]), (2, [64, 128], [3, 2]), (3, [64, 64], [2, 2])):
+        x = torch.randn(T, D) * 2
+        w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+        kernel_calls.clear()
+        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+        assert [c["kernel"] for c in kernel_calls] == ["gemv", "gemv"], T
+        assert [c["BN"] for c in kernel_calls] == bns and [c["num_stages"] for c in kernel_calls] == stages, T
+        assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6, T
+
+
 def test_pair_refuses_a_two_launch_gate_up_of_another_tile_height():
     """`launch_pair(up_alone=...)` shares gate/up's split-K counters, sized by `up.BN`: another BN is refused."""
     E, k, D, I, T = 4, 2, 128, 128, 1

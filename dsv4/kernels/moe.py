@@ -37,6 +37,14 @@ FUSED_TOPK_SUM = False
 # pipeline stages: V4-Pro 61.9 -> 54.8 us at 1 token, V4-Flash 26.4 -> 25.9; down and 4-8 tokens measured level or
 # slower with them (bench/RESULTS.md, run 104)
 THREE_STAGE_UP_TOKENS = 2
+# up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
+# V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
+# launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
+# 88.5 -> 86.6, 171.2 -> 147.4; 3-4 tokens 3-11 % slower, V4-Flash's down launch slower with 128 rows
+# (bench/RESULTS.md, runs 108-109)
+WIDE_DOWN_TOKENS = 2
+WIDE_DOWN_EXPERT_BYTES = 8e6
+WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -222,6 +230,17 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
     return linear(h, w2)
 
 
+def pair_configs(tokens: int, expert_down_bytes: float, overlap: bool):
+    """The GEMV pair's plan at `tokens` tokens as (up, down, up_alone, fused) for `moe_pair.launch_pair`:
+    `expert_down_bytes` is one expert's w2 with its scales, `overlap` whether gate/up streams the shared expert
+    while the routing kernel runs (PDL on gate/up only: measured level or slower elsewhere, gemv.GemvConfig)."""
+    up, down = gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False)
+    up_alone = replace(up, num_stages=3) if tokens <= THREE_STAGE_UP_TOKENS else None
+    if tokens <= WIDE_DOWN_TOKENS and expert_down_bytes >= WIDE_DOWN_EXPERT_BYTES:
+        return up_alone or up, WIDE_DOWN, None, False   # two launches: the one-launch pair needs equal BN
+    return up, down, up_alone, None
+
+
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
@@ -269,10 +288,10 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
         # the shared expert while the routing kernel runs
         overlap = after_route and shared is not None
-        up_alone = gemv.GemvConfig(pdl=overlap, num_stages=3) if T <= THREE_STAGE_UP_TOKENS else None
-        moe_pair.launch_pair(x, w13, h, w2, out, gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False),
-                             tokens=T, topk=k, ids=ids, rw=weights.reshape(-1), limit=limit, shared=shared,
-                             scratch=scratch, x_ready=overlap, up_alone=up_alone)
+        up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
+        moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
+                             limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
+                             fused=fused)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
