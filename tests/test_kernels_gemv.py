@@ -411,8 +411,8 @@ def stored_weight(fmt: str, n: int, k: int, lead: tuple = ()) -> QWeight:
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_large_experts_stream_their_down_projection_in_128_rows_up_to_2_tokens(fmt):
     """`moe.pair_configs`: V4-Pro's experts (12.4 MB NVFP4 / 11.7 MB MXFP4 of w2 each) run the pair as two launches
-    with 128-row down units and 3-stage gate/up at 1-2 tokens (run 109: 3-16 % faster there, slower at 3-4); V4-Flash's
-    (4.7 / 4.5 MB) and 3+ tokens keep the defaults."""
+    with 128-row down units and 3-stage gate/up at 1-2 tokens (run 109: 2-16 % faster there, mostly slower at 3-4);
+    V4-Flash's (4.7 / 4.5 MB) and 3+ tokens keep the defaults."""
     pro = stored_weight(fmt, 7168, 3072, (2,)).nbytes() / 2
     flash = stored_weight(fmt, 4096, 2048, (2,)).nbytes() / 2
     assert flash < tmoe.WIDE_DOWN_EXPERT_BYTES <= pro

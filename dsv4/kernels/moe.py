@@ -40,8 +40,8 @@ THREE_STAGE_UP_TOKENS = 2
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
 # V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
-# 88.5 -> 86.6, 171.2 -> 147.4; 3-4 tokens 3-11 % slower, V4-Flash's down launch slower with 128 rows
-# (bench/RESULTS.md, runs 108-109)
+# 88.5 -> 86.6, 171.2 -> 147.4; at 3-4 tokens 0.987-1.112 of the time before (7 of 8 readings slower);
+# V4-Flash's down launch slower with 128 rows at 1-8 tokens (bench/RESULTS.md, runs 108-109)
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
