@@ -1,6 +1,7 @@
 """The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
 
-    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--pdl] [--pdl-down] [--bn 128]
+    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--bns 64,128] [--maxnregs -1,0]
+                                [--pdl] [--pdl-down] [--bn 128]
                                 [--no-gcol] [--route] [--fused] [--await-l2 0,16]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
     ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/profile_moe.py --once
@@ -40,6 +41,11 @@ from common import (FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, n
 from dsv4.kernels import gemm, gemv, moe, moe_pair  # noqa: E402
 
 
+def default_reg(bn: int) -> int:
+    """The register cap `kernels.moe` uses with units of `bn` rows (GemvConfig.maxnreg)."""
+    return -1 if bn == 64 else 0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8")
@@ -53,6 +59,8 @@ def main():
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
     ap.add_argument("--bns", default="64", help="GemvConfig.BN of the per-launch timings (128: no register cap)")
+    ap.add_argument("--maxnregs", default="", help="GemvConfig.maxnreg of the per-launch timings instead of BN's "
+                    "default (-1: 128 per thread; 0: no cap; n: n), e.g. -1,0,168")
     ap.add_argument("--once", action="store_true", help="gate/up and down once each (for ncu), no timing")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -73,18 +81,18 @@ def main():
             down_bytes = touched * nbytes(w2) / s.E + nbytes(sw2)
 
             # picked / weights: a routing of rotation i other than moe_decode_inputs' (--route)
-            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None, bn=64):
+            def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None, bn=64, reg=None):
                 gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
                                                                num_stages=stages, BN=bn,
-                                                               maxnreg=-1 if bn == 64 else 0), M=P + T,
+                                                               maxnreg=default_reg(bn) if reg is None else reg), M=P + T,
                             rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
                             ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
                             scratch=scratch, x_ready=x_ready)
 
-            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None, bn=64):
+            def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None, bn=64, reg=None):
                 gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
                                                                 num_stages=stages, BN=bn,
-                                                                maxnreg=-1 if bn == 64 else 0), M=T,
+                                                                maxnreg=default_reg(bn) if reg is None else reg), M=T,
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
                             rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
@@ -101,12 +109,15 @@ def main():
                     torch.cuda.synchronize(dev)
                 continue
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
-                for bn, stages, split in itertools.product((int(v) for v in args.bns.split(",")),
-                                                           [int(v) for v in args.stages.split(",")],
-                                                           [int(v) for v in args.splits.split(",")]):
-                    ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages, bn=bn) for i in range(rot)])
+                regs = [int(v) for v in args.maxnregs.split(",") if v] or [None]
+                for bn, reg, stages, split in itertools.product((int(v) for v in args.bns.split(",")), regs,
+                                                                [int(v) for v in args.stages.split(",")],
+                                                                [int(v) for v in args.splits.split(",")]):
+                    ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages, bn=bn, reg=reg)
+                                            for i in range(rot)])
                     pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
-                    print(f"{s.name:8s} T={T:<3d} {name:8s} BN {bn:3d} {stages} st. split {split or 'auto':>4}: "
+                    cap = "" if reg is None else f" reg {reg:3d}"
+                    print(f"{s.name:8s} T={T:<3d} {name:8s} BN {bn:3d}{cap} {stages} st. split {split or 'auto':>4}: "
                           f"{ms * 1e3:7.1f} us {nb / 1e6:6.1f} MB {pct:4.0f}% of copy", flush=True)
             variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol \
