@@ -41,9 +41,11 @@ from common import (FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, n
 from dsv4.kernels import gemm, gemv, moe, moe_pair  # noqa: E402
 
 
-def default_reg(bn: int) -> int:
-    """The register cap `kernels.moe` uses with units of `bn` rows (GemvConfig.maxnreg)."""
-    return -1 if bn == 64 else 0
+def config(split: int, pdl: bool, gcol: bool, stages: int, bn: int, reg: int | None) -> gemv.GemvConfig:
+    """A launch's GemvConfig; `reg` None: the register cap `kernels.moe` uses with units of `bn` rows (128 per
+    thread for 64 rows, none for 128)."""
+    return gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol, num_stages=stages, BN=bn,
+                           maxnreg=(-1 if bn == 64 else 0) if reg is None else reg)
 
 
 def main():
@@ -82,17 +84,13 @@ def main():
 
             # picked / weights: a routing of rotation i other than moe_decode_inputs' (--route)
             def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None, bn=64, reg=None):
-                gemv.launch(xs[i], w13, hs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
-                                                               num_stages=stages, BN=bn,
-                                                               maxnreg=default_reg(bn) if reg is None else reg), M=P + T,
+                gemv.launch(xs[i], w13, hs[i], config(split, pdl, gcol, stages, bn, reg), M=P + T,
                             rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
                             ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
                             scratch=scratch, x_ready=x_ready)
 
             def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None, bn=64, reg=None):
-                gemv.launch(hs[i], w2, outs[i], gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol,
-                                                                num_stages=stages, BN=bn,
-                                                                maxnreg=default_reg(bn) if reg is None else reg), M=T,
+                gemv.launch(hs[i], w2, outs[i], config(split, pdl, gcol, stages, bn, reg), M=T,
                             rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
                             rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 

@@ -46,6 +46,18 @@ def make_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.05)
     return stacked_weight(fmt, n, k, lead, scale, spread="row")
 
 
+def stored_weight(fmt: str, n: int, k: int, lead: tuple = ()) -> QWeight:
+    """A weight with the stored tensors of the right sizes (zeros): for decisions made on bytes alone."""
+    if fmt == "fp8":
+        return QWeight("fp8", torch.zeros(*lead, n, k, dtype=torch.float8_e4m3fn),
+                       torch.ones(*lead, -(-n // 128), -(-k // 128)))
+    if fmt == "mxfp4":
+        return QWeight("mxfp4", torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                       torch.zeros(*lead, n, k // 32, dtype=torch.float8_e8m0fnu))
+    return QWeight("nvfp4", torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
+                   torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(lead))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,n,k", [(1, 70, 384), (5, 64, 256), (16, 130, 128)])
 def test_linear_matches_reference(launches, fmt, m, n, k):
@@ -396,18 +408,6 @@ def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_w
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
 
-def stored_weight(fmt: str, n: int, k: int, lead: tuple = ()) -> QWeight:
-    """A weight with the stored tensors of the right sizes (zeros): for decisions made on bytes alone."""
-    if fmt == "fp8":
-        return QWeight("fp8", torch.zeros(*lead, n, k, dtype=torch.float8_e4m3fn),
-                       torch.ones(*lead, -(-n // 128), -(-k // 128)))
-    if fmt == "mxfp4":
-        return QWeight("mxfp4", torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
-                       torch.zeros(*lead, n, k // 32, dtype=torch.float8_e8m0fnu))
-    return QWeight("nvfp4", torch.zeros(*lead, n, k // 2, dtype=torch.uint8),
-                   torch.zeros(*lead, n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(lead))
-
-
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_large_experts_stream_their_down_projection_in_128_rows_up_to_2_tokens(fmt):
     """`moe.pair_configs`: V4-Pro's experts (12.4 MB NVFP4 / 11.7 MB MXFP4 of w2 each) run the pair as two launches
@@ -594,19 +594,13 @@ def test_large_fp4_weights_stream_with_three_stages():
     """`default_config`: 3 pipeline stages for FP4 weights from THREE_STAGE_FP4_BYTES (V4-Pro wq_b / wo_b), with
     units of 128 rows from 9 rows; the plain config for smaller ones and for FP8 (measured: bench/RESULTS.md, runs
     51-53, 70 and 100-101)."""
-    def weight(fmt, n, k):   # stored bytes of the right sizes; the values do not matter here
-        if fmt == "nvfp4":
-            return QWeight("nvfp4", torch.zeros(n, k // 2, dtype=torch.uint8),
-                           torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn), torch.ones(()))
-        return QWeight("fp8", torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.ones(n // 128, k // 128))
-
-    pro_wq_b = weight("nvfp4", 65536, 1536)
+    pro_wq_b = stored_weight("nvfp4", 65536, 1536)
     assert pro_wq_b.nbytes() >= gemv.THREE_STAGE_FP4_BYTES
     assert gemv.default_config(pro_wq_b) == gemv.default_config(pro_wq_b, 8) == gemv.GemvConfig(num_stages=3)
     assert gemv.default_config(pro_wq_b, 9) == gemv.default_config(pro_wq_b, 16) == \
         gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3)   # MMA N = 16: half the x traffic per weight byte
-    assert gemv.default_config(weight("nvfp4", 8192, 4096)) == gemv.GemvConfig()   # V4-Flash wq_b, 19 MB
-    assert gemv.default_config(weight("fp8", 65536, 1536)) == gemv.GemvConfig()
+    assert gemv.default_config(stored_weight("nvfp4", 8192, 4096)) == gemv.GemvConfig()   # V4-Flash wq_b, 19 MB
+    assert gemv.default_config(stored_weight("fp8", 65536, 1536)) == gemv.GemvConfig()
 
 
 H200_SLOTS = 132 * 8   # SMs x resident CTAs of the default GEMV
