@@ -45,6 +45,11 @@ THREE_STAGE_UP_TOKENS = 2
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
+# warps of the routing kernel (one program per token). Its latency sits between the layer's gate/up launch and the
+# routed experts' first bytes; with one warp each thread computed 16 of V4-Pro's 384 scores in sequence: routing alone
+# 4.4 -> 3.8 us, the MoE layer at 1 token 90.3 -> 89.5 us with 4 warps; V4-Flash (256 experts) level; 8 and 16 warps
+# no faster (bench/RESULTS.md, runs 116-118)
+ROUTE_WARPS = 4
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -106,12 +111,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
     if T == 0:
         return w, ids
     dummy = logits
-    _route_kernel[(T,)](   # one warp: every reduction is shuffles, no shared memory
+    _route_kernel[(T,)](
         logits, bias if bias is not None else dummy, tid2eid if hashed else dummy,
         input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
         logits.stride(0), tid2eid.stride(0) if hashed else 0,
         TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
-        PDL=has_pdl(logits.device), num_warps=1 if E <= 512 else 4)
+        PDL=has_pdl(logits.device), num_warps=ROUTE_WARPS)
     return w, ids
 
 
