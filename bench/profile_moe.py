@@ -2,7 +2,7 @@
 
     python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--bns 64,128] [--maxnregs -1,0]
                                 [--pdl] [--pdl-down] [--bn 128]
-                                [--no-gcol] [--route] [--fused] [--await-l2 0,16]
+                                [--no-gcol] [--route] [--route-warps 1,4] [--fused] [--await-l2 0,16]
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
     ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/profile_moe.py --once
 
@@ -16,7 +16,8 @@ Split 0 is the launch's own choice (`gemv.choose_split`); other splits are force
 `GemvConfig.group_cols` (a multiply per FP4 weight pair instead). Each variant's output is compared with the plain
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
-gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`).
+gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`); with
+--route-warps, the routing kernel alone and overlapped once per warp count.
 --once: gate/up and down once each, untimed, for a profiler (`bench/ncu_regions.py` reads ncu's source page).
 --fused: the pair once more in one launch (`moe_pair.launch_pair(fused=True)`, also where `moe` takes two), for
 each --await-l2 (sub-steps of its weights a down unit prefetches into L2 while it waits for its h row); with
@@ -57,6 +58,8 @@ def main():
     ap.add_argument("--pdl-down", action="store_true", help="also time the pair with PDL on the down launch only")
     ap.add_argument("--bn", default="", help="also time the pair with these GemvConfig.BN (no register cap), e.g. 128")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
+    ap.add_argument("--route-warps", default=str(moe.ROUTE_WARPS),
+                    help="with --route: the routing kernel's warps (moe.route(warps=)) to time, e.g. 1,4,8")
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
     ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
@@ -122,6 +125,7 @@ def main():
                 + [("down with PDL", dict(pdl_down=True))] * args.pdl_down \
                 + [(f"both, BN {bn}", dict(bn=bn)) for bn in (int(v) for v in args.bn.split(",") if v)]
             awaits = [int(v) for v in args.await_l2.split(",")] if args.fused else []
+            route_warps = [int(v) for v in args.route_warps.split(",")]
             variants += [(f"one launch, L2 {a}", dict(await_l2=a)) for a in awaits]
             for label, kw in variants:
                 versus = ""   # a variant's output against the plain pair's
@@ -143,16 +147,18 @@ def main():
                 logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
                 bias = torch.zeros(s.E, device=dev)
 
-                def routed(i, ready, await_l2=None):   # the routing kernel's ids, not moe_decode_inputs' (the same count)
-                    rw, picked = moe.route(logits[i], bias, s.k, 1.5)
+                def routed(i, ready, await_l2=None, warps=moe.ROUTE_WARPS):   # the routing kernel's ids, not
+                    rw, picked = moe.route(logits[i], bias, s.k, 1.5, warps=warps)    # moe_decode_inputs' (same count)
                     if await_l2 is not None:
                         fused(i, pdl=ready, x_ready=ready, picked=picked, weights=rw.reshape(-1), await_l2=await_l2)
                         return
                     up(i, 0, pdl=ready, x_ready=ready, picked=picked)
                     down(i, 0, picked=picked, weights=rw.reshape(-1))
 
-                ms = timer.per_call_ms([lambda i=i: moe.route(logits[i], bias, s.k, 1.5) for i in range(rot)])
-                print(f"{s.name:8s} T={T:<3d} {'routing alone':18s}: {ms * 1e3:7.1f} us", flush=True)
+                for wp in route_warps:
+                    ms = timer.per_call_ms([lambda i=i: moe.route(logits[i], bias, s.k, 1.5, warps=wp)
+                                            for i in range(rot)])
+                    print(f"{s.name:8s} T={T:<3d} {f'routing alone, {wp} warps':18s}: {ms * 1e3:7.1f} us", flush=True)
                 routed(0, False)
                 plain = outs[0].clone()
                 routed(0, True)
@@ -165,6 +171,10 @@ def main():
                         same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
                     ms = timer.per_call_ms([lambda i=i: routed(i, ready, a) for i in range(rot)])
                     print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us{same if ready else ''}",
+                          flush=True)
+                for wp in (w for w in route_warps if w != moe.ROUTE_WARPS):
+                    ms = timer.per_call_ms([lambda i=i: routed(i, True, warps=wp) for i in range(rot)])
+                    print(f"{s.name:8s} T={T:<3d} {f'overlapped, routing on {wp} warps':18s}: {ms * 1e3:7.1f} us",
                           flush=True)
         del w13, w2, sw13, sw2
 

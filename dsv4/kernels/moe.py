@@ -94,8 +94,10 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_p
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,
-          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, *, fallback=None):
-    """Same contract as `ref.route`: (weights fp32 [T, k], ids int64 [T, k]); ids in selection order."""
+          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, *, fallback=None,
+          warps: int = ROUTE_WARPS):
+    """Same contract as `ref.route`: (weights fp32 [T, k], ids int64 [T, k]); ids in selection order. `warps`: of
+    each token's program (the same results with any)."""
     T, E = logits.shape
     hashed = tid2eid is not None
     if hashed and (input_ids is None or input_ids.numel() != T or tid2eid.shape[1] != top_k):
@@ -116,7 +118,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
         input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
         logits.stride(0), tid2eid.stride(0) if hashed else 0,
         TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
-        PDL=has_pdl(logits.device), num_warps=ROUTE_WARPS)
+        PDL=has_pdl(logits.device), num_warps=warps)
     return w, ids
 
 
