@@ -48,7 +48,7 @@ WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
 # warps of the routing kernel (one program per token). Its latency sits between the layer's gate/up launch and the
 # routed experts' first bytes; with one warp each thread computed 16 of V4-Pro's 384 scores in sequence: routing alone
 # 4.4 -> 3.8 us, the MoE layer at 1 token 90.3 -> 89.5 us with 4 warps; V4-Flash (256 experts) level; 8 and 16 warps
-# no faster (bench/RESULTS.md, runs 116-118)
+# no faster (bench/RESULTS.md, round fifteen, runs 116-121)
 ROUTE_WARPS = 4
 
 
