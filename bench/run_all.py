@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_layout, copy_bandwidth,  # noqa: E402
                     nbytes, random_qweight, rel_err)
 
-from dsv4.kernels import Ops, ref, refuse_fallback as _refuse  # noqa: E402
+from dsv4.kernels import Ops, moe, ref, refuse_fallback as _refuse  # noqa: E402
 
 M_LIST = "1,4,16,64,256,4096"   # the sizes (--ms narrows them)
 MOE_TOKENS = "1,4,8,64,512"     # the MoE layer table (--moe-tokens)
@@ -247,6 +247,10 @@ def correctness(run: Run):
         same = torch.equal(ids.sort(1).values, rids.sort(1).values)
         record(f"route {s.name} biased top-{s.k}", rel_err(w_.gather(1, ids.argsort(1)), rw.gather(1, rids.argsort(1))),
                1e-5, exact=same)
+        if run.ops.name != "ref":   # the kernel's warp count changes its schedule, never its bits
+            w1, ids1 = moe.route(logits, bias, s.k, 2.5, warps=1)
+            record(f"route {s.name} on 1 warp against {moe.ROUTE_WARPS} (same bits)", rel_err(w1, w_), 0.0,
+                   exact=torch.equal(ids1, ids) and torch.equal(w1, w_))
         tid2eid = torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(97)])
         tok = torch.randint(0, 97, (512,), device=dev, generator=gen)
         w_, ids = run.ops.route(logits, None, s.k, 1.5, tid2eid, tok)
