@@ -49,6 +49,11 @@ def config(split: int, pdl: bool, gcol: bool, stages: int, bn: int, reg: int | N
                            maxnreg=(-1 if bn == 64 else 0) if reg is None else reg)
 
 
+def ints(text: str) -> list[int]:
+    """A comma-separated option as integers ("" -> [])."""
+    return [int(v) for v in text.split(",") if v]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8")
@@ -69,6 +74,11 @@ def main():
     ap.add_argument("--once", action="store_true", help="gate/up and down once each (for ncu), no timing")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    # the per-launch timings' grid (BN, register cap, stages, split) and the variants' options, parsed once
+    grid = list(itertools.product(ints(args.bns), ints(args.maxnregs) or [None], ints(args.stages),
+                                  ints(args.splits)))
+    awaits = ints(args.await_l2) if args.fused else []
+    route_warps = ints(args.route_warps)
     dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     timer, scratch = Timer(dev), gemm.Scratch()
@@ -79,7 +89,7 @@ def main():
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
         sw13 = random_qweight("fp8", (2,), s.I, s.D, dev, gen)
         sw2 = random_qweight("fp8", (), s.D, s.I, dev, gen)
-        for T in (int(t) for t in args.tokens.split(",")):
+        for T in ints(args.tokens):
             rot, P = (2 if args.toy else 8), T * s.k
             xs, ids, rws, hs, outs, touched = moe_decode_inputs(s, T, rot, dev, gen)
             up_bytes = touched * nbytes(w13) / s.E + nbytes(sw13)
@@ -110,10 +120,7 @@ def main():
                     torch.cuda.synchronize(dev)
                 continue
             for name, fn, nb in (("gate/up", up, up_bytes), ("down", down, down_bytes)):
-                regs = [int(v) for v in args.maxnregs.split(",") if v] or [None]
-                for bn, reg, stages, split in itertools.product((int(v) for v in args.bns.split(",")), regs,
-                                                                [int(v) for v in args.stages.split(",")],
-                                                                [int(v) for v in args.splits.split(",")]):
+                for bn, reg, stages, split in grid:
                     ms = timer.per_call_ms([lambda i=i: fn(i, split, stages=stages, bn=bn, reg=reg)
                                             for i in range(rot)])
                     pct = 100 * nb / (ms * 1e-3) / 1e9 / copy
@@ -123,9 +130,7 @@ def main():
             variants = [("both launches", {})] + [("both, PDL", dict(pdl=True))] * args.pdl \
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol \
                 + [("down with PDL", dict(pdl_down=True))] * args.pdl_down \
-                + [(f"both, BN {bn}", dict(bn=bn)) for bn in (int(v) for v in args.bn.split(",") if v)]
-            awaits = [int(v) for v in args.await_l2.split(",")] if args.fused else []
-            route_warps = [int(v) for v in args.route_warps.split(",")]
+                + [(f"both, BN {bn}", dict(bn=bn)) for bn in ints(args.bn)]
             variants += [(f"one launch, L2 {a}", dict(await_l2=a)) for a in awaits]
             for label, kw in variants:
                 versus = ""   # a variant's output against the plain pair's
