@@ -3,10 +3,9 @@
     python bench/ab_moe.py --export COMMIT DIR      # here, with git: COMMIT's package as DIR/dsv4_ref
     python bench/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3] [--layer]      # on the GPU
 
-`--layer` times the MoE layer from its gate logits instead of the bare pair, each package twice: as `model.moe`
-runs it (sides "ref" and "new": `kernels.moe.route_moe(x_ready=True)` where the package has it, else the routing
-kernel then `moe(after_route=True)`, gate/up streaming the shared expert while routing runs) and without that
-overlap ("ref plain", "plain"). Compare like with like: new/ref and plain/ref plain. (Until
+`--layer` times the routing kernel and `kernels.moe.moe` instead of the bare pair, each package twice: as
+`model.moe` runs it (`after_route=True`: gate/up streams the shared expert while routing runs; sides "ref" and
+"new") and without that overlap ("ref plain", "plain"). Compare like with like: new/ref and plain/ref plain. (Until
 round fourteen the reference ran only without the overlap, so new/ref credited a change with the overlap's 1-2 %.)
 
 Calls on the device tool can land on different H200s (copy bandwidth 4249 vs 4274 GB/s), so a change worth a
@@ -66,13 +65,7 @@ def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
 
 
 def layer(mod, x, logits, bias, w13, w2, sw13, sw2, k, scratch, **kwargs):
-    """The MoE layer with its shared expert from the gate logits, through package `mod`'s kernels.moe: as
-    `model.moe` runs it, `route_moe` (its units route their tokens; `after_route` passed as `x_ready`) where the
-    package has it, else the routing kernel, then `moe`."""
-    if hasattr(mod, "route_moe"):
-        routing = importlib.import_module(mod.__name__.rpartition(".")[0] + ".ref").Routing(logits, bias, k, 1.5)
-        return mod.route_moe(x, routing, w13, w2, 10.0, fallback=refuse_fallback, route_fallback=refuse_fallback,
-                             shared=(sw13, sw2), scratch=scratch, x_ready=kwargs.get("after_route", False))
+    """The routing kernel, then the MoE with its shared expert, through package `mod`'s kernels.moe."""
     wts, ids = mod.route(logits, bias, k, 1.5, fallback=refuse_fallback)
     return mod.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, shared=(sw13, sw2), scratch=scratch,
                    **kwargs)

@@ -293,18 +293,6 @@ def correctness(run: Run):
             record(f"moe+shared {s.name} {fmt}+{sfmt} T={t} (after route: same bits)",
                    rel_err(y, ref.moe(x, ids, wts, w13, w2, 10.0, shared=shared)), 2e-2 if run.toy else 1e-2,
                    exact=same, written=bool(torch.isfinite(y).all()))
-            # as the model runs it now (`route_moe`): where the GEMV pair runs, its units route their own tokens;
-            # the bits of the routing kernel and the pair, for biased and hash routing
-            tid2eid = torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(97)])
-            tok = torch.randint(0, 97, (t,), device=dev, generator=gen)
-            for kind, routing in (("biased", ref.Routing(logits, zero, s.k, 1.5)),
-                                  ("hash", ref.Routing(logits, None, s.k, 1.5, tid2eid, tok))):
-                wr, ir = routing.route(run.ops.route)
-                y_seq = run.ops.moe(x, ir, wr, w13, w2, 10.0, shared=shared, after_route=True)
-                y_rm = run.ops.route_moe(x, routing, w13, w2, 10.0, shared=shared, x_ready=True)
-                record(f"route_moe {s.name} {fmt}+{sfmt} T={t} {kind} (same bits as route, then moe)",
-                       rel_err(y_rm, y_seq), 0.0, exact=torch.equal(y_rm, y_seq),
-                       written=bool(torch.isfinite(y_rm).all()))
         del w13, w2, shared
     for s, fmt in ((sh, "fp8"), (big, "nvfp4")):
         w13 = random_qweight(fmt, (2,), s.I, s.D, dev, gen)
@@ -556,11 +544,7 @@ def moe_table(run: Run):
             logits = [torch.randn(t, s.E, device=dev, generator=gen) for _ in range(rot)]
             touched = [torch.unique(ref.route(lg, bias, s.k, 1.5)[1]).numel() for lg in logits]
 
-            def layer(x, lg):   # as dsv4.model.moe runs it: one route_moe, the shared expert inside
-                return run.ops.route_moe(x, ref.Routing(lg, bias, s.k, 1.5), w13, w2, 10.0, shared=(sw13, sw2),
-                                         x_ready=True)
-
-            def layer_route_kernel(x, lg):   # the routing kernel, then ops.moe (as the model ran it until round 16)
+            def layer(x, lg):   # as dsv4.model.moe runs it: the shared expert inside ops.moe, after the routing
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
                 return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2), after_route=True)
 
@@ -569,7 +553,6 @@ def moe_table(run: Run):
                 return run.ops.moe(x, ids, wts, w13, w2, 10.0, **kw)
 
             ms = run.timer.per_call_ms([lambda x=x, lg=lg: layer(x, lg) for x, lg in zip(xs, logits)])
-            ms_rk = run.timer.per_call_ms([lambda x=x, lg=lg: layer_route_kernel(x, lg) for x, lg in zip(xs, logits)])
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
             ms_alt = ms_fused = None
             if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
@@ -586,7 +569,7 @@ def moe_table(run: Run):
             floor_routed = per_expert * sum(touched) / len(touched)
             floor = floor_routed + shared_bytes
             row = dict(model=s.name, fmt=fmt, shared_fmt=shared_fmt, T=t, experts_touched=sum(touched) / len(touched),
-                       us=ms * 1e3, route_kernel_us=ms_rk * 1e3, floor_mb=floor / 1e6, gbps=floor / (ms * 1e-3) / 1e9,
+                       us=ms * 1e3, floor_mb=floor / 1e6, gbps=floor / (ms * 1e-3) / 1e9,
                        pct_floor=100 * (floor / (copy * 1e9)) / (ms * 1e-3),
                        routed_us=ms_r * 1e3, routed_floor_mb=floor_routed / 1e6,
                        routed_pct_floor=100 * (floor_routed / (copy * 1e9)) / (ms_r * 1e-3),
@@ -594,8 +577,7 @@ def moe_table(run: Run):
                        routed_fused_sum_us=None if ms_fused is None else ms_fused * 1e3)
             rows.append(row)
             print(f"  {s.name:8s} {fmt:5s} T={t:<4d} experts {row['experts_touched']:6.1f}  layer {row['us']:8.1f} us "
-                  f"= {row['pct_floor']:3.0f}% of floor ({row['floor_mb']:.0f} MB) (routing kernel first: "
-                  f"{row['route_kernel_us']:.1f} us)  | routed only "
+                  f"= {row['pct_floor']:3.0f}% of floor ({row['floor_mb']:.0f} MB)  | routed only "
                   f"{row['routed_us']:8.1f} us = {row['routed_pct_floor']:3.0f}%"
                   + ("" if ms_alt is None else f" (other decode kernels: {ms_alt * 1e3:.1f} us)")
                   + ("" if ms_fused is None else f" (top-k sum fused: {ms_fused * 1e3:.1f} us)"),

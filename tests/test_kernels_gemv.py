@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.formats import QWeight
-from dsv4.kernels import KernelFallback, Ops, decode, gemm, gemv, moe_pair, ops_for, ref
+from dsv4.kernels import Ops, decode, gemm, gemv, moe_pair, ops_for, ref
 from dsv4.kernels import moe as tmoe
 from dsv4.kernels import tiles
 from kernel_util import refuse, rel_err, stacked_weight
@@ -365,107 +365,6 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
         assert torch.equal(h, runs[0][0]) and torch.equal(out, runs[0][1])
     assert (kernel_calls[-1]["SPLIT"] > 1) == (split > 1) and kernel_calls[-1]["X_READY"] == bool(shared)
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
-
-
-def routing_inputs(T: int, E: int, k: int, hashed: bool, gen: torch.Generator) -> ref.Routing:
-    """Gate logits, a non-zero bias (or a hash layer's tid2eid and token ids) for T tokens over E experts."""
-    logits = torch.randn(T, E, generator=gen) * 2
-    if hashed:
-        tid2eid = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(11)])
-        return ref.Routing(logits, None, k, 2.5, tid2eid, torch.randint(0, 11, (1, T), generator=gen))
-    return ref.Routing(logits, torch.randn(E, generator=gen) * 0.3, k, 2.5)
-
-
-@pytest.mark.parametrize("fmt,shared_fmt,hashed,split", [("nvfp4", "fp8", False, 2), ("mxfp4", "nvfp4", True, 1),
-                                                          ("fp8", None, False, 1), ("nvfp4", None, True, 2)])
-def test_pair_units_that_route_their_tokens_give_the_bits_of_the_routing_kernel(kernel_calls, fmt, shared_fmt,
-                                                                                  hashed, split):
-    """`launch_pair(routing=...)`: every routed unit of both stages computes its token's expert and routing weight
-    from the logits (`routing._route_slot`, the routing kernel's own function) and reads no ids / rw (they are
-    not passed: a unit that read them would stream the wrong expert). In two launches and in one, with the shared
-    expert first or last, h and out are bit for bit those of `moe.route` followed by the pair on its ids."""
-    E, k, D, I, T = 7, 3, 256, 128, 3
-    gen = torch.Generator().manual_seed(split + 10 * hashed)
-    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
-    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
-    x = torch.randn(T, D, generator=gen) * 2
-    r = routing_inputs(T, E, k, hashed, gen)
-    w, ids = r.route(tmoe.route)
-    assert ids.unique().numel() > k   # the tokens' experts differ
-    rows = T * k + (T if shared else 0)
-    cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
-    runs = []
-    for routing, fused, x_ready in ((None, False, False), (r, False, False), (r, True, False), (r, True, True)):
-        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
-        given = dict(ids=ids, rw=w.reshape(-1)) if routing is None else dict(ids=None, rw=None)
-        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, limit=LIMIT, shared=shared,
-                             scratch=scratch, x_ready=x_ready, fused=fused, routing=routing, **given)
-        runs.append((h, out))
-        for call in kernel_calls[-1:] if fused else kernel_calls[-2:]:   # one ROUTE for both stages of one launch
-            assert call.get("ROUTE", False) == (routing is not None)
-    assert rel_err(runs[0][1], ref.route_moe(x, r, w13, w2, LIMIT, shared=shared)) < 1e-6
-    for h, out in runs[1:]:
-        assert torch.equal(h, runs[0][0]) and torch.equal(out, runs[0][1])
-    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("T", [1, 2, 5])
-@pytest.mark.parametrize("hashed", [False, True])
-def test_route_moe_routes_inside_the_pair(kernel_calls, T, hashed):
-    """`moe.route_moe`: where the GEMV pair runs, its units route (no routing kernel, ROUTE on every GEMV stage)
-    and the output is the bits of `route` then `moe(after_route=x_ready)`; with `in_pair=False` it is that
-    sequence. The reference composes `ref.route` and `ref.moe`."""
-    E, k, D, I = 6, 2, 256, 128
-    gen = torch.Generator().manual_seed(T + 7 * hashed)
-    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
-    shared = make_weight("fp8", I, D, (2,), 0.5), make_weight("fp8", D, I, (), 0.1)
-    x = torch.randn(T, D, generator=gen) * 2
-    r = routing_inputs(T, E, k, hashed, gen)
-    w, ids = tmoe.route(r.logits, r.bias, k, r.scaling, r.tid2eid, r.input_ids, fallback=refuse)
-    want = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
-                    after_route=True)
-    before = len(kernel_calls)
-    got = tmoe.route_moe(x, r, w13, w2, LIMIT, shared=shared, x_ready=True, fallback=refuse, route_fallback=refuse,
-                         scratch=gemm.Scratch())
-    assert len(kernel_calls) > before and all(c["ROUTE"] for c in kernel_calls[before:])
-    assert torch.equal(got, want)
-    assert rel_err(got, ref.route_moe(x, r, w13, w2, LIMIT, shared=shared)) < 1e-6
-    before = len(kernel_calls)
-    plain = tmoe.route_moe(x, r, w13, w2, LIMIT, shared=shared, x_ready=True, in_pair=False, fallback=refuse,
-                           route_fallback=refuse, scratch=gemm.Scratch())
-    assert not any(c.get("ROUTE", False) for c in kernel_calls[before:]) and torch.equal(plain, want)
-
-
-def test_route_moe_outside_the_pair_routes_first():
-    """Where the GEMV pair does not run (more tokens than `gemv.MOE_TOKENS`), `route_moe` is `route` then `moe`;
-    a routing whose logits the kernels cannot read in place (experts not contiguous) is handed to the reference
-    routing."""
-    E, k, D, I, T = 6, 2, 256, 128, 12
-    gen = torch.Generator().manual_seed(3)
-    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
-    x = torch.randn(T, D, generator=gen)
-    r = routing_inputs(T, E, k, False, gen)
-    got = tmoe.route_moe(x, r, w13, w2, LIMIT, fallback=refuse, route_fallback=refuse, scratch=gemm.Scratch())
-    assert rel_err(got, ref.route_moe(x, r, w13, w2, LIMIT)) < 1e-6
-    strided = ref.Routing(r.logits.t().contiguous().t()[:2], r.bias, k, r.scaling)
-    assert strided.logits.stride(-1) != 1
-    with pytest.raises(KernelFallback, match="fell back"):
-        tmoe.route_moe(x[:2], strided, w13, w2, LIMIT, fallback=refuse, route_fallback=refuse, scratch=gemm.Scratch())
-
-
-def test_gemv_routing_must_fit_the_launch():
-    """`gemv.launch(routing=...)` names what does not fit: the dense row mode, or a top-k that is not the launch's."""
-    E, k, D, I, T = 4, 2, 256, 128, 2
-    w13 = make_weight("nvfp4", I, D, (E, 2))
-    r = ref.Routing(torch.randn(T, E), torch.zeros(E), k, 1.0)
-    with pytest.raises(ValueError, match="routing in the GEMV"):
-        gemv.launch(torch.randn(T * k, D), w13, torch.empty(T * k, I), gemv.GemvConfig(), M=T * k,
-                    rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k + 1, limit=LIMIT, pairs=T * k, routing=r)
-    with pytest.raises(ValueError, match="routing in the GEMV"):
-        gemv.launch(torch.randn(T, D), make_weight("nvfp4", I, D), torch.empty(T, I), gemv.GemvConfig(), M=T,
-                    routing=r)
-    with pytest.raises(ValueError, match="hash routing needs input_ids"):
-        ref.Routing(torch.randn(T, E), None, k, 1.0, torch.zeros(5, k, dtype=torch.long))
 
 
 @pytest.mark.parametrize("split,shared_fmt", [(2, "nvfp4"), (3, None), (4, "fp8")])

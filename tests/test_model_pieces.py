@@ -276,10 +276,10 @@ def test_w4a4_experts_match_a_per_expert_reference():
 
 
 @pytest.mark.parametrize("layer", [0, 3], ids=["hash", "biased"])
-def test_moe_block_routes_and_runs_the_experts_in_one_op(layer):
-    """The MoE block hands ops.route_moe its gate logits and routing inputs (the Triton pair then routes inside its
-    units, kernels/moe.py) with `x_ready=True` and the shared expert folded in; ops.route and ops.moe are not called
-    (the W4A4 path aside). The reference takes the hint and ignores it, and the result is route, then moe."""
+def test_moe_block_calls_the_experts_right_after_routing(layer):
+    """The MoE block hands ops.moe `after_route=True` (the Triton MoE then streams the shared expert while the
+    routing kernel runs: kernels/moe.py) right after ops.route, with the shared expert folded in; the reference
+    takes the hint and ignores it."""
     import dataclasses
 
     from dsv4.kernels import ref
@@ -287,15 +287,12 @@ def test_moe_block_routes_and_runs_the_experts_in_one_op(layer):
 
     calls = []
 
-    def route_moe_spy(*args, **kwargs):
-        calls.append((args, kwargs))
-        return ref.route_moe(*args, **kwargs)
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the MoE block called ops.route or ops.moe")
+    def moe_spy(*args, **kwargs):
+        calls.append(kwargs)
+        return ref.moe(*args, **kwargs)
 
     cfg = ModelConfig.tiny()
-    ops = dataclasses.replace(OPS, route_moe=route_moe_spy, route=refuse, moe=refuse)
+    ops = dataclasses.replace(OPS, moe=moe_spy)
     block = MoE(cfg, layer, Builder(None, torch.float32, ops))
     fill_(block, seed=layer)
     with torch.no_grad():
@@ -306,10 +303,7 @@ def test_moe_block_routes_and_runs_the_experts_in_one_op(layer):
         block.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, block.gate.tid2eid.shape))
     x, ids = torch.randn(1, 5, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 5))
     y = block(x, ids)
-    assert len(calls) == 1 and calls[0][1]["x_ready"] is True and calls[0][1]["shared"] is not None
-    routing = calls[0][0][1]
-    assert (routing.top_k, routing.scaling) == (cfg.num_experts_per_tok, cfg.routed_scaling_factor)
-    assert routing.hashed == block.gate.hash and (routing.bias is None) == block.gate.hash
+    assert len(calls) == 1 and calls[0]["after_route"] is True and calls[0]["shared"] is not None
     flat = x.reshape(-1, cfg.hidden_size)
     g = block.gate
     weights, picked = ref.route(g(flat), None if g.hash else g.bias, cfg.num_experts_per_tok,

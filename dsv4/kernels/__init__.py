@@ -26,12 +26,11 @@ class Ops:
     mlp: Callable          # shared expert (x [T, K], w13 (2,), w2, limit) -> [T, D]
     route: Callable        # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
     moe: Callable          # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
-    route_moe: Callable    # (x [T, K], ref.Routing, w13 (E, 2), w2 (E,), limit, shared=(w13, w2)): route, then moe
     grouped_linear: Callable = ref.grouped_linear  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
 
     @classmethod
     def reference(cls) -> "Ops":
-        return cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe, ref.route_moe, ref.grouped_linear)
+        return cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe, ref.grouped_linear)
 
     @classmethod
     def triton(cls, strict: bool = False) -> "Ops":
@@ -48,8 +47,6 @@ class Ops:
                    partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch), mlp,
                    partial(moe.route, fallback=fb(ref.route)),
                    partial(moe.moe, fallback=fb(ref.moe), mlp_op=mlp, scratch=scratch),
-                   partial(moe.route_moe, fallback=fb(ref.moe), route_fallback=fb(ref.route), mlp_op=mlp,
-                           scratch=scratch),
                    partial(gemm.grouped_linear, fallback=fb(ref.grouped_linear), scratch=scratch))
 
 

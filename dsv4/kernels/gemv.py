@@ -79,8 +79,6 @@ from ..formats import FP4_FORMATS, QWeight
 from .decode import _fp4_decode, _fp8_decode, _group_multipliers, _group_scales
 from .host import has_pdl, interpreting, lead_strides, num_sms, scale_views
 from .sync import SYNC_LINE, _await_row, _prefetch_unit_l2, _signal_row
-from .ref import Routing
-from .routing import _route_slot, route_args, route_consts, route_ready
 from .tiles import FMT_CODES, TILE_BYTES_C, _sum_split_partials, byte_offsets, epilogue_factor, scale_chunk_c
 
 ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
@@ -358,14 +356,12 @@ def _gemv_unit(
     sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
     stride_ss2g,
     ready_ptr, ready_target, ticket_ptr,
-    lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling, stride_l, stride_tid,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
     SIGNAL: tl.constexpr, AWAIT: tl.constexpr, AWAIT_L2: tl.constexpr, TICKET: tl.constexpr,
-    COLS: tl.constexpr, ROUTE: tl.constexpr, ROUTE_HASH: tl.constexpr, ROUTE_K: tl.constexpr, ROUTE_KP: tl.constexpr,
-    ROUTE_EP: tl.constexpr,
+    COLS: tl.constexpr = False,
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
@@ -373,12 +369,7 @@ def _gemv_unit(
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
     L2-prefetching up to AWAIT_L2 sub-steps of its tile-major weights first if it has to wait. TICKET: draws
     the program's next ticket (returned) once its weights are read, so that the atomic's round trip overlaps
-    the unit's stores; else returns 0.
-
-    ROUTE (`routing.route_consts`; ROWS_PAIR and ROWS_TOKEN): a routed unit computes its token's routing
-    from the gate logits (`routing._route_slot`, lg_ptr .. stride_tid; ROUTE_HASH: a hash layer's) instead of
-    reading ids / rw, which it ignores; ROUTE_K is the top-k (ROWS_PAIR: x row r is pair (r // ROUTE_K,
-    r % ROUTE_K))."""
+    the unit's stores; else returns 0."""
     WAIT_PER_UNIT: tl.constexpr = PDL and waits_per_unit(X_READY, ROWS, SHARED)
     offs_r = tl.arange(0, MP)
     offs_b = tl.arange(0, BN)
@@ -419,12 +410,6 @@ def _gemv_unit(
         if SHARED:
             on_shared = r >= P
             xrow = tl.where(on_shared, yrow - P, xrow)
-        if ROUTE:
-            e = r * 0
-            if r < P or not SHARED:   # a shared-expert unit may run before the logits are written (X_READY)
-                e, _ = _route_slot(r // ROUTE_K, r % ROUTE_K, lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling,
-                                   stride_l, stride_tid, ROUTE_K, ROUTE_EP, ROUTE_KP, ROUTE_HASH)
-        elif SHARED:
             e = tl.load(ids_ptr + tl.minimum(r, P - 1), mask=r < P, other=0).to(tl.int32)
         else:
             e = tl.load(ids_ptr + r).to(tl.int32)
@@ -438,15 +423,8 @@ def _gemv_unit(
         pair = r * TOPK + tl.minimum(slot, TOPK - 1)
         yrow = r + offs_r * 0
         xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
-        if ROUTE:
-            e = r * 0
-            rw = 1.0 + r * 0.0
-            if slot < TOPK:
-                e, rw = _route_slot(r, slot, lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling, stride_l,
-                                    stride_tid, ROUTE_K, ROUTE_EP, ROUTE_KP, ROUTE_HASH)
-        else:
-            e = tl.load(ids_ptr + pair).to(tl.int32)
-            rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
+        e = tl.load(ids_ptr + pair).to(tl.int32)
+        rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
     n0 = pid_n * BN
     rows = tl.minimum(n0 + offs_b, N - 1)   # rows past N re-read row N - 1; never stored
     rows_mma = _mma_rows(n0 + offs_b, BN, W)
@@ -531,8 +509,7 @@ def _gemv_unit(
     return ticket
 
 
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s", "n_exp",
-                               "stride_l", "stride_tid"])
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s"])
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
@@ -540,14 +517,11 @@ def _gemv_kernel(
     stride_ym,
     sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
     stride_ss2g,
-    lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling, stride_l, stride_tid,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
-    X_READY: tl.constexpr = False, COLS: tl.constexpr = False, ROUTE: tl.constexpr = False,
-    ROUTE_HASH: tl.constexpr = False, ROUTE_K: tl.constexpr = 1, ROUTE_KP: tl.constexpr = 1,
-    ROUTE_EP: tl.constexpr = 1,
+    X_READY: tl.constexpr = False, COLS: tl.constexpr = False,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -585,10 +559,8 @@ def _gemv_kernel(
                    stride_s2g, stride_ym,
                    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
-                   lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling, stride_l, stride_tid,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                   PDL, GCOL, X_READY, False, False, 0, False, COLS, ROUTE, ROUTE_HASH, ROUTE_K, ROUTE_KP,
-                   ROUTE_EP)
+                   PDL, GCOL, X_READY, False, False, 0, False, COLS)
 
 
 @triton.jit
@@ -814,7 +786,7 @@ class _Prepared:
 def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
            R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
            group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None,
-           x_ready: bool = False, routing: Routing | None = None):
+           x_ready: bool = False):
     """One launch over a (possibly stacked) QWeight. x rows: M (dense), pairs (ROWS_PAIR: R = M = pairs), or
     pairs of R tokens (ROWS_TOKEN: M = R = tokens, x has tokens * topk rows). y: [M, N] (row stride any).
 
@@ -825,28 +797,16 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
 
     `x_ready` (ROWS_PAIR with `shared`): the caller promises that x was written before the previous kernel on
     the stream started and that that kernel writes neither x nor the weights (it is `moe.route`'s); the shared
-    expert's units then run first and, with `cfg.pdl`, before that kernel has finished (`X_READY`).
-
-    `routing` (ROWS_PAIR / ROWS_TOKEN, `routing.route_ready`): every routed unit computes its token's expert and
-    weight from the gate logits (`routing.py`) and ids / rw are not read; with `x_ready` the previous kernel is
-    then the one that wrote the logits."""
+    expert's units then run first and, with `cfg.pdl`, before that kernel has finished (`X_READY`)."""
     p = _prepare(x, w, y, cfg, M=M, rows=rows, R=R, gated=gated, topk=topk, x_div=x_div, ids=ids, rw=rw, limit=limit,
-                 group_r=group_r, x_gstride=x_gstride, shared=shared, pairs=pairs, scratch=scratch, x_ready=x_ready,
-                 routing=routing)
+                 group_r=group_r, x_gstride=x_gstride, shared=shared, pairs=pairs, scratch=scratch, x_ready=x_ready)
     _gemv_kernel[(p.programs,)](*p.args, **p.consts)
 
 
 def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, gated: bool, topk: int, x_div: int, ids,
              rw, limit: float, group_r: int, x_gstride: int, shared: QWeight | None, pairs: int, scratch,
-             x_ready: bool, cnt: torch.Tensor | None = None, routing: Routing | None = None) -> _Prepared:
+             x_ready: bool, cnt: torch.Tensor | None = None) -> _Prepared:
     """`launch`'s work but the launch itself; `cnt`: the split-K semaphores to use (default: the scratch's)."""
-    if routing is not None:
-        k, T = routing.top_k, routing.logits.shape[0]
-        fits = (rows == ROWS_PAIR and x_div == k and T * k == (pairs or R)) or \
-            (rows == ROWS_TOKEN and topk == k and T == R)
-        if not (fits and route_ready(routing)):
-            raise ValueError(f"routing in the GEMV (top-{k} of {tuple(routing.logits.shape)} logits) does not fit "
-                             f"this launch (rows {rows}, R {R}, pairs {pairs}, x_div {x_div}, topk {topk})")
     N, K = w.out_features, w.in_features
     lead = w.leading
     wt = w.weight.view(torch.uint8)
@@ -881,9 +841,6 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                   PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
                   X_READY=x_ready and shared is not None and rows == ROWS_PAIR,
                   COLS=shared_cols(rows, R, pairs, shared))
-    if routing is not None:
-        consts.update(route_consts(routing))
-    routed_by = route_args(routing) if routing is not None else (wt, wt, wt, wt, 0, 0.0, 0, 0)
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
@@ -899,7 +856,7 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                 M, N, R, split, topk, chunk, n_steps, float(limit), x_div, group_r, x_gstride,
                 x.stride(0), swe, swg, wt.stride(-2), sse, ssg, scale.stride(-2), s2e, s2g, y.stride(0),
                 swt, sscale, ss2 if ss2 is not None else swt, max(1, pairs), chunk_s, split_s, n_steps_s,
-                *shared_strides, *routed_by)
+                *shared_strides)
 
     if interp:
         per_sm = 1

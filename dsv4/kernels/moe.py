@@ -27,8 +27,6 @@ from ..formats import FP4_FORMATS, QWeight
 from . import gemm, gemv, moe_pair, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED, Config
 from .host import has_pdl
-from .ref import Routing
-from .routing import _route_token, route_args, route_consts, route_ready
 
 DECODE_TOKENS = 8
 # the routed down GEMM adds each token's k rows itself (`gemm.launch(sum_out=...)`) instead of `gemm.sum_rows`
@@ -44,9 +42,6 @@ THREE_STAGE_UP_TOKENS = 2
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
 # 88.5 -> 86.6, 171.2 -> 147.4; at 3-4 tokens 0.987-1.112 of the time before (7 of 8 readings slower);
 # V4-Flash's down launch slower with 128 rows at 1-8 tokens (bench/RESULTS.md, runs 108-109)
-# the decode GEMV pair's routed units compute their token's routing from the gate logits (`route_moe`) instead
-# of reading what the routing kernel wrote: TBD (bench/RESULTS.md)
-ROUTE_IN_PAIR = True
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
@@ -60,16 +55,40 @@ ROUTE_WARPS = 4
 # --------------------------------------------------------------------------------------------- routing
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20) with a log1p that keeps tiny exp(x) (x << 0) exact to fp32."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    lg = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
+    return tl.where(x > 20.0, x, lg)
+
+
+@triton.jit
 def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling,
                   stride_l, stride_tid, TOPK: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                   HASH: tl.constexpr, PDL: tl.constexpr):
     if PDL:   # the gate/up launch after it may start now and stream the shared expert (`moe(after_route=True)`)
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
-    ids, w = _route_token(t, logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, E, scaling, stride_l, stride_tid,
-                          TOPK, E_PAD, K_PAD, HASH)
+    offs_e = tl.arange(0, E_PAD)
+    emask = offs_e < E
     offs_j = tl.arange(0, K_PAD)
     kmask = offs_j < TOPK
+    if HASH:
+        tok = tl.load(input_ids_ptr + t).to(tl.int64)
+        ids = tl.load(tid2eid_ptr + tok * stride_tid + offs_j, mask=kmask, other=0).to(tl.int32)
+    else:
+        logit = tl.load(logits_ptr + t * stride_l + offs_e, mask=emask, other=0.0).to(tl.float32)
+        sel = tl.where(emask, tl.sqrt_rn(_softplus(logit))
+                       + tl.load(bias_ptr + offs_e, mask=emask, other=0.0).to(tl.float32), float("-inf"))
+        ids = tl.zeros((K_PAD,), dtype=tl.int32)
+        for j in tl.static_range(TOPK):
+            idx = tl.argmax(sel, 0, tie_break_left=True).to(tl.int32)
+            ids = tl.where(offs_j == j, idx, ids)
+            sel = tl.where(offs_e == idx, float("-inf"), sel)
+    # the picked experts' unbiased scores: a gather of their k logits (cache-hot) rather than k reductions
+    lg = tl.load(logits_ptr + t * stride_l + ids, mask=kmask, other=0.0).to(tl.float32)
+    picked = tl.where(kmask, tl.sqrt_rn(_softplus(lg)), 0.0)
+    w = picked / (tl.sum(picked) + 1e-20) * scaling
     tl.store(w_ptr + t * TOPK + offs_j, w, mask=kmask)
     tl.store(ids_ptr + t * TOPK + offs_j, ids.to(tl.int64), mask=kmask)
 
@@ -79,18 +98,27 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
           warps: int = ROUTE_WARPS):
     """Same contract as `ref.route`: (weights fp32 [T, k], ids int64 [T, k]); ids in selection order. `warps`: of
     each token's program (the same results with any)."""
-    r = Routing(logits, bias, top_k, scaling, tid2eid, input_ids)   # checks the arguments
-    if not route_ready(r):
+    T, E = logits.shape
+    hashed = tid2eid is not None
+    if hashed and (input_ids is None or input_ids.numel() != T or tid2eid.shape[1] != top_k):
+        raise ValueError(f"hash routing needs input_ids for all {T} tokens and tid2eid [vocab, {top_k}]; got "
+                         f"input_ids {None if input_ids is None else tuple(input_ids.shape)}, "
+                         f"tid2eid {tuple(tid2eid.shape)}")
+    if not hashed and bias is None:
+        raise ValueError("biased top-k routing needs the gate bias (or tid2eid for a hash layer)")
+    if logits.stride(-1) != 1 or (hashed and tid2eid.stride(-1) != 1):
         return fallback(logits, bias, top_k, scaling, tid2eid, input_ids)
-    T = logits.shape[0]
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T == 0:
         return w, ids
-    lg, bias_, tid, iid, E, scale, stride_l, stride_tid = route_args(r)
-    c = route_consts(r)
-    _route_kernel[(T,)](lg, bias_, tid, iid, w, ids, E, scale, stride_l, stride_tid, TOPK=top_k, E_PAD=c["ROUTE_EP"],
-                        K_PAD=c["ROUTE_KP"], HASH=r.hashed, PDL=has_pdl(logits.device), num_warps=warps)
+    dummy = logits
+    _route_kernel[(T,)](
+        logits, bias if bias is not None else dummy, tid2eid if hashed else dummy,
+        input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
+        logits.stride(0), tid2eid.stride(0) if hashed else 0,
+        TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
+        PDL=has_pdl(logits.device), num_warps=warps)
     return w, ids
 
 
@@ -257,11 +285,20 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     x = x if x.stride(-1) == 1 else x.contiguous()
     ids = ids.contiguous()
     weights = weights.contiguous()
-    if gemv_pair:   # (T > 0)
-        return _pair(x, w13, w2, limit, shared, scratch, k, after_route, ids=ids, rw=weights.reshape(-1))
     P = T * k
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if T == 0:
+        return out
+    if gemv_pair:
+        rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
+        h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+        # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
+        # the shared expert while the routing kernel runs
+        overlap = after_route and shared is not None
+        up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
+        moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
+                             limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
+                             fused=fused)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:
@@ -287,50 +324,6 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     _routed_down(h, w2, out, down, weights, k, fused_sum, scratch, rows=ROWS_SORTED, num_m=nb_max, ids=blk_e,
                  rows_idx=rows, nblk=nblk)
     return out
-
-
-def _pair(x, w13: QWeight, w2: QWeight, limit: float, shared, scratch, k: int, x_ready: bool, *, ids=None, rw=None,
-          routing: Routing | None = None) -> torch.Tensor:
-    """The decode GEMV pair (`moe_pair.launch_pair`) into a new output: the experts from ids / rw, or each routed
-    unit's own routing (`routing`)."""
-    T = x.shape[0]
-    E, I, D = w13.leading[0], w13.out_features, w2.out_features
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    h = torch.empty(T * k + (T if shared is not None else 0), I, dtype=x.dtype, device=x.device)   # h: the
-    # routed pairs, then the shared expert's rows
-    # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams the
-    # shared expert while the kernel before it (routing) runs
-    overlap = x_ready and shared is not None
-    up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
-    moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=rw, limit=limit, shared=shared,
-                         scratch=scratch, x_ready=overlap, up_alone=up_alone, fused=fused, routing=routing)
-    return out
-
-
-def route_moe(x: torch.Tensor, routing: Routing, w13: QWeight, w2: QWeight, limit: float, *,
-              shared: tuple[QWeight, QWeight] | None = None, x_ready: bool = False, in_pair: bool = ROUTE_IN_PAIR,
-              fallback=None, route_fallback=None, scratch: gemm.Scratch | None = None, **moe_kwargs) -> torch.Tensor:
-    """Same contract as `ref.route_moe`: one MoE layer from its gate logits. Where `moe` runs the decode GEMV pair
-    (and `routing.route_ready`), with `in_pair` its routed units route their own tokens (`routing._route_slot`):
-    no routing kernel between the logits and the experts' first bytes, no ids in memory. Elsewhere `route`,
-    then `moe(after_route=x_ready)`. Either way the same routing function, so the same bits.
-
-    `x_ready`: the caller's promise that x was written before the kernel that wrote the logits started (as in
-    the model, logits = gate(x)); the pair's gate/up launch then streams the shared expert first, with
-    programmatic dependent launch (`moe(after_route=True)`). `moe_kwargs`: `moe`'s (decode, decode_tokens,
-    configs, fused_sum, mlp_op); `fallback`: `moe`'s, `route_fallback`: `route`'s."""
-    k = routing.top_k
-    if in_pair and routing.logits.shape[0] == x.shape[0] and route_ready(routing) and \
-            len(w13.leading) == 2 and w13.leading[1] == 2 and \
-            _gemv_pair(x, None, w13, w2, shared, moe_kwargs.get("decode", "auto"),
-                       moe_kwargs.get("decode_tokens", DECODE_TOKENS), moe_kwargs.get("configs")) and \
-            gemm.weight_supported(w2, x.device):
-        return _pair(x if x.stride(-1) == 1 else x.contiguous(), w13, w2, limit, shared, scratch, k, x_ready,
-                     routing=routing)
-    weights, ids = route(routing.logits, routing.bias, k, routing.scaling, routing.tid2eid, routing.input_ids,
-                         fallback=route_fallback)
-    return moe(x, ids, weights, w13, w2, limit, fallback=fallback, shared=shared, scratch=scratch,
-               after_route=x_ready, **moe_kwargs)
 
 
 def _routed_down(h, w2: QWeight, out, cfg: Config, weights, k: int, fused_sum: bool, scratch, **row_mode):

@@ -46,8 +46,7 @@ def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.conste
 
 @triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s",
                                "d_M", "d_R", "d_SPLIT", "d_TOPK", "d_CHUNK", "d_P", "d_CHUNK_S", "d_SPLIT_S",
-                               "d_n_steps_s", "h_rows", "n_exp", "stride_l", "stride_tid", "d_n_exp", "d_stride_l",
-                               "d_stride_tid"])
+                               "d_n_steps_s", "h_rows"])
 def _moe_pair_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
@@ -55,14 +54,12 @@ def _moe_pair_kernel(
     stride_ym,
     sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
     stride_ss2g,
-    lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling, stride_l, stride_tid,
     d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
     d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
     d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn, d_stride_s2e,
     d_stride_s2g, d_stride_ym,
     d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg, d_stride_swn,
     d_stride_ssg, d_stride_ssn, d_stride_ss2g,
-    d_lg_ptr, d_bias_ptr, d_tid_ptr, d_iid_ptr, d_n_exp, d_scaling, d_stride_l, d_stride_tid,
     sync_ptr, h_rows,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
@@ -71,8 +68,6 @@ def _moe_pair_kernel(
     D_FMT: tl.constexpr, D_SCALE_F32: tl.constexpr, D_BN: tl.constexpr, D_FMT_S: tl.constexpr,
     D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
     AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True, COLS: tl.constexpr = False,
-    ROUTE: tl.constexpr = False, ROUTE_HASH: tl.constexpr = False, ROUTE_K: tl.constexpr = 1,
-    ROUTE_KP: tl.constexpr = 1, ROUTE_EP: tl.constexpr = 1,
 ):
     """The MoE decode pair in one launch: the gate/up launch's units (the `gemv._gemv_kernel` arguments, ROWS_PAIR,
     GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
@@ -108,10 +103,8 @@ def _moe_pair_kernel(
                        stride_s2g, stride_ym,
                        sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                        stride_ssn, stride_ss2g, ready_ptr, 0, sync_ptr,
-                       lg_ptr, bias_ptr, tid_ptr, iid_ptr, n_exp, scaling, stride_l, stride_tid,
                        FMT, SCALE_F32, 1, True, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                       PDL, GCOL, X_READY, True, False, 0, True, COLS, ROUTE, ROUTE_HASH, ROUTE_K, ROUTE_KP,
-                       ROUTE_EP)
+                       PDL, GCOL, X_READY, True, False, 0, True, COLS)
         else:
             if PDL:
                 gdc_wait()   # reads the expert ids
@@ -125,10 +118,8 @@ def _moe_pair_kernel(
                        d_stride_s2e, d_stride_s2g, d_stride_ym,
                        d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
                        d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
-                       d_lg_ptr, d_bias_ptr, d_tid_ptr, d_iid_ptr, d_n_exp, d_scaling, d_stride_l, d_stride_tid,
                        D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
-                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS, ROUTE, ROUTE_HASH,
-                       ROUTE_K, ROUTE_KP, ROUTE_EP)
+                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS)
         # the next unit, drawn near the end of this one: a ticket drawn at its start would fix the assignment
         # early, like a persistent grid's round robin (measured slower: units sat unevenly on the SMs)
         t = tl.num_programs(0) + nxt
@@ -150,7 +141,7 @@ _PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", 
 def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out: torch.Tensor, up: GemvConfig,
                 down: GemvConfig, *, tokens: int, topk: int, ids, rw, limit: float, shared: tuple | None = None,
                 scratch=None, x_ready: bool = False, fused: bool | None = None, await_l2: int = 0,
-                pair_order: bool = True, up_alone: GemvConfig | None = None, routing=None):
+                pair_order: bool = True, up_alone: GemvConfig | None = None):
     """The MoE decode pair (`kernels.moe`): gate/up (`up`: ROWS_PAIR over the tokens * topk pairs, then the shared
     expert's rows, SwiGLU) into h, and the down projection (`down`: ROWS_TOKEN, the routing weights and the top-k
     sum fused) from h into out. `shared`: (w13, w2) of the shared expert; `x_ready` as in `launch`.
@@ -162,9 +153,7 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
     slower; bench/RESULTS.md round nine). `await_l2`: sub-steps of a down unit's weights prefetched into L2 while
     it waits for its h row (measured slower, so 0); `pair_order` False: down units in their own launch's order
     instead of the order gate/up completes h rows (the same bits; for benchmarks). `up_alone`: gate/up's
-    configuration where the pair runs as two launches (default `up`; the same BN). `routing`
-    (`routing.Routing`): every routed unit of both stages computes its token's routing itself (`gemv.launch`);
-    ids and rw are then not read (may be None).
+    configuration where the pair runs as two launches (default `up`; the same BN).
 
     On a GPU, one launch needs the PTX build (`GemvConfig.asm` not False): its down units wait for their h rows
     with PTX acquire loads (`sync._await_row`), which the plain-Triton build leaves out."""
@@ -182,12 +171,12 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
         torch.zeros(need, dtype=torch.int32, device=x.device)
     pd = _prepare(h, w2, out, down, M=tokens, rows=ROWS_TOKEN, R=tokens, gated=False, topk=topk, x_div=1, ids=ids,
                   rw=rw, limit=0.0, group_r=0, x_gstride=0, shared=sw2, pairs=pairs, scratch=scratch, x_ready=False,
-                  cnt=buf[n_up:n_up + n_dn], routing=routing)
+                  cnt=buf[n_up:n_up + n_dn])
     if fused is None:
         fused = pd.units > pd.slots and polls
     pu = _prepare(x, w13, h, up if fused or up_alone is None else up_alone, M=h_rows, rows=ROWS_PAIR, R=h_rows,
                   gated=True, topk=1, x_div=topk, ids=ids, rw=None, limit=limit, group_r=0, x_gstride=0, shared=sw13,
-                  pairs=pairs, scratch=scratch, x_ready=x_ready, cnt=buf[:n_up], routing=routing)
+                  pairs=pairs, scratch=scratch, x_ready=x_ready, cnt=buf[:n_up])
     if not fused:
         gemv._gemv_kernel[(pu.programs,)](*pu.args, **pu.consts)
         gemv._gemv_kernel[(pd.programs,)](*pd.args, **pd.consts)

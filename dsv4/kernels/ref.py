@@ -6,8 +6,6 @@ Each function has the same signature as its Triton twin. Reference math dequanti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -93,36 +91,6 @@ def route(
     return w / (w.sum(-1, keepdim=True) + 1e-20) * scaling, ids
 
 
-@dataclass(frozen=True)
-class Routing:
-    """One MoE layer's routing inputs, as `route` takes them: logits [T, E], the gate bias [E] (biased top-k) or
-    tid2eid [vocab, k] with input_ids [T] (a hash layer), top_k and the routed scaling factor."""
-    logits: torch.Tensor
-    bias: torch.Tensor | None
-    top_k: int
-    scaling: float
-    tid2eid: torch.Tensor | None = None
-    input_ids: torch.Tensor | None = None
-
-    def __post_init__(self):
-        T = self.logits.shape[0]
-        if self.hashed and (self.input_ids is None or self.input_ids.numel() != T
-                            or self.tid2eid.shape[1] != self.top_k):
-            raise ValueError(f"hash routing needs input_ids for all {T} tokens and tid2eid [vocab, {self.top_k}]; "
-                             f"got input_ids {None if self.input_ids is None else tuple(self.input_ids.shape)}, "
-                             f"tid2eid {tuple(self.tid2eid.shape)}")
-        if not self.hashed and self.bias is None:
-            raise ValueError("biased top-k routing needs the gate bias (or tid2eid for a hash layer)")
-
-    @property
-    def hashed(self) -> bool:
-        return self.tid2eid is not None
-
-    def route(self, route_op=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, ids) from `route_op` (an `Ops.route`; default `route` here)."""
-        return (route_op or route)(self.logits, self.bias, self.top_k, self.scaling, self.tid2eid, self.input_ids)
-
-
 def moe(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
     shared: tuple[QWeight, QWeight] | None = None, after_route: bool = False,
@@ -144,11 +112,3 @@ def moe(
         y = F.linear(h.to(x.dtype).float(), _stacked_dequant(w2, (e,)))
         out.index_add_(0, tok, y * weights[tok, slot, None].float())
     return out.to(x.dtype)
-
-
-def route_moe(x: torch.Tensor, routing: Routing, w13: QWeight, w2: QWeight, limit: float,
-              shared: tuple[QWeight, QWeight] | None = None, x_ready: bool = False) -> torch.Tensor:
-    """`route`, then `moe` on its experts: one MoE layer from its gate logits (`Routing`). x [T, K] -> [T, D].
-    `x_ready`: a scheduling hint for the Triton kernels (`kernels.moe.route_moe`), without effect here."""
-    weights, ids = routing.route()
-    return moe(x, ids, weights, w13, w2, limit, shared=shared)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.ref import Routing, swiglu
+from ..kernels.ref import swiglu
 from .linear import Builder, QLinear
 
 
@@ -63,21 +63,19 @@ class MoE(nn.Module):
         """x [B, S, d] (the ffn_norm'ed block input), input_ids [B, S] (hash routing) -> [B, S, d]."""
         flat = x.reshape(-1, x.shape[-1])
         g = self.gate
-        routing = Routing(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
-                          g.tid2eid if g.hash else None, input_ids if g.hash else None)
+        weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
+                                      g.tid2eid if g.hash else None, input_ids if g.hash else None)
         ex, sh = self.experts, self.shared_experts
-        fold = sh is not None and not sh.w4a4 and not ex.w4a4   # the shared expert runs inside ops.route_moe
+        fold = sh is not None and not sh.w4a4 and not ex.w4a4   # the shared expert runs inside ops.moe
         if ex.w4a4:
-            weights, ids = routing.route(self.ops.route)
             out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
             for e in ids.unique().tolist():
                 tok, slot = torch.where(ids == e)
                 out.index_add_(0, tok, ex.one(flat[tok], e, limit=self.limit).float() * weights[tok, slot, None])
             out = out.to(x.dtype)
         else:
-            # x_ready: flat was written before the gate's logits (`kernels.moe.route_moe`)
-            out = self.ops.route_moe(flat, routing, ex.w13.qweight(), ex.w2.qweight(), self.limit,
-                                     shared=(sh.w13.qweight(), sh.w2.qweight()) if fold else None, x_ready=True)
+            out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
+                               shared=(sh.w13.qweight(), sh.w2.qweight()) if fold else None, after_route=True)
         if sh is not None and not fold:
             out = out + (sh.one(flat, limit=self.limit) if sh.w4a4 else
                          self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit))
