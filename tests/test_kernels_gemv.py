@@ -367,6 +367,78 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
 
 
+def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
+    """`moe.expert_blocks`: row b is the b-th distinct expert in order of its first pair, with its pairs in pair order,
+    at most MP (the MMA's N) per block, an expert with more pairs continuing in the next block; rows past the last
+    block have no pairs."""
+    MP = gemv.mma_n(1)
+    for ids in (torch.tensor([[3, 1], [1, 4], [3, 1], [0, 2]]), torch.tensor([[5, 2, 7]] * 11),
+                torch.randint(0, 9, (8, 6), generator=torch.Generator().manual_seed(1)), torch.tensor([[4]])):
+        table = tmoe.expert_blocks(ids)
+        want, current = [], {}   # (expert, pairs) per block; each expert's open block
+        for p, e in enumerate(ids.flatten().tolist()):
+            if e not in current or len(want[current[e]][1]) == MP:
+                current[e] = len(want)
+                want.append((e, []))
+            want[current[e]][1].append(p)
+        assert table.shape == (ids.numel(), 2 + MP) and table.dtype == torch.int32
+        for b, row in enumerate(table.tolist()):
+            if b < len(want):
+                e, pairs = want[b]
+                assert row[:2] == [e, len(pairs)] and row[2:2 + len(pairs)] == pairs, (ids, b)
+            else:
+                assert row[1] == 0
+        assert sum(len(p) for _, p in want) == ids.numel()
+
+
+@pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 4), ("mxfp4", "nvfp4", 5), ("fp8", None, 6),
+                                               ("nvfp4", None, 8)])
+def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T):
+    """From `moe.BLOCKS_FROM_TOKENS` tokens the GEMV pair runs over expert blocks (two launches, BLOCKS): tokens that
+    share an expert are that block's MMA columns, in gate/up and down. Against the reference with experts shared
+    by 2-4 tokens; with every expert distinct the blocks have one pair each and the output is bit for bit that of
+    the pair without blocks (`blocks_from` past T)."""
+    E, k, D, I = 5, 2, 256, 128
+    gen = torch.Generator().manual_seed(T)
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
+    x = torch.randn(T, D, generator=gen) * 2
+    w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
+    assert ids.unique().numel() < ids.numel()   # experts shared between tokens
+    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    calls = kernel_calls[-2:]
+    assert [c["kernel"] for c in calls] == ["gemv", "gemv"] and all(c["BLOCKS"] for c in calls)
+    assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+    E2 = 2 * T
+    w13u, w2u = make_weight(fmt, I, D, (E2, 2), 0.5), make_weight(fmt, D, I, (E2,), 0.1)
+    distinct = torch.randperm(E2, generator=gen)[:T * k].reshape(T, k)
+    blocks = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    assert kernel_calls[-1]["BLOCKS"]
+    plain = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+                     blocks_from=T + 1)
+    assert not kernel_calls[-1].get("BLOCKS", False) and torch.equal(blocks, plain)
+
+
+def test_expert_blocks_must_fit_the_launch():
+    """Expert blocks run in two launches, over the pairs' table, with the shared expert (if any) as token columns."""
+    E, k, D, I, T = 4, 2, 256, 128, 2
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2)), make_weight("nvfp4", D, I, (E,))
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.0)
+    table = tmoe.expert_blocks(ids)
+    with pytest.raises(ValueError, match="two launches"):
+        moe_pair.launch_pair(torch.randn(T, D), w13, torch.empty(T * k, I), w2, torch.empty(T, D), gemv.GemvConfig(),
+                             gemv.GemvConfig(), tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT, fused=True,
+                             blocks=table)
+    shared = make_weight("nvfp4", I, D, (2,))   # 2 tokens: a row block per token, not token columns
+    with pytest.raises(ValueError, match="expert blocks"):
+        gemv.launch(torch.randn(T, D), w13, torch.empty(T * k + T, I), gemv.GemvConfig(), M=T * k + T,
+                    rows=gemv.ROWS_PAIR, R=T * k + T, gated=True, x_div=k, limit=LIMIT, shared=shared, pairs=T * k,
+                    blocks=table)
+    with pytest.raises(ValueError, match="expert blocks"):
+        gemv.launch(torch.randn(T * k, D), w13, torch.empty(T * k, I), gemv.GemvConfig(), M=T * k,
+                    rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k, limit=LIMIT, pairs=T * k, blocks=table[:1])
+
+
 @pytest.mark.parametrize("split,shared_fmt", [(2, "nvfp4"), (3, None), (4, "fp8")])
 def test_down_projection_sums_many_partials(kernel_calls, split, shared_fmt):
     """The down projection's output tiles sum top-k x K-split partials (plus the shared expert's): 10-24 of them

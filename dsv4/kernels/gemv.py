@@ -347,6 +347,22 @@ def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, ROWS: tl.constexpr, BN: tl.con
 
 
 @triton.jit
+def _block_unit(v, num_n, SPLIT):
+    """ROWS_TOKEN with BLOCKS: routed unit v -> (tile, split) as `_gemv_unit` decodes them: tile = block * num_n + N
+    tile, split = the K split (units numbered (block, N tile, K split), K split fastest)."""
+    return v // SPLIT, v % SPLIT
+
+
+@triton.jit
+def _block_row(table_ptr, b, MP: tl.constexpr):
+    """Row b of the expert-block table (`moe.expert_blocks`): (expert, columns, pair of each MMA column [MP])."""
+    row = table_ptr + b * (2 + MP)
+    ncols = tl.load(row + 1)
+    pc = tl.load(row + 2 + tl.arange(0, MP), mask=tl.arange(0, MP) < ncols, other=0)
+    return tl.load(row), ncols, pc
+
+
+@triton.jit
 def _gemv_unit(
     u, splits, num_n, shared_units, first_shared, first_routed,
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
@@ -361,9 +377,13 @@ def _gemv_unit(
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, GCOL: tl.constexpr, X_READY: tl.constexpr,
     SIGNAL: tl.constexpr, AWAIT: tl.constexpr, AWAIT_L2: tl.constexpr, TICKET: tl.constexpr,
-    COLS: tl.constexpr = False,
+    COLS: tl.constexpr = False, BLOCKS: tl.constexpr = False,
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
+
+    BLOCKS (ROWS_PAIR / ROWS_TOKEN, two launches): ids_ptr is the expert-block table (`moe.expert_blocks`); the
+    routed units are (block b < P, N tile, K split) and each streams its block's expert once for all of the
+    block's (token, slot) pairs, one MMA column each (a block of one pair runs the group columns, if on).
 
     The fused MoE pair (`moe_pair._moe_pair_kernel`): SIGNAL (gate/up) counts every output tile written into
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
@@ -376,6 +396,8 @@ def _gemv_unit(
     nsplit = splits + u * 0   # partials of this unit's output tile (a scalar of the unit's type)
     j = u % splits
     tile = u // splits
+    if BLOCKS and ROWS == 2 and not SHARED:
+        tile, j = _block_unit(u, num_n, SPLIT)
     if SHARED and (ROWS == 1 or COLS):
         if u >= first_shared and u < first_shared + shared_units:
             if ROWS == 1:
@@ -389,6 +411,8 @@ def _gemv_unit(
             routed_splits = SPLIT if ROWS == 1 else SPLIT * TOPK   # units per routed output tile
             j = (u - first_routed) % routed_splits
             tile = (u - first_routed) // routed_splits
+            if BLOCKS and ROWS == 2:
+                tile, j = _block_unit(tile * routed_splits + j, num_n, SPLIT)
         if WAIT_PER_UNIT:
             if u >= first_routed:
                 gdc_wait()   # a routed unit reads the expert ids
@@ -414,6 +438,12 @@ def _gemv_unit(
         else:
             e = tl.load(ids_ptr + r).to(tl.int32)
         rw = 1.0
+        if BLOCKS:   # block r's pairs: column c writes h row pc[c] from x row (token) pc[c] // X_DIV
+            e, ncols, pc = _block_row(ids_ptr, tl.minimum(r, P - 1), MP)
+            ncols = tl.where(on_shared, 1, ncols)
+            rmask = tl.where(on_shared, rmask, offs_r < ncols)
+            yrow = tl.where(on_shared, yrow, pc)
+            xrow = tl.where(on_shared, xrow, pc // X_DIV)
     else:
         rmask = offs_r == 0
         slot = tl.minimum(j // SPLIT, TOPK)
@@ -423,8 +453,17 @@ def _gemv_unit(
         pair = r * TOPK + tl.minimum(slot, TOPK - 1)
         yrow = r + offs_r * 0
         xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
-        e = tl.load(ids_ptr + pair).to(tl.int32)
-        rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
+        if BLOCKS:   # block r's pairs: column c reads h row pc[c], its partial is token pc[c] // TOPK's
+            e, ncols, pc = _block_row(ids_ptr, tl.minimum(r, P - 1), MP)
+            ncols = tl.where(on_shared, 1, ncols)
+            rmask = tl.where(on_shared, rmask, offs_r < ncols)
+            yrow = tl.where(on_shared, yrow, pc // TOPK)
+            xrow = tl.where(on_shared, xrow, pc)
+            jcol = tl.where(on_shared, j, (pc % TOPK) * SPLIT + ks)   # each column's partial (slot, K split)
+            rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pc, mask=offs_r < ncols, other=0.0).to(tl.float32))
+        else:
+            e = tl.load(ids_ptr + pair).to(tl.int32)
+            rw = tl.where(on_shared, 1.0, tl.load(rw_ptr + pair).to(tl.float32))
     n0 = pid_n * BN
     rows = tl.minimum(n0 + offs_b, N - 1)   # rows past N re-read row N - 1; never stored
     rows_mma = _mma_rows(n0 + offs_b, BN, W)
@@ -455,6 +494,23 @@ def _gemv_unit(
             tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
             stride_ssn, stride_ss2g, FMT_S, SCALE_F32_S, GATED, BN, MP, W, DOT, ASM, PF, TILED_S,
             GCOL and not COLS)
+    elif BLOCKS:
+        # a block of one pair: the group columns (as without blocks: the same bits); several: one column each; an
+        # empty block (past the last expert): two sub-steps of expert 0, all columns masked, nothing stored
+        s1 = tl.minimum(s0 + CHUNK, n_steps)
+        s1 = tl.where(ncols > 0, s1, tl.minimum(s0 + 2, s1))
+        if GCOL and ncols == 1:
+            acc, acc_u, f, f_u = _weight_unit(
+                x_ptr, tl.sum(tl.where(offs_r == 0, xrow, 0)) + offs_r * 0, rmask, xcol, w_ptr + e64 * stride_we,
+                s_ptr + e64 * stride_se, s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, s1, rw,
+                stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
+                W, DOT, ASM, PF, TILED, GCOL)
+        else:
+            acc, acc_u, f, f_u = _weight_unit(
+                x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+                s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, s1, rw,
+                stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
+                W, DOT, ASM, PF, TILED, False)
     else:
         acc, acc_u, f, f_u = _weight_unit(
             x_ptr, xrow, rmask, xcol, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
@@ -476,16 +532,22 @@ def _gemv_unit(
         # park the scaled partial, count arrivals; the last unit of the tile sums all in split order
         offs_ws = yrow.to(tl.int64)[None, :] * N + rows_mma[:, None]
         plane = M.to(tl.int64) * N
-        part = ws_ptr + j.to(tl.int64) * (2 * plane if GATED else plane)
+        if BLOCKS and ROWS == 2:   # each column's partial in its own (slot, K split) plane
+            part = ws_ptr + (jcol.to(tl.int64) * plane)[None, :]
+        else:
+            part = ws_ptr + j.to(tl.int64) * (2 * plane if GATED else plane)
         tl.store(part + offs_ws, acc * f, mask=omask)
         if GATED:
             tl.store(part + plane + offs_ws, acc_u * f_u, mask=omask)
         tl.debug_barrier()
         cnt = cnt_ptr + tile
-        if ROWS == 2 and COLS and shared_unit:
+        multi = shared_unit if COLS else False   # a unit whose columns are partials of several tokens' tiles
+        if BLOCKS:
+            multi = True
+        if ROWS == 2 and multi:
             # one partial for every token's tile (N tile pid_n of row block t): count into each, and sum the
             # tiles this unit completes
-            cnts = cnt_ptr + offs_r * num_n + pid_n
+            cnts = cnt_ptr + yrow * num_n + pid_n
             last = rmask & (tl.atomic_add(cnts, 1, mask=rmask, sem="acq_rel", scope="gpu") == nsplit - 1)
             if tl.max(last.to(tl.int32), axis=0) > 0:
                 lmask = omask & last[None, :]
@@ -521,7 +583,7 @@ def _gemv_kernel(
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
     SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
     TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
-    X_READY: tl.constexpr = False, COLS: tl.constexpr = False,
+    X_READY: tl.constexpr = False, COLS: tl.constexpr = False, BLOCKS: tl.constexpr = False,
 ):
     """Units u = (row block r, N tile, split j), j fastest. Row blocks: ROWS_DENSE one block of M rows;
     ROWS_PAIR R pairs; ROWS_TOKEN R tokens whose splits are (slot, K split) = (j // SPLIT, j % SPLIT).
@@ -560,7 +622,7 @@ def _gemv_kernel(
                    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                   PDL, GCOL, X_READY, False, False, 0, False, COLS)
+                   PDL, GCOL, X_READY, False, False, 0, False, COLS, BLOCKS)
 
 
 @triton.jit
@@ -786,7 +848,7 @@ class _Prepared:
 def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: int, rows: int = ROWS_DENSE,
            R: int = 1, gated: bool = False, topk: int = 1, x_div: int = 1, ids=None, rw=None, limit: float = 0.0,
            group_r: int = 0, x_gstride: int = 0, shared: QWeight | None = None, pairs: int = 0, scratch=None,
-           x_ready: bool = False):
+           x_ready: bool = False, blocks: torch.Tensor | None = None):
     """One launch over a (possibly stacked) QWeight. x rows: M (dense), pairs (ROWS_PAIR: R = M = pairs), or
     pairs of R tokens (ROWS_TOKEN: M = R = tokens, x has tokens * topk rows). y: [M, N] (row stride any).
 
@@ -797,15 +859,20 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
 
     `x_ready` (ROWS_PAIR with `shared`): the caller promises that x was written before the previous kernel on
     the stream started and that that kernel writes neither x nor the weights (it is `moe.route`'s); the shared
-    expert's units then run first and, with `cfg.pdl`, before that kernel has finished (`X_READY`)."""
+    expert's units then run first and, with `cfg.pdl`, before that kernel has finished (`X_READY`).
+
+    `blocks` (ROWS_PAIR / ROWS_TOKEN; the shared expert, if any, as token columns): the expert-block table of the
+    pairs (`moe.expert_blocks`, in place of ids): each distinct expert is streamed once for all its pairs
+    (`BLOCKS`)."""
     p = _prepare(x, w, y, cfg, M=M, rows=rows, R=R, gated=gated, topk=topk, x_div=x_div, ids=ids, rw=rw, limit=limit,
-                 group_r=group_r, x_gstride=x_gstride, shared=shared, pairs=pairs, scratch=scratch, x_ready=x_ready)
+                 group_r=group_r, x_gstride=x_gstride, shared=shared, pairs=pairs, scratch=scratch, x_ready=x_ready,
+                 blocks=blocks)
     _gemv_kernel[(p.programs,)](*p.args, **p.consts)
 
 
 def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, gated: bool, topk: int, x_div: int, ids,
              rw, limit: float, group_r: int, x_gstride: int, shared: QWeight | None, pairs: int, scratch,
-             x_ready: bool, cnt: torch.Tensor | None = None) -> _Prepared:
+             x_ready: bool, cnt: torch.Tensor | None = None, blocks: torch.Tensor | None = None) -> _Prepared:
     """`launch`'s work but the launch itself; `cnt`: the split-K semaphores to use (default: the scratch's)."""
     N, K = w.out_features, w.in_features
     lead = w.leading
@@ -841,6 +908,15 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                   PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
                   X_READY=x_ready and shared is not None and rows == ROWS_PAIR,
                   COLS=shared_cols(rows, R, pairs, shared))
+    if blocks is not None:
+        P = pairs
+        if rows not in (ROWS_PAIR, ROWS_TOKEN) or (shared is not None and not consts["COLS"]) or \
+                tuple(blocks.shape) != (P, 2 + mma_n(1)) or blocks.dtype != torch.int32:
+            raise ValueError(f"expert blocks {tuple(blocks.shape)} {blocks.dtype} do not fit this launch (rows {rows}, "
+                             f"{P} pairs, shared expert as token columns: {consts['COLS']}); expected int32 "
+                             f"[{P}, {2 + mma_n(1)}]")
+        consts["BLOCKS"] = True
+        ids = blocks
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg

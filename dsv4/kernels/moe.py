@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import FP4_FORMATS, QWeight
 from . import gemm, gemv, moe_pair, ref
@@ -42,6 +42,9 @@ THREE_STAGE_UP_TOKENS = 2
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
 # 88.5 -> 86.6, 171.2 -> 147.4; at 3-4 tokens 0.987-1.112 of the time before (7 of 8 readings slower);
 # V4-Flash's down launch slower with 128 rows at 1-8 tokens (bench/RESULTS.md, runs 108-109)
+# from this many tokens the GEMV pair streams each distinct expert once for all its (token, slot) pairs, as MMA
+# columns (`expert_blocks`), in two launches: TBD (bench/RESULTS.md round sixteen)
+BLOCKS_FROM_TOKENS = 4
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
@@ -123,6 +126,45 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
 
 
 # ---------------------------------------------------------------------------- sorting pairs by expert
+
+@triton.jit
+def _expert_blocks_kernel(ids_ptr, table_ptr, P, P_PAD: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
+    """One program: the P (token, slot) pairs' distinct experts as blocks of at most MP pairs, in the order of their
+    first pair. Row b of table (int32 [P, 2 + MP]): expert, pairs in the block (0 past the last block), then the
+    pairs (flat indices t * k + j) in pair order."""
+    if PDL:   # the gate/up launch after it may start and stream the shared expert; the ids are routing's
+        gdc_launch_dependents()
+        gdc_wait()
+    offs = tl.arange(0, P_PAD)
+    valid = offs < P
+    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]   # [p, q]: q routes to p's expert
+    col = tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)   # p's expert's pairs before p
+    lead = valid & (col % MP == 0)   # p opens a block
+    blk = tl.cumsum(lead.to(tl.int32), axis=0) - 1
+    mine = same & lead[None, :] & (col[None, :] == (col - col % MP)[:, None])   # q leads p's block
+    pblk = tl.sum(tl.where(mine, blk[None, :], 0), axis=1)
+    row = table_ptr + pblk * (2 + MP)
+    tl.store(row + 2 + col % MP, offs, mask=valid)
+    tl.store(row, ids, mask=lead)
+    tl.store(row + 1, tl.minimum(tl.sum(same.to(tl.int32), axis=1) - col, MP), mask=lead)
+    unused = valid & (offs >= tl.sum(lead.to(tl.int32), axis=0))
+    tl.store(table_ptr + offs * (2 + MP), tl.zeros_like(offs), mask=unused)
+    tl.store(table_ptr + offs * (2 + MP) + 1, tl.zeros_like(offs), mask=unused)
+
+
+def expert_blocks(ids: torch.Tensor) -> torch.Tensor:
+    """The expert-block table of routing ids [T, k] for the decode GEMV pair (`gemv.launch(blocks=...)`): int32
+    [T * k, 2 + MP] (MP = the GEMV's MMA N), one row per distinct expert (split in blocks of MP pairs), rows past the
+    last with 0 pairs (`_expert_blocks_kernel`)."""
+    P, MP = ids.numel(), gemv.mma_n(1)
+    table = torch.empty(P, 2 + MP, dtype=torch.int32, device=ids.device)
+    if P:
+        pdl = has_pdl(ids.device)
+        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, P, P_PAD=triton.next_power_of_2(P), MP=MP, PDL=pdl,
+                                    num_warps=4, **({"launch_pdl": True} if pdl else {}))
+    return table
+
 
 @triton.jit(do_not_specialize=["P"])
 def _align_kernel(ids_ptr, rows_ptr, blk_e_ptr, nblk_ptr, cursor_ptr, P, E, NUM_BLOCKS,
@@ -251,7 +293,8 @@ def pair_configs(tokens: int, expert_down_bytes: float, overlap: bool):
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
-        shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False) -> torch.Tensor:
+        shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False,
+        blocks_from: int = BLOCKS_FROM_TOKENS) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
@@ -296,9 +339,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         # the shared expert while the routing kernel runs
         overlap = after_route and shared is not None
         up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
+        blocks = None
+        if T >= blocks_from and (shared is None or gemv.shared_cols(ROWS_PAIR, P + T, P, shared[0])):
+            blocks, fused = expert_blocks(ids), False   # each distinct expert streamed once, two launches
         moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
                              limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
-                             fused=fused)
+                             fused=fused, blocks=blocks)
         return out
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     if T <= decode_tokens:

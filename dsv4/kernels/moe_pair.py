@@ -141,7 +141,7 @@ _PAIR_DOWN_CONSTS = ("FMT", "SCALE_F32", "BN", "FMT_S", "SCALE_F32_S", "TILED", 
 def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out: torch.Tensor, up: GemvConfig,
                 down: GemvConfig, *, tokens: int, topk: int, ids, rw, limit: float, shared: tuple | None = None,
                 scratch=None, x_ready: bool = False, fused: bool | None = None, await_l2: int = 0,
-                pair_order: bool = True, up_alone: GemvConfig | None = None):
+                pair_order: bool = True, up_alone: GemvConfig | None = None, blocks: torch.Tensor | None = None):
     """The MoE decode pair (`kernels.moe`): gate/up (`up`: ROWS_PAIR over the tokens * topk pairs, then the shared
     expert's rows, SwiGLU) into h, and the down projection (`down`: ROWS_TOKEN, the routing weights and the top-k
     sum fused) from h into out. `shared`: (w13, w2) of the shared expert; `x_ready` as in `launch`.
@@ -153,11 +153,15 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
     slower; bench/RESULTS.md round nine). `await_l2`: sub-steps of a down unit's weights prefetched into L2 while
     it waits for its h row (measured slower, so 0); `pair_order` False: down units in their own launch's order
     instead of the order gate/up completes h rows (the same bits; for benchmarks). `up_alone`: gate/up's
-    configuration where the pair runs as two launches (default `up`; the same BN).
+    configuration where the pair runs as two launches (default `up`; the same BN). `blocks`: the pairs' expert-block
+    table (`moe.expert_blocks`): both launches stream each distinct expert once (`gemv.launch(blocks=...)`); two
+    launches only.
 
     On a GPU, one launch needs the PTX build (`GemvConfig.asm` not False): its down units wait for their h rows
     with PTX acquire loads (`sync._await_row`), which the plain-Triton build leaves out."""
     polls = interpreting() or up.asm is not False
+    if fused and blocks is not None:
+        raise ValueError("launch_pair: expert blocks run as two launches (fused=False)")
     if fused and not polls:
         raise ValueError("the one-launch MoE pair waits for its h rows with PTX loads; it needs GemvConfig.asm")
     if up_alone is not None and up_alone.BN != up.BN:
@@ -171,12 +175,12 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
         torch.zeros(need, dtype=torch.int32, device=x.device)
     pd = _prepare(h, w2, out, down, M=tokens, rows=ROWS_TOKEN, R=tokens, gated=False, topk=topk, x_div=1, ids=ids,
                   rw=rw, limit=0.0, group_r=0, x_gstride=0, shared=sw2, pairs=pairs, scratch=scratch, x_ready=False,
-                  cnt=buf[n_up:n_up + n_dn])
+                  cnt=buf[n_up:n_up + n_dn], blocks=blocks)
     if fused is None:
-        fused = pd.units > pd.slots and polls
+        fused = pd.units > pd.slots and polls and blocks is None
     pu = _prepare(x, w13, h, up if fused or up_alone is None else up_alone, M=h_rows, rows=ROWS_PAIR, R=h_rows,
                   gated=True, topk=1, x_div=topk, ids=ids, rw=None, limit=limit, group_r=0, x_gstride=0, shared=sw13,
-                  pairs=pairs, scratch=scratch, x_ready=x_ready, cnt=buf[:n_up])
+                  pairs=pairs, scratch=scratch, x_ready=x_ready, cnt=buf[:n_up], blocks=blocks)
     if not fused:
         gemv._gemv_kernel[(pu.programs,)](*pu.args, **pu.consts)
         gemv._gemv_kernel[(pd.programs,)](*pd.args, **pd.consts)
