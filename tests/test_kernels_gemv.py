@@ -394,10 +394,10 @@ def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 4), ("mxfp4", "nvfp4", 5), ("fp8", None, 6),
                                                ("nvfp4", None, 8)])
 def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T):
-    """From `moe.BLOCKS_FROM_TOKENS` tokens the GEMV pair runs over expert blocks (two launches, BLOCKS): tokens that
+    """`moe(blocks_from=n)`: from n tokens the GEMV pair runs over expert blocks (two launches, BLOCKS): tokens that
     share an expert are that block's MMA columns, in gate/up and down. Against the reference with experts shared
     by 2-4 tokens; with every expert distinct the blocks have one pair each and the output is bit for bit that of
-    the pair without blocks (`blocks_from` past T)."""
+    the pair without blocks (`blocks_from` past T, or None, the default)."""
     E, k, D, I = 5, 2, 256, 128
     gen = torch.Generator().manual_seed(T)
     w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
@@ -405,18 +405,20 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
     x = torch.randn(T, D, generator=gen) * 2
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     assert ids.unique().numel() < ids.numel()   # experts shared between tokens
-    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(), blocks_from=4)
     calls = kernel_calls[-2:]
     assert [c["kernel"] for c in calls] == ["gemv", "gemv"] and all(c["BLOCKS"] for c in calls)
     assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
     E2 = 2 * T
     w13u, w2u = make_weight(fmt, I, D, (E2, 2), 0.5), make_weight(fmt, D, I, (E2,), 0.1)
     distinct = torch.randperm(E2, generator=gen)[:T * k].reshape(T, k)
-    blocks = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    blocks = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+                      blocks_from=T)
     assert kernel_calls[-1]["BLOCKS"]
-    plain = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
-                     blocks_from=T + 1)
-    assert not kernel_calls[-1].get("BLOCKS", False) and torch.equal(blocks, plain)
+    for off in (T + 1, None):
+        plain = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+                         blocks_from=off)
+        assert not kernel_calls[-1].get("BLOCKS", False) and torch.equal(blocks, plain)
 
 
 def test_expert_blocks_must_fit_the_launch():

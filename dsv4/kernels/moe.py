@@ -42,9 +42,11 @@ THREE_STAGE_UP_TOKENS = 2
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
 # 88.5 -> 86.6, 171.2 -> 147.4; at 3-4 tokens 0.987-1.112 of the time before (7 of 8 readings slower);
 # V4-Flash's down launch slower with 128 rows at 1-8 tokens (bench/RESULTS.md, runs 108-109)
-# from this many tokens the GEMV pair streams each distinct expert once for all its (token, slot) pairs, as MMA
-# columns (`expert_blocks`), in two launches: TBD (bench/RESULTS.md round sixteen)
-BLOCKS_FROM_TOKENS = 4
+# from this many tokens (None: never) the GEMV pair streams each distinct expert once for all its (token, slot)
+# pairs, as MMA columns (`expert_blocks`). Off: it needs two launches, and against the one-launch pair it measured
+# 1.5-6.6 % slower at 4 tokens and level at 8 (0.986-0.989; without blocks but in two launches it is 7 % slower
+# there, the blocks recovering that much) on the H200 (bench/RESULTS.md round sixteen, run 130)
+BLOCKS_FROM_TOKENS = None
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
@@ -294,7 +296,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False,
-        blocks_from: int = BLOCKS_FROM_TOKENS) -> torch.Tensor:
+        blocks_from: int | None = BLOCKS_FROM_TOKENS) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
@@ -311,7 +313,11 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     result is the same bits either way, as it is in one launch or two (`moe_pair.launch_pair`).
 
     `fused_sum` (round one's decode tiles and the sorted path): the routed down projection adds each token's
-    k rows in the same launch instead of a separate sum kernel; the same bits."""
+    k rows in the same launch instead of a separate sum kernel; the same bits.
+
+    `blocks_from` (None: off, `BLOCKS_FROM_TOKENS`): from this many tokens the GEMV pair runs over expert blocks
+    (`expert_blocks`, two launches), each distinct expert streamed once for all the pairs routed to it - where there
+    is no shared expert or it runs as token columns (`gemv.shared_cols`: from 4 tokens)."""
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
@@ -340,7 +346,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         overlap = after_route and shared is not None
         up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
         blocks = None
-        if T >= blocks_from and (shared is None or gemv.shared_cols(ROWS_PAIR, P + T, P, shared[0])):
+        if blocks_from is not None and T >= blocks_from and \
+                (shared is None or gemv.shared_cols(ROWS_PAIR, P + T, P, shared[0])):
             blocks, fused = expert_blocks(ids), False   # each distinct expert streamed once, two launches
         moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
                              limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
