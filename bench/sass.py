@@ -36,6 +36,12 @@ NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stri
                    "n_steps_s", "stride_ss2g"}
 
 
+def with_defaults(fn, consts: dict) -> dict:
+    """`consts` and every other constexpr of `fn` that has a default, at its default: a constexpr left out of the
+    signature would otherwise be compiled as a runtime argument."""
+    return {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+
+
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
                  pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False, x_ready: bool = False,
@@ -45,6 +51,7 @@ def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: b
                   W=warps, SHARED=shared is not None, FMT_S=FMT_CODES[shared or fmt], SCALE_F32_S=False, PF=prefetch,
                   TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol, X_READY=x_ready,
                   COLS=cols)
+    consts = with_defaults(fn, consts)
     sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize
@@ -65,6 +72,7 @@ def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: b
                   TILED_S=tiled, PDL=pdl, GCOL=gcol, X_READY=x_ready, D_FMT=FMT_CODES[fmt], D_SCALE_F32=False, D_BN=64,
                   D_FMT_S=fmt_s, D_SCALE_F32_S=False, D_TILED=tiled, D_TILED_S=tiled, D_GCOL=gcol, AWAIT_L2=0,
                   COLS=cols)
+    consts = with_defaults(fn, consts)
     sig = {n: "constexpr" if n in consts else "*i32" if n == "sync_ptr" else
            TYPES.get(n.removeprefix("d_"), "i32") for n in fn.arg_names}
     nodiv = NO_DIVISIBILITY | {"d_" + n for n in NO_DIVISIBILITY} | {"h_rows"}
@@ -84,6 +92,7 @@ def compile_qgemm(fmt: str, rows: int, epi: int, bm: int = 16, bn: int = 128, bk
                   PREC="tf32", ASM=True, BM=bm, BN=bn, BK=bk, EVEN_K=True, PROMOTE=True, SPLIT=split, TILED=True)
     types = dict(TYPES, xs_ptr="*u8", a_ptr="*fp32", y_ptr="*fp32", rows_ptr="*i32", ids_ptr="*i32", nblk_ptr="*i32",
                  sum_ptr="*bf16", sum_cnt_ptr="*i32")
+    consts = with_defaults(fn, consts)
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
