@@ -268,6 +268,13 @@ def correctness(run: Run):
             bound = 2e-2 if run.toy else 1e-2
             want = ref.moe(x, ids, wts, w13, w2, 10.0)
             record(f"moe {s.name} {fmt} T={t}", rel_err(y, want), bound, written=bool(torch.isfinite(y).all()))
+            blocks_from = 3 if run.toy else 4
+            if run.ops.name != "ref" and blocks_from <= t <= moe.DECODE_TOKENS:
+                # the pair over expert blocks (off by default: `moe(blocks_from=)`), each distinct expert once
+                y_blk = moe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, scratch=run.scratch,
+                                blocks_from=blocks_from)
+                record(f"moe {s.name} {fmt} T={t} expert blocks ({ids.numel() - ids.unique().numel()} shared)",
+                       rel_err(y_blk, want), bound, written=bool(torch.isfinite(y_blk).all()))
             # round one's decode tiles (t <= 8) and the sorted path with the top-k sum fused
             y_fused = run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1", fused_sum=True)
             record(f"moe {s.name} {fmt} T={t} fused top-k sum (same bits as the sum kernel)",
