@@ -394,10 +394,10 @@ def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 4), ("mxfp4", "nvfp4", 5), ("fp8", None, 6),
                                                ("nvfp4", None, 8)])
 def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T):
-    """`moe(blocks_from=n)`: from n tokens the GEMV pair runs over expert blocks (two launches, BLOCKS): tokens that
-    share an expert are that block's MMA columns, in gate/up and down. Against the reference with experts shared
-    by 2-4 tokens; with every expert distinct the blocks have one pair each and the output is bit for bit that of
-    the pair without blocks (`blocks_from` past T, or None, the default)."""
+    """`moe(blocks_from=n)`: from n tokens the GEMV pair runs over expert blocks (BLOCKS): tokens that share an expert
+    are that block's MMA columns, in gate/up and down. Against the reference with experts shared by 2-4 tokens;
+    with every expert distinct the blocks have one pair each and the output is bit for bit that of the pair
+    without blocks (`blocks_from` past T, or None, the default)."""
     E, k, D, I = 5, 2, 256, 128
     gen = torch.Generator().manual_seed(T)
     w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
@@ -406,8 +406,7 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     assert ids.unique().numel() < ids.numel()   # experts shared between tokens
     got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(), blocks_from=4)
-    calls = kernel_calls[-2:]
-    assert [c["kernel"] for c in calls] == ["gemv", "gemv"] and all(c["BLOCKS"] for c in calls)
+    assert kernel_calls[-1]["BLOCKS"]
     assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
     E2 = 2 * T
     w13u, w2u = make_weight(fmt, I, D, (E2, 2), 0.5), make_weight(fmt, D, I, (E2,), 0.1)
@@ -421,16 +420,42 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
         assert not kernel_calls[-1].get("BLOCKS", False) and torch.equal(blocks, plain)
 
 
+@pytest.mark.parametrize("fmt,shared_fmt,split", [("nvfp4", "fp8", 2), ("mxfp4", None, 1)])
+def test_expert_block_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt, split):
+    """`launch_pair(blocks=..., fused=True)`: a gate/up block unit counts its tiles into the h row of each of its
+    pairs and a down block unit waits for all of them (under the interpreter the wait asserts that every count is
+    there); h and out are bit for bit the two launches', with the shared expert first or last, and the flags re-arm."""
+    E, k, D, I, T = 5, 2, 256, 128, 6
+    gen = torch.Generator().manual_seed(5 + split)
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
+    x = torch.randn(T, D, generator=gen) * 2
+    w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
+    table = tmoe.expert_blocks(ids)
+    assert int(table[:, 1].max()) > 1   # a block of several pairs
+    rows = T * k + (T if shared else 0)
+    cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
+    runs = []
+    for fused, x_ready in ((False, False), (True, False), (True, True)):
+        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
+        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+                             shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, blocks=table)
+        runs.append((h, out))
+        assert kernel_calls[-1]["kernel"] == ("pair" if fused else "gemv") and kernel_calls[-1]["BLOCKS"]
+    assert not kernel_calls[-1]["PAIR_ORDER"]
+    assert rel_err(runs[0][1], ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
+    for h, out in runs[1:]:
+        assert torch.equal(h, runs[0][0]) and torch.equal(out, runs[0][1])
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+
+
 def test_expert_blocks_must_fit_the_launch():
-    """Expert blocks run in two launches, over the pairs' table, with the shared expert (if any) as token columns."""
+    """Expert blocks run over the pairs' table (int32 [pairs, 2 + MP]), with the shared expert (if any) as token
+    columns."""
     E, k, D, I, T = 4, 2, 256, 128, 2
-    w13, w2 = make_weight("nvfp4", I, D, (E, 2)), make_weight("nvfp4", D, I, (E,))
+    w13 = make_weight("nvfp4", I, D, (E, 2))
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.0)
     table = tmoe.expert_blocks(ids)
-    with pytest.raises(ValueError, match="two launches"):
-        moe_pair.launch_pair(torch.randn(T, D), w13, torch.empty(T * k, I), w2, torch.empty(T, D), gemv.GemvConfig(),
-                             gemv.GemvConfig(), tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT, fused=True,
-                             blocks=table)
     shared = make_weight("nvfp4", I, D, (2,))   # 2 tokens: a row block per token, not token columns
     with pytest.raises(ValueError, match="expert blocks"):
         gemv.launch(torch.randn(T, D), w13, torch.empty(T * k + T, I), gemv.GemvConfig(), M=T * k + T,

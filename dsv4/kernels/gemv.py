@@ -363,6 +363,17 @@ def _block_row(table_ptr, b, MP: tl.constexpr):
 
 
 @triton.jit
+def _signal_unit_rows(ready_ptr, r, pc, ncols, MP: tl.constexpr, BLOCKS: tl.constexpr):
+    """SIGNAL: one more tile of the unit's h row r written or, BLOCKS, of the h row of each of its ncols columns'
+    pairs pc (a shared-expert unit has ncols 1 and pc its row r)."""
+    if BLOCKS:
+        for c in range(0, ncols):
+            _signal_row(ready_ptr + tl.sum(tl.where(tl.arange(0, MP) == c, pc, 0)) * SYNC_LINE)
+    else:
+        _signal_row(ready_ptr + r * SYNC_LINE)
+
+
+@triton.jit
 def _gemv_unit(
     u, splits, num_n, shared_units, first_shared, first_routed,
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
@@ -381,9 +392,10 @@ def _gemv_unit(
 ):
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
-    BLOCKS (ROWS_PAIR / ROWS_TOKEN, two launches): ids_ptr is the expert-block table (`moe.expert_blocks`); the
-    routed units are (block b < P, N tile, K split) and each streams its block's expert once for all of the
-    block's (token, slot) pairs, one MMA column each (a block of one pair runs the group columns, if on).
+    BLOCKS (ROWS_PAIR / ROWS_TOKEN): ids_ptr is the expert-block table (`moe.expert_blocks`); the routed units are
+    (block b < P, N tile, K split) and each streams its block's expert once for all of the block's (token, slot)
+    pairs, one MMA column each (a block of one pair runs the group columns, if on); in the fused pair a gate/up
+    block unit signals the h row of each of its pairs and a down block unit waits for all of them.
 
     The fused MoE pair (`moe_pair._moe_pair_kernel`): SIGNAL (gate/up) counts every output tile written into
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
@@ -444,6 +456,7 @@ def _gemv_unit(
             rmask = tl.where(on_shared, rmask, offs_r < ncols)
             yrow = tl.where(on_shared, yrow, pc)
             xrow = tl.where(on_shared, xrow, pc // X_DIV)
+            pc = tl.where(on_shared, r, pc)   # the h row a shared-expert unit signals (one pass: ncols 1)
     else:
         rmask = offs_r == 0
         slot = tl.minimum(j // SPLIT, TOPK)
@@ -479,6 +492,11 @@ def _gemv_unit(
             s0 = ks * CHUNK_S
             _await_row(ready_ptr + (P + r) * SYNC_LINE, ready_target, sw_ptr, ss_ptr, n0, s0,
                        tl.minimum(CHUNK_S, n_steps_s - s0), stride_swn, stride_ssn, FMT_S, TILED_S, ASM, AWAIT_L2)
+        elif BLOCKS:   # the h rows of all the block's pairs
+            for c in range(0, ncols):
+                _await_row(ready_ptr + tl.sum(tl.where(offs_r == c, pc, 0)) * SYNC_LINE, ready_target,
+                           w_ptr + e64 * stride_we, s_ptr + e64 * stride_se, n0, s0, tl.minimum(CHUNK, n_steps - s0),
+                           stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
         else:
             _await_row(ready_ptr + pair * SYNC_LINE, ready_target, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
                        n0, s0, tl.minimum(CHUNK, n_steps - s0), stride_wn, stride_sn, FMT, TILED, ASM, AWAIT_L2)
@@ -563,11 +581,11 @@ def _gemv_unit(
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
             _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, 1.0, 1.0, limit, GATED)
             if SIGNAL:
-                _signal_row(ready_ptr + r * SYNC_LINE)
+                _signal_unit_rows(ready_ptr, r, pc if BLOCKS else r, ncols if BLOCKS else 1, MP, BLOCKS)
     else:
         _epilogue(y_ptr, offs_y, omask, acc, acc_u if GATED else acc, f, f_u if GATED else f, limit, GATED)
         if SIGNAL:
-            _signal_row(ready_ptr + r * SYNC_LINE)
+            _signal_unit_rows(ready_ptr, r, pc if BLOCKS else r, ncols if BLOCKS else 1, MP, BLOCKS)
     return ticket
 
 

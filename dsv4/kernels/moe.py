@@ -43,9 +43,10 @@ THREE_STAGE_UP_TOKENS = 2
 # 88.5 -> 86.6, 171.2 -> 147.4; at 3-4 tokens 0.987-1.112 of the time before (7 of 8 readings slower);
 # V4-Flash's down launch slower with 128 rows at 1-8 tokens (bench/RESULTS.md, runs 108-109)
 # from this many tokens (None: never) the GEMV pair streams each distinct expert once for all its (token, slot)
-# pairs, as MMA columns (`expert_blocks`). Off: it needs two launches, and against the one-launch pair it measured
-# 1.5-6.6 % slower at 4 tokens and level at 8 (0.986-0.989; without blocks but in two launches it is 7 % slower
-# there, the blocks recovering that much) on the H200 (bench/RESULTS.md round sixteen, run 130)
+# pairs, as MMA columns (`expert_blocks`). Off: measured in two launches only, against the one-launch pair it was
+# 1.5-6.6 % slower at 4 tokens and level at 8 (0.986-0.989; in two launches without shared experts it is 7 % slower
+# there, the blocks recovering that much) on the H200 (bench/RESULTS.md round sixteen, run 130). Blocks in the
+# one-launch pair are built and CPU-tested but not yet measured on a GPU
 BLOCKS_FROM_TOKENS = None
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
@@ -316,8 +317,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     k rows in the same launch instead of a separate sum kernel; the same bits.
 
     `blocks_from` (None: off, `BLOCKS_FROM_TOKENS`): from this many tokens the GEMV pair runs over expert blocks
-    (`expert_blocks`, two launches), each distinct expert streamed once for all the pairs routed to it - where there
-    is no shared expert or it runs as token columns (`gemv.shared_cols`: from 4 tokens)."""
+    (`expert_blocks`; in one launch or two, as `launch_pair` decides), each distinct expert streamed once for all
+    the pairs routed to it - where there is no shared expert or it runs as token columns (`gemv.shared_cols`: from
+    4 tokens)."""
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
@@ -348,7 +350,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         blocks = None
         if blocks_from is not None and T >= blocks_from and \
                 (shared is None or gemv.shared_cols(ROWS_PAIR, P + T, P, shared[0])):
-            blocks, fused = expert_blocks(ids), False   # each distinct expert streamed once, two launches
+            blocks = expert_blocks(ids)   # each distinct expert streamed once
         moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
                              limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
                              fused=fused, blocks=blocks)

@@ -68,6 +68,7 @@ def _moe_pair_kernel(
     D_FMT: tl.constexpr, D_SCALE_F32: tl.constexpr, D_BN: tl.constexpr, D_FMT_S: tl.constexpr,
     D_SCALE_F32_S: tl.constexpr, D_TILED: tl.constexpr, D_TILED_S: tl.constexpr, D_GCOL: tl.constexpr,
     AWAIT_L2: tl.constexpr, PAIR_ORDER: tl.constexpr = True, COLS: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False,
 ):
     """The MoE decode pair in one launch: the gate/up launch's units (the `gemv._gemv_kernel` arguments, ROWS_PAIR,
     GATED) then the down launch's (the same arguments prefixed d_, ROWS_TOKEN, constexprs prefixed D_ where they
@@ -104,7 +105,7 @@ def _moe_pair_kernel(
                        sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                        stride_ssn, stride_ss2g, ready_ptr, 0, sync_ptr,
                        FMT, SCALE_F32, 1, True, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
-                       PDL, GCOL, X_READY, True, False, 0, True, COLS)
+                       PDL, GCOL, X_READY, True, False, 0, True, COLS, BLOCKS)
         else:
             if PDL:
                 gdc_wait()   # reads the expert ids
@@ -119,7 +120,7 @@ def _moe_pair_kernel(
                        d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
                        d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
                        D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
-                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS)
+                       D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS, BLOCKS)
         # the next unit, drawn near the end of this one: a ticket drawn at its start would fix the assignment
         # early, like a persistent grid's round robin (measured slower: units sat unevenly on the SMs)
         t = tl.num_programs(0) + nxt
@@ -154,14 +155,12 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
     it waits for its h row (measured slower, so 0); `pair_order` False: down units in their own launch's order
     instead of the order gate/up completes h rows (the same bits; for benchmarks). `up_alone`: gate/up's
     configuration where the pair runs as two launches (default `up`; the same BN). `blocks`: the pairs' expert-block
-    table (`moe.expert_blocks`): both launches stream each distinct expert once (`gemv.launch(blocks=...)`); two
-    launches only.
+    table (`moe.expert_blocks`): both stages stream each distinct expert once (`gemv.launch(blocks=...)`); in one
+    launch the down units then come in their own launch's order (block by block).
 
     On a GPU, one launch needs the PTX build (`GemvConfig.asm` not False): its down units wait for their h rows
     with PTX acquire loads (`sync._await_row`), which the plain-Triton build leaves out."""
     polls = interpreting() or up.asm is not False
-    if fused and blocks is not None:
-        raise ValueError("launch_pair: expert blocks run as two launches (fused=False)")
     if fused and not polls:
         raise ValueError("the one-launch MoE pair waits for its h rows with PTX loads; it needs GemvConfig.asm")
     if up_alone is not None and up_alone.BN != up.BN:
@@ -177,7 +176,7 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
                   rw=rw, limit=0.0, group_r=0, x_gstride=0, shared=sw2, pairs=pairs, scratch=scratch, x_ready=False,
                   cnt=buf[n_up:n_up + n_dn], blocks=blocks)
     if fused is None:
-        fused = pd.units > pd.slots and polls and blocks is None
+        fused = pd.units > pd.slots and polls
     pu = _prepare(x, w13, h, up if fused or up_alone is None else up_alone, M=h_rows, rows=ROWS_PAIR, R=h_rows,
                   gated=True, topk=1, x_div=topk, ids=ids, rw=None, limit=limit, group_r=0, x_gstride=0, shared=sw13,
                   pairs=pairs, scratch=scratch, x_ready=x_ready, cnt=buf[:n_up], blocks=blocks)
@@ -194,7 +193,7 @@ def launch_pair(x: torch.Tensor, w13: QWeight, h: torch.Tensor, w2: QWeight, out
             raise ValueError(f"the fused MoE pair needs the same {k} for gate/up and down, got {consts.get(k)} "
                              f"and {v}")
     consts["AWAIT_L2"] = await_l2
-    consts["PAIR_ORDER"] = pair_order
+    consts["PAIR_ORDER"] = pair_order and blocks is None   # (expert blocks: the down launch's block order)
     args = (*pu.args, *pd.args, buf[n_up + n_dn:], h_rows)
     units = pu.units + pd.units
     if interpreting():
