@@ -347,19 +347,20 @@ def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, ROWS: tl.constexpr, BN: tl.con
 
 
 @triton.jit
-def _block_unit(v, num_n, SPLIT):
+def _block_unit(v, SPLIT):
     """ROWS_TOKEN with BLOCKS: routed unit v -> (tile, split) as `_gemv_unit` decodes them: tile = block * num_n + N
     tile, split = the K split (units numbered (block, N tile, K split), K split fastest)."""
     return v // SPLIT, v % SPLIT
 
 
 @triton.jit
-def _block_row(table_ptr, b, MP: tl.constexpr):
-    """Row b of the expert-block table (`moe.expert_blocks`): (expert, columns, pair of each MMA column [MP])."""
-    row = table_ptr + b * (2 + MP)
-    ncols = tl.load(row + 1)
+def _block_row(table_ptr, b, P, MP: tl.constexpr):
+    """Row b of the expert-block table (`moe.expert_blocks`): (expert, columns, pair of each MMA column [MP]); b >= P
+    (a shared-expert unit, which may run before the table is written) reads nothing: (0, 0, zeros)."""
+    row = table_ptr + tl.minimum(b, P - 1) * (2 + MP)
+    ncols = tl.load(row + 1, mask=b < P, other=0)
     pc = tl.load(row + 2 + tl.arange(0, MP), mask=tl.arange(0, MP) < ncols, other=0)
-    return tl.load(row), ncols, pc
+    return tl.load(row, mask=b < P, other=0), ncols, pc
 
 
 @triton.jit
@@ -409,7 +410,7 @@ def _gemv_unit(
     j = u % splits
     tile = u // splits
     if BLOCKS and ROWS == 2 and not SHARED:
-        tile, j = _block_unit(u, num_n, SPLIT)
+        tile, j = _block_unit(u, SPLIT)
     if SHARED and (ROWS == 1 or COLS):
         if u >= first_shared and u < first_shared + shared_units:
             if ROWS == 1:
@@ -424,7 +425,7 @@ def _gemv_unit(
             j = (u - first_routed) % routed_splits
             tile = (u - first_routed) // routed_splits
             if BLOCKS and ROWS == 2:
-                tile, j = _block_unit(tile * routed_splits + j, num_n, SPLIT)
+                tile, j = _block_unit(tile * routed_splits + j, SPLIT)
         if WAIT_PER_UNIT:
             if u >= first_routed:
                 gdc_wait()   # a routed unit reads the expert ids
@@ -446,17 +447,18 @@ def _gemv_unit(
         if SHARED:
             on_shared = r >= P
             xrow = tl.where(on_shared, yrow - P, xrow)
-            e = tl.load(ids_ptr + tl.minimum(r, P - 1), mask=r < P, other=0).to(tl.int32)
-        else:
-            e = tl.load(ids_ptr + r).to(tl.int32)
         rw = 1.0
         if BLOCKS:   # block r's pairs: column c writes h row pc[c] from x row (token) pc[c] // X_DIV
-            e, ncols, pc = _block_row(ids_ptr, tl.minimum(r, P - 1), MP)
+            e, ncols, pc = _block_row(ids_ptr, r, P, MP)
             ncols = tl.where(on_shared, 1, ncols)
             rmask = tl.where(on_shared, rmask, offs_r < ncols)
             yrow = tl.where(on_shared, yrow, pc)
             xrow = tl.where(on_shared, xrow, pc // X_DIV)
             pc = tl.where(on_shared, r, pc)   # the h row a shared-expert unit signals (one pass: ncols 1)
+        elif SHARED:
+            e = tl.load(ids_ptr + tl.minimum(r, P - 1), mask=r < P, other=0).to(tl.int32)
+        else:
+            e = tl.load(ids_ptr + r).to(tl.int32)
     else:
         rmask = offs_r == 0
         slot = tl.minimum(j // SPLIT, TOPK)
@@ -467,7 +469,7 @@ def _gemv_unit(
         yrow = r + offs_r * 0
         xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
         if BLOCKS:   # block r's pairs: column c reads h row pc[c], its partial is token pc[c] // TOPK's
-            e, ncols, pc = _block_row(ids_ptr, tl.minimum(r, P - 1), MP)
+            e, ncols, pc = _block_row(ids_ptr, tl.where(on_shared, P, r), P, MP)
             ncols = tl.where(on_shared, 1, ncols)
             rmask = tl.where(on_shared, rmask, offs_r < ncols)
             yrow = tl.where(on_shared, yrow, pc // TOPK)
