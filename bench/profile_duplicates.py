@@ -1,6 +1,6 @@
 """What experts shared between tokens cost the MoE decode pair: the same pairs with three routings.
 
-    python bench/profile_duplicates.py [--tokens 2,4,8] [--rot 8] [--blocks-from 4]
+    python bench/profile_duplicates.py [--tokens 2,4,8] [--rot 8] [--rounds 3]
     TRITON_INTERPRET=1 python bench/profile_duplicates.py --toy      # CPU dry run on a toy shape
 
 `kernels.moe.moe` (the GEMV pair, routed NVFP4 experts and the FP8 shared expert in its launches) reads each
@@ -11,15 +11,15 @@ k slots each, three routings of the same T * k pairs:
 * sorted: the same experts with the flattened pairs sorted by expert, so that a shared expert's pairs are
   adjacent and their units run side by side (does L2 serve the second read?);
 * unique: T * k distinct experts (no expert shared).
-`--blocks-from n`: `moe(blocks_from=n)`, the pair over expert blocks from n tokens (each distinct expert streamed
-once for all its pairs, two launches; default `moe.BLOCKS_FROM_TOKENS`, off).
-Per routing: the time, % of its byte floor (the distinct experts it touches + the shared expert, at the copy
-bandwidth, as `run_all.py` counts it), and % of the bytes of all pairs (every pair's expert read once).
+Each cell is the median of `--rounds` timings.
+Per routing: the time, % of its byte floor (the distinct experts it touches + the shared expert, at the
+copy bandwidth, as `run_all.py` counts it), and % of the bytes of all pairs (every pair's expert read once).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -45,8 +45,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="2,4,8")
     ap.add_argument("--rot", type=int, default=8, help="rotated input sets per timing (distinct experts each)")
-    ap.add_argument("--blocks-from", type=int, default=moe.BLOCKS_FROM_TOKENS,
-                    help="moe(blocks_from=): expert blocks from this many tokens (default: off)")
+    ap.add_argument("--rounds", type=int, default=1, help="timings per routing (their median)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -69,10 +68,10 @@ def main():
             rws = [torch.rand(T, s.k, device=dev, generator=gen) for _ in range(rot)]
             for name, ids in routings(s.E, T, s.k, rot, dev, gen).items():
                 touched = sum(i.unique().numel() for i in ids) / rot
-                ms = timer.per_call_ms([lambda i=i: moe.moe(xs[i], ids[i], rws[i], w13, w2, 10.0, shared=shared,
-                                                            fallback=refuse_fallback, scratch=scratch,
-                                                            blocks_from=args.blocks_from)
-                                        for i in range(rot)])
+                ms = statistics.median(timer.per_call_ms([
+                    lambda i=i: moe.moe(xs[i], ids[i], rws[i], w13, w2, 10.0, shared=shared,
+                                        fallback=refuse_fallback, scratch=scratch)
+                    for i in range(rot)]) for _ in range(args.rounds))
                 floor = touched * per_expert + shared_bytes
                 every = P * per_expert + shared_bytes
                 print(f"{s.name:8s} T={T:<2d} {name:7s} experts {touched:5.1f} of {P:3d} pairs  {ms * 1e3:8.1f} us  "
