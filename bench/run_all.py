@@ -268,11 +268,11 @@ def correctness(run: Run):
             bound = 2e-2 if run.toy else 1e-2
             want = ref.moe(x, ids, wts, w13, w2, 10.0)
             record(f"moe {s.name} {fmt} T={t}", rel_err(y, want), bound, written=bool(torch.isfinite(y).all()))
-            blocks_from = 3 if run.toy else 4
-            if run.ops.name != "ref" and blocks_from <= t <= moe.DECODE_TOKENS:
-                # the pair over expert blocks (off by default: `moe(blocks_from=)`), each distinct expert once
+            first = 3 if run.toy else 4
+            if run.ops.name != "ref" and first <= t <= moe.DECODE_TOKENS:
+                # the pair over expert blocks at <= 8 tokens too (by default from 9: `moe.BLOCK_TOKENS`)
                 y_blk = moe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, scratch=run.scratch,
-                                blocks_from=blocks_from)
+                                block_tokens=(first, moe.DECODE_TOKENS))
                 record(f"moe {s.name} {fmt} T={t} expert blocks ({ids.numel() - ids.unique().numel()} shared)",
                        rel_err(y_blk, want), bound, written=bool(torch.isfinite(y_blk).all()))
             # round one's decode tiles (t <= 8) and the sorted path with the top-k sum fused
@@ -528,7 +528,8 @@ def linear_table(run: Run):
 
 def moe_table(run: Run):
     """The whole MoE layer (routing kernel, routed experts, shared expert) vs the bytes of the experts it touches;
-    for decode sizes also the routed experts through the other decode kernel family (GEMV vs round one)."""
+    also the routed experts through the other kernels where there are some (`other us`): round one's decode tiles at
+    up to 8 tokens, its sorted grouped GEMM where the GEMV pair runs over expert blocks (`moe.BLOCK_TOKENS`)."""
     from dsv4.kernels import gemv, moe as tmoe
     rows = []
     run.res["moe"] = rows
@@ -563,14 +564,16 @@ def moe_table(run: Run):
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
             ms_alt = ms_fused = None
             if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
-                ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True)
+                ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True, block_tokens=None)
                                                   for x, lg in zip(xs, logits)])
-            if t <= 8:  # the other decode kernels on the same inputs, for the record
+            if t <= 8 or tmoe.in_block_range(t):
+                # the other kernels on the same inputs, for the record: round one's decode tiles at <= 8 tokens, its
+                # sorted grouped GEMM where the pair over expert blocks runs
 
                 def routed_alt(x, lg):
                     wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse,
-                                    decode="round1" if t <= gemv.MOE_TOKENS else "gemv", scratch=run.scratch)
+                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, block_tokens=None,
+                                    decode="round1" if t <= gemv.MOE_TOKENS else "auto", scratch=run.scratch)
 
                 ms_alt = run.timer.per_call_ms([lambda x=x, lg=lg: routed_alt(x, lg) for x, lg in zip(xs, logits)])
             floor_routed = per_expert * sum(touched) / len(touched)
@@ -580,13 +583,13 @@ def moe_table(run: Run):
                        pct_floor=100 * (floor / (copy * 1e9)) / (ms * 1e-3),
                        routed_us=ms_r * 1e3, routed_floor_mb=floor_routed / 1e6,
                        routed_pct_floor=100 * (floor_routed / (copy * 1e9)) / (ms_r * 1e-3),
-                       routed_other_decode_us=None if ms_alt is None else ms_alt * 1e3,
+                       routed_other_us=None if ms_alt is None else ms_alt * 1e3,
                        routed_fused_sum_us=None if ms_fused is None else ms_fused * 1e3)
             rows.append(row)
             print(f"  {s.name:8s} {fmt:5s} T={t:<4d} experts {row['experts_touched']:6.1f}  layer {row['us']:8.1f} us "
                   f"= {row['pct_floor']:3.0f}% of floor ({row['floor_mb']:.0f} MB)  | routed only "
                   f"{row['routed_us']:8.1f} us = {row['routed_pct_floor']:3.0f}%"
-                  + ("" if ms_alt is None else f" (other decode kernels: {ms_alt * 1e3:.1f} us)")
+                  + ("" if ms_alt is None else f" (other kernels: {ms_alt * 1e3:.1f} us)")
                   + ("" if ms_fused is None else f" (top-k sum fused: {ms_fused * 1e3:.1f} us)"),
                   flush=True)
         del w13, w2, sw13, sw2
@@ -624,11 +627,12 @@ def table(run: Run) -> str:
                      f"{x['speedup']:7.2f}" + ("" if x.get("gemv_us") is None else f"  gemv {x['gemv_us']:.1f}"))
     lines.append("")
     lines.append(f"{'model':8s} {'fmt':5s} {'T':>4s} {'experts':>7s} {'layer us':>9s} {'floor MB':>8s} {'%floor':>6s} "
-                 f"{'routed us':>9s} {'%floor':>6s} {'fused-sum us':>12s}")
+                 f"{'routed us':>9s} {'%floor':>6s} {'other us':>9s} {'fused-sum us':>12s}")
     for x in r.get("moe", []):
-        fused = x.get("routed_fused_sum_us")
+        other, fused = x.get("routed_other_us"), x.get("routed_fused_sum_us")
         lines.append(f"{x['model']:8s} {x['fmt']:5s} {x['T']:4d} {x['experts_touched']:7.1f} {x['us']:9.1f} "
                      f"{x['floor_mb']:8.0f} {x['pct_floor']:6.0f} {x['routed_us']:9.1f} {x['routed_pct_floor']:6.0f} "
+                     + (f"{other:9.1f} " if other is not None else f"{'-':>9s} ")
                      + (f"{fused:12.1f}" if fused is not None else f"{'-':>12s}"))
     mc = r.get("model_check")
     if mc:

@@ -196,11 +196,13 @@ def test_split_choice_weighs_fill_against_unit_cost():
     assert 1 < split <= 64 and 128 // split >= 2
 
 
-def test_moe_auto_takes_the_gemv_up_to_eight_tokens(launches):
-    E, k, D, I = 4, 2, 128, 128
+def test_moe_auto_takes_the_gemv_pair_up_to_64_tokens(launches):
+    """The GEMV pair up to 8 tokens, over expert blocks at `moe.BLOCK_TOKENS` (9-64), above the grouped (sorted)
+    kernels."""
+    E, k, D, I = 4, 1, 128, 128
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
     pair = [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
-    for T, want in ((1, pair), (8, pair), (9, [])):   # 9 tokens: the grouped (sorted) kernels
+    for T, want in ((1, pair), (8, pair), (9, pair), (64, pair), (65, [])):
         launches.clear()
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
@@ -368,19 +370,21 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
 
 
 def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
-    """`moe.expert_blocks`: row b is the b-th distinct expert in order of its first pair, with its pairs in pair order,
-    at most MP (the MMA's N) per block, an expert with more pairs continuing in the next block; rows past the last
-    block have no pairs."""
+    """`moe.expert_blocks`: one row per block of at most MP (the MMA's N) pairs of one expert, experts in increasing
+    order, each expert's pairs in pair order (an expert with more continues in the next block); rows past the last
+    block have no pairs. Up to 240 pairs: several of the kernel's chunks of 64, experts whose pairs span them."""
     MP = gemv.mma_n(1)
-    for ids in (torch.tensor([[3, 1], [1, 4], [3, 1], [0, 2]]), torch.tensor([[5, 2, 7]] * 11),
-                torch.randint(0, 9, (8, 6), generator=torch.Generator().manual_seed(1)), torch.tensor([[4]])):
-        table = tmoe.expert_blocks(ids)
-        want, current = [], {}   # (expert, pairs) per block; each expert's open block
-        for p, e in enumerate(ids.flatten().tolist()):
-            if e not in current or len(want[current[e]][1]) == MP:
-                current[e] = len(want)
-                want.append((e, []))
-            want[current[e]][1].append(p)
+    gen = torch.Generator().manual_seed(1)
+    for ids, E in ((torch.tensor([[3, 1], [1, 4], [3, 1], [0, 2]]), 5), (torch.tensor([[5, 2, 7]] * 11), 8),
+                   (torch.randint(0, 9, (8, 6), generator=gen), 9), (torch.tensor([[4]]), 6),
+                   (torch.stack([torch.randperm(13, generator=gen)[:6] for _ in range(40)]), 13),
+                   (torch.stack([torch.randperm(200, generator=gen)[:6] for _ in range(20)]), 200)):
+        table = tmoe.expert_blocks(ids, E)
+        flat = ids.flatten().tolist()
+        want = []   # (expert, pairs) per block
+        for e in sorted(set(flat)):
+            pairs = [p for p, f in enumerate(flat) if f == e]
+            want += [(e, pairs[i:i + MP]) for i in range(0, len(pairs), MP)]
         assert table.shape == (ids.numel(), 2 + MP) and table.dtype == torch.int32
         for b, row in enumerate(table.tolist()):
             if b < len(want):
@@ -394,10 +398,10 @@ def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 4), ("mxfp4", "nvfp4", 5), ("fp8", None, 6),
                                                ("nvfp4", None, 8)])
 def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T):
-    """`moe(blocks_from=n)`: from n tokens the GEMV pair runs over expert blocks (BLOCKS): tokens that share an expert
-    are that block's MMA columns, in gate/up and down. Against the reference with experts shared by 2-4 tokens;
-    with every expert distinct the blocks have one pair each and the output is bit for bit that of the pair
-    without blocks (`blocks_from` past T, or None, the default)."""
+    """`moe(block_tokens=(4, 8))`: at 4-8 tokens the GEMV pair runs over expert blocks (BLOCKS; by default only from
+    9 tokens): tokens that share an expert are that block's MMA columns, in gate/up and down. Against the reference
+    with experts shared by 2-4 tokens; with every expert distinct the blocks have one pair each and the output is bit
+    for bit that of the pair without blocks (T outside `block_tokens`, or None)."""
     E, k, D, I = 5, 2, 256, 128
     gen = torch.Generator().manual_seed(T)
     w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
@@ -405,19 +409,42 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
     x = torch.randn(T, D, generator=gen) * 2
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     assert ids.unique().numel() < ids.numel()   # experts shared between tokens
-    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(), blocks_from=4)
+    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+                   block_tokens=(4, 8))
     assert kernel_calls[-1]["BLOCKS"]
     assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
     E2 = 2 * T
     w13u, w2u = make_weight(fmt, I, D, (E2, 2), 0.5), make_weight(fmt, D, I, (E2,), 0.1)
     distinct = torch.randperm(E2, generator=gen)[:T * k].reshape(T, k)
     blocks = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
-                      blocks_from=T)
+                      block_tokens=(T, T))
     assert kernel_calls[-1]["BLOCKS"]
-    for off in (T + 1, None):
+    for off in ((T + 1, 8), None):
         plain = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
-                         blocks_from=off)
+                         block_tokens=off)
         assert not kernel_calls[-1].get("BLOCKS", False) and torch.equal(blocks, plain)
+
+
+def test_moe_beyond_eight_tokens_runs_the_pair_over_expert_blocks(kernel_calls):
+    """From 9 tokens (`moe.BLOCK_TOKENS`) `moe` runs the routed experts as the GEMV pair over expert blocks (up to 8
+    pairs of one expert per block) and adds the shared expert with `mlp_op` (token columns hold at most 8 tokens);
+    past the range, round one's sorted grouped GEMM: both against the reference."""
+    E, k, D, I, T = 6, 4, 256, 128, 12
+    gen = torch.Generator().manual_seed(T)
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
+    shared = make_weight("fp8", I, D, (2,), 0.5), make_weight("fp8", D, I, (), 0.1)
+    x = torch.randn(T, D, generator=gen) * 2
+    logits = torch.randn(T, E, generator=gen)
+    logits[:, 0] += 8   # every token routes to expert 0: more pairs than one block holds
+    w, ids = ref.route(logits, torch.zeros(E), k, 1.5)
+    assert int(ids.flatten().bincount().max()) > gemv.mma_n(1)
+    want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
+    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    assert any(c.get("BLOCKS") for c in kernel_calls) and rel_err(got, want) < 1e-6
+    kernel_calls.clear()
+    past = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+                    block_tokens=(T + 1, 64))
+    assert not any(c.get("BLOCKS") for c in kernel_calls) and rel_err(past, want) < 1e-2
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,split", [("nvfp4", "fp8", 2), ("mxfp4", None, 1)])
@@ -431,7 +458,7 @@ def test_expert_block_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt
     shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
     x = torch.randn(T, D, generator=gen) * 2
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
-    table = tmoe.expert_blocks(ids)
+    table = tmoe.expert_blocks(ids, E)
     assert int(table[:, 1].max()) > 1   # a block of several pairs
     rows = T * k + (T if shared else 0)
     cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
@@ -455,7 +482,7 @@ def test_expert_blocks_must_fit_the_launch():
     E, k, D, I, T = 4, 2, 256, 128, 2
     w13 = make_weight("nvfp4", I, D, (E, 2))
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.0)
-    table = tmoe.expert_blocks(ids)
+    table = tmoe.expert_blocks(ids, E)
     shared = make_weight("nvfp4", I, D, (2,))   # 2 tokens: a row block per token, not token columns
     with pytest.raises(ValueError, match="expert blocks"):
         gemv.launch(torch.randn(T, D), w13, torch.empty(T * k + T, I), gemv.GemvConfig(), M=T * k + T,

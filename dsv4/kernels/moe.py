@@ -8,6 +8,10 @@ fused and deterministic, no fp32 rows.
 When the weights' format or shape does not suit the GEMV, round one's decode tiles (`gemm.py`) run instead:
 stage 1 one program per (token, slot) pair and N tile, stage 2 the routed pairs, then a row sum.
 
+Over expert blocks (`BLOCK_TOKENS`, 9-64 tokens): `expert_blocks` (one program) lists each distinct expert's
+pairs in blocks of up to 8, and the same GEMV pair streams each block's expert once, its pairs as MMA columns
+(`gemv.launch(blocks=...)`); the shared expert then runs beside it (`mlp_op`).
+
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
 stage 2 writes routing-weighted fp32 rows per pair and `gemm._sum_kernel` adds each token's k rows in slot
@@ -37,17 +41,19 @@ FUSED_TOPK_SUM = False
 # pipeline stages: V4-Pro 61.9 -> 54.8 us at 1 token, V4-Flash 26.4 -> 25.9; down and 4-8 tokens measured level or
 # slower with them (bench/RESULTS.md, run 104)
 THREE_STAGE_UP_TOKENS = 2
+# (first, last) token counts (None: never) at which the GEMV pair streams each distinct expert once for all its
+# (token, slot) pairs, as MMA columns (`expert_blocks`); the shared expert, if any, then runs beside it (`mlp_op`:
+# it rides in the pair's launches as token columns at up to 8 tokens only). H200, routed experts alone, against round
+# one's sorted grouped GEMM (bench/RESULTS.md round seventeen, run 134): V4-Flash NVFP4 438.4 -> 352.1 / 715.4 ->
+# 605.8 / 1080.3 -> 944.4 us at 16 / 32 / 64 tokens, V4-Pro NVFP4 1130.7 -> 922.2 / 2041.2 -> 1648.3 / 3529.3 ->
+# 2734.0, V4-Flash MXFP4 422.5 -> 338.5 / 676.9 -> 576.7 / 988.2 -> 922.2; at 4-8 tokens it is level to 6 % slower
+# than the pair without blocks (runs 130-131), above 64 tokens not measured
+BLOCK_TOKENS = (9, 64)
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
 # V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
 # 88.5 -> 86.6, 171.2 -> 147.4; at 3-4 tokens 0.987-1.112 of the time before (7 of 8 readings slower);
 # V4-Flash's down launch slower with 128 rows at 1-8 tokens (bench/RESULTS.md, runs 108-109)
-# from this many tokens (None: never) the GEMV pair streams each distinct expert once for all its (token, slot)
-# pairs, as MMA columns (`expert_blocks`). Off: measured in two launches only, against the one-launch pair it was
-# 1.5-6.6 % slower at 4 tokens and level at 8 (0.986-0.989; in two launches without shared experts it is 7 % slower
-# there, the blocks recovering that much) on the H200 (bench/RESULTS.md round sixteen, run 130). Blocks in the
-# one-launch pair are built and CPU-tested but not yet measured on a GPU
-BLOCKS_FROM_TOKENS = None
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
@@ -130,41 +136,62 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
 
 # ---------------------------------------------------------------------------- sorting pairs by expert
 
-@triton.jit
-def _expert_blocks_kernel(ids_ptr, table_ptr, P, P_PAD: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
-    """One program: the P (token, slot) pairs' distinct experts as blocks of at most MP pairs, in the order of their
-    first pair. Row b of table (int32 [P, 2 + MP]): expert, pairs in the block (0 past the last block), then the
-    pairs (flat indices t * k + j) in pair order."""
+@triton.jit(do_not_specialize=["P"])
+def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                          MP: tl.constexpr, PDL: tl.constexpr):
+    """One program: the P (token, slot) pairs' distinct experts as blocks of at most MP pairs, in expert order, each
+    expert's pairs in pair order. Row b of table (int32 [P, 2 + MP]): expert, pairs in the block (0 past the last
+    block), then the pairs (flat indices t * k + j). work (int32 [2 * E_PAD]): each expert's first block, then the
+    pairs of it placed by earlier chunks. Cost O(P * (E_PAD + CHUNK)): a histogram, a scan, and per chunk of pairs
+    their ranks among the chunk's pairs of the same expert."""
     if PDL:   # the gate/up launch after it may start and stream the shared expert; the ids are routing's
         gdc_launch_dependents()
         gdc_wait()
-    offs = tl.arange(0, P_PAD)
-    valid = offs < P
-    ids = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]   # [p, q]: q routes to p's expert
-    col = tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)   # p's expert's pairs before p
-    lead = valid & (col % MP == 0)   # p opens a block
-    blk = tl.cumsum(lead.to(tl.int32), axis=0) - 1
-    mine = same & lead[None, :] & (col[None, :] == (col - col % MP)[:, None])   # q leads p's block
-    pblk = tl.sum(tl.where(mine, blk[None, :], 0), axis=1)
-    row = table_ptr + pblk * (2 + MP)
-    tl.store(row + 2 + col % MP, offs, mask=valid)
-    tl.store(row, ids, mask=lead)
-    tl.store(row + 1, tl.minimum(tl.sum(same.to(tl.int32), axis=1) - col, MP), mask=lead)
-    unused = valid & (offs >= tl.sum(lead.to(tl.int32), axis=0))
-    tl.store(table_ptr + offs * (2 + MP), tl.zeros_like(offs), mask=unused)
-    tl.store(table_ptr + offs * (2 + MP) + 1, tl.zeros_like(offs), mask=unused)
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32), E_PAD)
+    counts = tl.where(offs_e < E, counts, 0)   # padding counted in bin E
+    nb = (counts + MP - 1) // MP
+    starts = tl.cumsum(nb, 0) - nb
+    total = tl.sum(nb, axis=0)
+    tl.store(work_ptr + offs_e, starts)
+    for j in range(0, tl.max(nb, axis=0)):   # block j of every expert that has one
+        has = nb > j
+        row = table_ptr + (starts + j) * (2 + MP)
+        tl.store(row, offs_e, mask=has)
+        tl.store(row + 1, tl.minimum(counts - j * MP, MP), mask=has)
+    for c in range(0, P, CHUNK):   # rows past the last block: no pairs
+        b = c + tl.arange(0, CHUNK)
+        tl.store(table_ptr + b * (2 + MP), tl.zeros_like(b), mask=(b >= total) & (b < P))
+        tl.store(table_ptr + b * (2 + MP) + 1, tl.zeros_like(b), mask=(b >= total) & (b < P))
+    placed = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        tl.store(work_ptr + E_PAD + offs_e, placed)
+        tl.debug_barrier()   # (one CTA: its own stores are visible to its loads after the barrier)
+        offs = c + tl.arange(0, CHUNK)
+        valid = offs < P
+        e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)
+        before = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])
+        col = tl.load(work_ptr + E_PAD + e, mask=valid, other=0) + tl.sum(before.to(tl.int32), axis=1)
+        blk = tl.load(work_ptr + e, mask=valid, other=0) + col // MP
+        tl.store(table_ptr + blk * (2 + MP) + 2 + col % MP, offs, mask=valid)
+        placed += tl.histogram(e, E_PAD)
+        tl.debug_barrier()   # every load of this chunk done before the next chunk's store
 
 
-def expert_blocks(ids: torch.Tensor) -> torch.Tensor:
-    """The expert-block table of routing ids [T, k] for the decode GEMV pair (`gemv.launch(blocks=...)`): int32
-    [T * k, 2 + MP] (MP = the GEMV's MMA N), one row per distinct expert (split in blocks of MP pairs), rows past the
-    last with 0 pairs (`_expert_blocks_kernel`)."""
+def expert_blocks(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The expert-block table of routing ids [T, k] (experts < n_experts) for the GEMV pair
+    (`gemv.launch(blocks=...)`): int32 [T * k, 2 + MP] (MP = the GEMV's MMA N), one row per block of at most MP pairs
+    of one expert (experts in increasing order), rows past the last with 0 pairs (`_expert_blocks_kernel`)."""
     P, MP = ids.numel(), gemv.mma_n(1)
     table = torch.empty(P, 2 + MP, dtype=torch.int32, device=ids.device)
     if P:
         pdl = has_pdl(ids.device)
-        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, P, P_PAD=triton.next_power_of_2(P), MP=MP, PDL=pdl,
+        E_PAD = triton.next_power_of_2(n_experts + 1)
+        work = torch.empty(2 * E_PAD, dtype=torch.int32, device=ids.device)
+        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, work, P, n_experts, E_PAD=E_PAD, CHUNK=64, MP=MP, PDL=pdl,
                                     num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return table
 
@@ -297,11 +324,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False,
-        blocks_from: int | None = BLOCKS_FROM_TOKENS) -> torch.Tensor:
+        block_tokens: tuple[int, int] | None = BLOCK_TOKENS) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
-    (gate/up over the pairs, then the routed down projection over the pairs and a row sum).
+    (gate/up over the pairs, then the routed down projection over the pairs and a row sum). At `block_tokens`
+    (by default 9-64 tokens) the GEMV pair over expert blocks; else above decode_tokens the sorted grouped GEMM.
 
     `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in the same launches (one more
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots; from
@@ -316,14 +344,15 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `fused_sum` (round one's decode tiles and the sorted path): the routed down projection adds each token's
     k rows in the same launch instead of a separate sum kernel; the same bits.
 
-    `blocks_from` (None: off, `BLOCKS_FROM_TOKENS`): from this many tokens the GEMV pair runs over expert blocks
-    (`expert_blocks`; in one launch or two, as `launch_pair` decides), each distinct expert streamed once for all
-    the pairs routed to it - where there is no shared expert or it runs as token columns (`gemv.shared_cols`: from
-    4 tokens)."""
-    gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs)
+    `block_tokens` ((first, last) or None: off; `BLOCK_TOKENS`): at these token counts (`decode` "auto" or "gemv")
+    the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair` decides), each
+    distinct expert streamed once for all the pairs routed to it; the shared expert rides in its launches as token
+    columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it."""
+    in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
+    gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
-                     configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum)
+                     configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum, block_tokens=block_tokens)
         return routed + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
@@ -347,10 +376,8 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         # the shared expert while the routing kernel runs
         overlap = after_route and shared is not None
         up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
-        blocks = None
-        if blocks_from is not None and T >= blocks_from and \
-                (shared is None or gemv.shared_cols(ROWS_PAIR, P + T, P, shared[0])):
-            blocks = expert_blocks(ids)   # each distinct expert streamed once
+        # (`_gemv_pair`: with blocks, the shared expert is here only as token columns)
+        blocks = expert_blocks(ids, E) if in_blocks else None   # each distinct expert streamed once
         moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
                              limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
                              fused=fused, blocks=blocks)
@@ -394,11 +421,18 @@ def _routed_down(h, w2: QWeight, out, cfg: Config, weights, k: int, fused_sum: b
         gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
 
 
-def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_tokens: int, configs) -> bool:
-    """Whether `moe` runs the decode GEMV pair (with the shared expert in its launches when given)."""
+def in_block_range(tokens: int, block_tokens: tuple[int, int] | None = BLOCK_TOKENS) -> bool:
+    """Whether `moe` at this many tokens runs the GEMV pair over expert blocks (`block_tokens`: (first, last) or None)."""
+    return block_tokens is not None and block_tokens[0] <= tokens <= block_tokens[1]
+
+
+def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_tokens: int, configs,
+               in_blocks: bool) -> bool:
+    """Whether `moe` runs the decode GEMV pair (with the shared expert in its launches when given): up to
+    `gemv.MOE_TOKENS` tokens, or over expert blocks (`in_blocks`, the shared expert only as token columns)."""
     T = x.shape[0]
     gemv_tokens = {"auto": gemv.MOE_TOKENS, "gemv": decode_tokens}.get(decode, 0)
-    if not (0 < T <= min(decode_tokens, gemv_tokens)) or configs or not gemm.supported(x, w13):
+    if not (0 < T <= min(decode_tokens, gemv_tokens) or in_blocks) or configs or not gemm.supported(x, w13):
         return False
     if len(w13.leading) != 2 or w2.leading != w13.leading[:1] or w2.in_features != w13.out_features:
         return False
@@ -407,6 +441,9 @@ def _gemv_pair(x, ids, w13: QWeight, w2: QWeight, shared, decode: str, decode_to
         return False
     if shared is None:
         return True
+    P = ids.numel()
+    if in_blocks and not gemv.shared_cols(ROWS_PAIR, P + T, P, shared[0]):
+        return False
     sw13, sw2 = shared
     return (sw13.leading == (2,) and not sw2.leading and gemv.supported(sw13, x, 1) and gemv.supported(sw2, h, 1)
             and (sw13.out_features, sw13.in_features) == (w13.out_features, w13.in_features)
