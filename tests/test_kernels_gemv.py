@@ -282,7 +282,7 @@ def test_moe_decode_split_and_shared_mlp(launches):
     assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN, gemv.ROWS_DENSE, gemv.ROWS_DENSE]
 
 
-@pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4"), ("nvfp4", "nvfp4")])
+@pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4")])
 def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared_fmt):
     """The shared expert (any format) is one more gate/up pair and one more down slot per token: still two
     launches, no separate MLP, and the same result as routed + shared."""
@@ -315,7 +315,7 @@ def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, 
     GPU they overlap the routing kernel). Every unit computes what it did before and split partials are summed
     in split order, so the result is bit for bit the plain launch's, with and without K splits; the down
     launch and calls without a shared expert are unchanged."""
-    E, k, D, I, T = 5, 2, 512, 256, 3
+    E, k, D, I, T = 5, 2, 512, 128, 3
     w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
     shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
     x = torch.randn(T, D) * 2
@@ -372,20 +372,24 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
 def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
     """`moe.expert_blocks`: one row per block of at most MP (the MMA's N) pairs of one expert, experts in increasing
     order, each expert's pairs in pair order (an expert with more continues in the next block); rows past the last
-    block have no pairs. Up to 240 pairs: several of the kernel's chunks of 64, experts whose pairs span them."""
+    block have no pairs. Up to 240 pairs: several of the kernel's chunks of 64, experts whose pairs span them. The
+    table has `moe.block_rows` rows: fewer than the pairs where experts are few, every one used where each expert
+    has one pair more than a multiple of MP (3 experts x 9 pairs: 6 blocks)."""
     MP = gemv.mma_n(1)
     gen = torch.Generator().manual_seed(1)
     for ids, E in ((torch.tensor([[3, 1], [1, 4], [3, 1], [0, 2]]), 5), (torch.tensor([[5, 2, 7]] * 11), 8),
                    (torch.randint(0, 9, (8, 6), generator=gen), 9), (torch.tensor([[4]]), 6),
                    (torch.stack([torch.randperm(13, generator=gen)[:6] for _ in range(40)]), 13),
-                   (torch.stack([torch.randperm(200, generator=gen)[:6] for _ in range(20)]), 200)):
+                   (torch.stack([torch.randperm(200, generator=gen)[:6] for _ in range(20)]), 200),
+                   (torch.tensor([[0, 1, 2]] * (MP + 1)), 3)):
         table = tmoe.expert_blocks(ids, E)
         flat = ids.flatten().tolist()
         want = []   # (expert, pairs) per block
         for e in sorted(set(flat)):
             pairs = [p for p, f in enumerate(flat) if f == e]
             want += [(e, pairs[i:i + MP]) for i in range(0, len(pairs), MP)]
-        assert table.shape == (ids.numel(), 2 + MP) and table.dtype == torch.int32
+        rows = tmoe.block_rows(ids.numel(), E)
+        assert len(want) <= rows <= ids.numel() and table.shape == (rows, 2 + MP) and table.dtype == torch.int32
         for b, row in enumerate(table.tolist()):
             if b < len(want):
                 e, pairs = want[b]
@@ -393,6 +397,7 @@ def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
             else:
                 assert row[1] == 0
         assert sum(len(p) for _, p in want) == ids.numel()
+    assert (tmoe.block_rows(3 * (MP + 1), 3), tmoe.block_rows(24, 2), tmoe.block_rows(384, 256)) == (6, 4, 272)
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 4), ("mxfp4", "nvfp4", 5), ("fp8", None, 6),
@@ -477,7 +482,7 @@ def test_expert_block_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt
 
 
 def test_expert_blocks_must_fit_the_launch():
-    """Expert blocks run over the pairs' table (int32 [pairs, 2 + MP]), with the shared expert (if any) as token
+    """Expert blocks run over the pairs' table (int32 [1..pairs, 2 + MP]), with the shared expert (if any) as token
     columns."""
     E, k, D, I, T = 4, 2, 256, 128, 2
     w13 = make_weight("nvfp4", I, D, (E, 2))
@@ -488,9 +493,10 @@ def test_expert_blocks_must_fit_the_launch():
         gemv.launch(torch.randn(T, D), w13, torch.empty(T * k + T, I), gemv.GemvConfig(), M=T * k + T,
                     rows=gemv.ROWS_PAIR, R=T * k + T, gated=True, x_div=k, limit=LIMIT, shared=shared, pairs=T * k,
                     blocks=table)
-    with pytest.raises(ValueError, match="expert blocks"):
-        gemv.launch(torch.randn(T * k, D), w13, torch.empty(T * k, I), gemv.GemvConfig(), M=T * k,
-                    rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k, limit=LIMIT, pairs=T * k, blocks=table[:1])
+    for bad in (torch.cat([table, table]), table[:, :-1], table.long()):   # more rows than pairs, columns, dtype
+        with pytest.raises(ValueError, match="expert blocks"):
+            gemv.launch(torch.randn(T * k, D), w13, torch.empty(T * k, I), gemv.GemvConfig(), M=T * k,
+                        rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k, limit=LIMIT, pairs=T * k, blocks=bad)
 
 
 @pytest.mark.parametrize("split,shared_fmt", [(2, "nvfp4"), (3, None), (4, "fp8")])
@@ -759,6 +765,21 @@ def test_split_plans_with_the_shared_expert_as_token_columns():
     assert gemv.plan_splits(gemv.ROWS_TOKEN, 8, 8, 6, 64, 16, 16, H200_SLOTS, cols=True)[2:5:2] == (1, 1)
     assert gemv.plan_splits(gemv.ROWS_TOKEN, 8, 8, 6, 64, 16, 32, H200_SLOTS, forced=2, cols=True) == \
         (64 * (48 * 2 + 2), 14, 2, 8, 2, 16)
+
+
+def test_split_plans_over_expert_blocks_count_the_table_rows():
+    """`blocks`: the routed row blocks are the expert-block table's rows (`moe.block_rows`), in gate/up and down.
+    V4-Flash NVFP4 at 64 tokens (gate/up 32 N tiles of 32 sub-steps, down 64 of 16): 272 rows for 384 pairs, so
+    112 rows' units fewer, the split (1) the same; with twice the sub-steps gate/up would split in 2."""
+    rows = tmoe.block_rows(384, 256)
+    assert rows == 272
+    assert gemv.plan_splits(gemv.ROWS_PAIR, 384, 384, 1, 32, 32, 0, H200_SLOTS) == (384 * 32, 1, 1, 32, 1, 2)
+    assert gemv.plan_splits(gemv.ROWS_PAIR, 384, 384, 1, 32, 32, 0, H200_SLOTS, blocks=rows) == \
+        (rows * 32, 1, 1, 32, 1, 2)
+    assert gemv.plan_splits(gemv.ROWS_TOKEN, 64, 64, 6, 64, 16, 0, H200_SLOTS) == (384 * 64, 6, 1, 16, 1, 2)
+    assert gemv.plan_splits(gemv.ROWS_TOKEN, 64, 64, 6, 64, 16, 0, H200_SLOTS, blocks=rows) == \
+        (rows * 64, 6, 1, 16, 1, 2)
+    assert gemv.plan_splits(gemv.ROWS_PAIR, 384, 384, 1, 32, 64, 0, H200_SLOTS, blocks=rows)[:3] == (rows * 64, 2, 2)
 
 
 def test_split_plans_without_a_shared_expert_or_with_a_forced_split():

@@ -323,22 +323,23 @@ def _weight_unit(x_ptr, xrow, rmask, xcol, wbase, sbase, s2base, rows, rows_mma,
 
 
 @triton.jit
-def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, ROWS: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr,
-                   X_READY: tl.constexpr, COLS: tl.constexpr = False):
+def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, NB, ROWS: tl.constexpr, BN: tl.constexpr, SHARED: tl.constexpr,
+                   X_READY: tl.constexpr, COLS: tl.constexpr = False, BLOCKS: tl.constexpr = False):
     """(units, splits per output tile, N tiles, shared units, first shared unit, first routed unit) of one launch:
     the unit numbering `_gemv_unit` decodes. The shared expert's units (SPLIT_S per N tile of each of its row
     blocks: one per token, or one for all tokens with COLS) form their own range in ROWS_PAIR, first when
     X_READY, and in ROWS_TOKEN with COLS, first; without COLS, ROWS_TOKEN gives them the splits j >= TOPK *
-    SPLIT of every token's tiles."""
+    SPLIT of every token's tiles. BLOCKS: the routed units are SPLIT per N tile of each of the NB rows of the
+    expert-block table."""
     num_n = tl.cdiv(N, BN)
     splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
-    total = R * num_n * splits
+    total = (NB * num_n * SPLIT) if BLOCKS else R * num_n * splits
     shared_units = total * 0
     first_shared = total * 0
     first_routed = total * 0
     if SHARED and (ROWS == 1 or COLS):
         shared_units = (1 if COLS else R - P) * num_n * SPLIT_S
-        routed = (P * SPLIT if ROWS == 1 else R * SPLIT * TOPK) * num_n
+        routed = (NB * SPLIT if BLOCKS else P * SPLIT if ROWS == 1 else R * SPLIT * TOPK) * num_n
         total = routed + shared_units
         shared_first = X_READY or ROWS == 2   # ROWS_TOKEN: so that the tiles' last arrivals spread over routed units
         first_shared = 0 if shared_first else routed
@@ -354,13 +355,13 @@ def _block_unit(v, SPLIT):
 
 
 @triton.jit
-def _block_row(table_ptr, b, P, MP: tl.constexpr):
-    """Row b of the expert-block table (`moe.expert_blocks`): (expert, columns, pair of each MMA column [MP]); b >= P
-    (a shared-expert unit, which may run before the table is written) reads nothing: (0, 0, zeros)."""
-    row = table_ptr + tl.minimum(b, P - 1) * (2 + MP)
-    ncols = tl.load(row + 1, mask=b < P, other=0)
+def _block_row(table_ptr, b, NB, MP: tl.constexpr):
+    """Row b of the expert-block table (`moe.expert_blocks`, NB rows): (expert, columns, pair of each MMA column
+    [MP]); b >= NB (a shared-expert unit, which may run before the table is written) reads nothing: (0, 0, zeros)."""
+    row = table_ptr + tl.minimum(b, NB - 1) * (2 + MP)
+    ncols = tl.load(row + 1, mask=b < NB, other=0)
     pc = tl.load(row + 2 + tl.arange(0, MP), mask=tl.arange(0, MP) < ncols, other=0)
-    return tl.load(row, mask=b < P, other=0), ncols, pc
+    return tl.load(row, mask=b < NB, other=0), ncols, pc
 
 
 @triton.jit
@@ -381,7 +382,7 @@ def _gemv_unit(
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
     stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
     stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
+    sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
     stride_ss2g,
     ready_ptr, ready_target, ticket_ptr,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
@@ -394,9 +395,10 @@ def _gemv_unit(
     """Unit u of a launch (`_gemv_kernel`'s docstring; `_launch_layout` gives its numbering).
 
     BLOCKS (ROWS_PAIR / ROWS_TOKEN): ids_ptr is the expert-block table (`moe.expert_blocks`); the routed units are
-    (block b < P, N tile, K split) and each streams its block's expert once for all of the block's (token, slot)
-    pairs, one MMA column each (a block of one pair runs the group columns, if on); in the fused pair a gate/up
-    block unit signals the h row of each of its pairs and a down block unit waits for all of them.
+    (block b < NB, the table's rows, N tile, K split) and each streams its block's expert once for all of the
+    block's (token, slot) pairs, one MMA column each (a block of one pair runs the group columns, if on); in the
+    fused pair a gate/up block unit signals the h row of each of its pairs and a down block unit waits for all of
+    them.
 
     The fused MoE pair (`moe_pair._moe_pair_kernel`): SIGNAL (gate/up) counts every output tile written into
     ready[h row]; AWAIT (down) waits, before it reads its h row, until that row holds ready_target tiles,
@@ -449,7 +451,7 @@ def _gemv_unit(
             xrow = tl.where(on_shared, yrow - P, xrow)
         rw = 1.0
         if BLOCKS:   # block r's pairs: column c writes h row pc[c] from x row (token) pc[c] // X_DIV
-            e, ncols, pc = _block_row(ids_ptr, r, P, MP)
+            e, ncols, pc = _block_row(ids_ptr, r, NB, MP)
             ncols = tl.where(on_shared, 1, ncols)
             rmask = tl.where(on_shared, rmask, offs_r < ncols)
             yrow = tl.where(on_shared, yrow, pc)
@@ -469,7 +471,7 @@ def _gemv_unit(
         yrow = r + offs_r * 0
         xrow = tl.where(on_shared, P + r, pair) + offs_r * 0
         if BLOCKS:   # block r's pairs: column c reads h row pc[c], its partial is token pc[c] // TOPK's
-            e, ncols, pc = _block_row(ids_ptr, tl.where(on_shared, P, r), P, MP)
+            e, ncols, pc = _block_row(ids_ptr, tl.where(on_shared, NB, r), NB, MP)
             ncols = tl.where(on_shared, 1, ncols)
             rmask = tl.where(on_shared, rmask, offs_r < ncols)
             yrow = tl.where(on_shared, yrow, pc // TOPK)
@@ -591,13 +593,13 @@ def _gemv_unit(
     return ticket
 
 
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s"])
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "NB", "CHUNK_S", "SPLIT_S", "n_steps_s"])
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
     stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
     stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
+    sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
     stride_ss2g,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
     MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
@@ -622,7 +624,7 @@ def _gemv_kernel(
     expert streams while the routing kernel runs. Split partials are summed in split order whoever computes
     them, so the result is the same bits."""
     total, splits, num_n, shared_units, first_shared, first_routed = _launch_layout(
-        N, R, SPLIT, TOPK, P, SPLIT_S, ROWS, BN, SHARED, X_READY, COLS)
+        N, R, SPLIT, TOPK, P, SPLIT_S, NB, ROWS, BN, SHARED, X_READY, COLS, BLOCKS)
     if PDL:
         # programmatic dependent launch: the next kernel may take SM slots as this one's CTAs finish; this one
         # waits for the previous kernel before it reads x, ids or scratch, or writes anything. Before the wait
@@ -639,7 +641,7 @@ def _gemv_kernel(
                    M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
                    stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e,
                    stride_s2g, stride_ym,
-                   sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
+                   sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                    stride_ssn, stride_ss2g, cnt_ptr, 0, cnt_ptr,
                    FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
                    PDL, GCOL, X_READY, False, False, 0, False, COLS, BLOCKS)
@@ -664,7 +666,8 @@ class GemvConfig:
     """Measured on the H200 (bench/RESULTS.md, rounds two and three): two warps on mma.sync tiles of 64 rows
     beat one warpgroup's wgmma on 128 rows for FP8 and tie for FP4 (128 rows on 2 warps win only for large FP4
     weights at 9-16 rows: `default_config`). With 16 x rows (MMA N = 16) registers bound the resident warps, so
-    the kernel is capped at 128 (16 warps per SM, no spills; the gated one would spill and keeps its registers). With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
+    the kernel is capped at 128 (16 warps per SM, no spills; the gated one would spill and keeps its registers).
+    With N = 8 it needs ~98 registers; caps of 96 / 88 / 80 / 72 and BN 32
     measured no faster (80 and below slower: spills), nor did 3 pipeline stages (run 10). Register prefetch of
     the weights (round four, runs 14 and 18): FP8 V4-Pro wo_b 51 -> 42 us; FP4 slower in every variant tried (more
     live registers for the same 16 warps per SM), so it is on for FP8 only.
@@ -789,11 +792,13 @@ def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
 
 
 def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_steps: int, n_steps_s: int,
-                slots: int, forced: int = 0, cols: bool = False) -> tuple[int, int, int, int, int, int]:
+                slots: int, forced: int = 0, cols: bool = False,
+                blocks: int = 0) -> tuple[int, int, int, int, int, int]:
     """(units, partials per output tile, split, chunk, split_s, chunk_s) of one launch: R row blocks (of which
     `routed_rows` stream the routed weight, the rest the shared expert's with n_steps_s sub-steps; 0 = none),
     ROWS_TOKEN slots of `topk` routed experts plus the shared one. Chunks are whole step pairs. `cols`
-    (`shared_cols`): the shared expert has one row block for all tokens.
+    (`shared_cols`): the shared expert has one row block for all tokens. `blocks` (> 0: over expert blocks): the
+    routed row blocks are the rows of the expert-block table.
 
     The routed split is `forced` or `choose_split`'s, and the shared expert gets the same. A sub-step is 64
     bytes of a row in every format, so an FP8 shared expert beside FP4 experts then has twice their sub-steps
@@ -804,7 +809,7 @@ def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_st
     block), so an FP8 shared expert always gets twice the routed split."""
     shared = n_steps_s > 0
     # row blocks (ROWS_TOKEN: (token, slot) blocks) of the routed weights and of the shared expert per N tile
-    routed_blocks = R * topk if rows == ROWS_TOKEN else routed_rows
+    routed_blocks = blocks or (R * topk if rows == ROWS_TOKEN else routed_rows)
     if not shared:
         shared_blocks = 0
     elif cols:
@@ -928,15 +933,17 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                   PDL=pdl_enabled(cfg, x.device), PDL_L2=cfg.pdl_l2, GCOL=group_cols_on(cfg, rows, M, w, shared),
                   X_READY=x_ready and shared is not None and rows == ROWS_PAIR,
                   COLS=shared_cols(rows, R, pairs, shared))
+    n_blocks = 0
     if blocks is not None:
         P = pairs
         if rows not in (ROWS_PAIR, ROWS_TOKEN) or (shared is not None and not consts["COLS"]) or \
-                tuple(blocks.shape) != (P, 2 + mma_n(1)) or blocks.dtype != torch.int32:
+                blocks.dim() != 2 or not 0 < blocks.shape[0] <= P or blocks.shape[1] != 2 + mma_n(1) or \
+                blocks.dtype != torch.int32:
             raise ValueError(f"expert blocks {tuple(blocks.shape)} {blocks.dtype} do not fit this launch (rows {rows}, "
                              f"{P} pairs, shared expert as token columns: {consts['COLS']}); expected int32 "
-                             f"[{P}, {2 + mma_n(1)}]")
+                             f"[1..{P}, {2 + mma_n(1)}]")
         consts["BLOCKS"] = True
-        ids = blocks
+        ids, n_blocks = blocks, blocks.shape[0]
     if consts["PDL"]:
         consts["launch_pdl"] = True
     maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
@@ -951,7 +958,8 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
                 rw if rw is not None else wt, ws, cnt,
                 M, N, R, split, topk, chunk, n_steps, float(limit), x_div, group_r, x_gstride,
                 x.stride(0), swe, swg, wt.stride(-2), sse, ssg, scale.stride(-2), s2e, s2g, y.stride(0),
-                swt, sscale, ss2 if ss2 is not None else swt, max(1, pairs), chunk_s, split_s, n_steps_s,
+                swt, sscale, ss2 if ss2 is not None else swt, max(1, pairs), max(1, n_blocks), chunk_s, split_s,
+                n_steps_s,
                 *shared_strides)
 
     if interp:
@@ -968,7 +976,7 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
     routed_rows = pairs if rows == ROWS_PAIR and shared is not None else R
     units, parts, split, chunk, split_s, chunk_s = plan_splits(
         rows, R, routed_rows, topk, num_n, n_steps, n_steps_s if shared is not None else 0, slots, cfg.split,
-        consts["COLS"])
+        consts["COLS"], n_blocks)
     ws = cnt.view(torch.float32)   # unused without splits (the kernel still needs typed pointers)
     if parts > 1:
         ws = torch.empty(parts * (2 if gated else 1) * M * N, dtype=torch.float32, device=x.device)

@@ -47,7 +47,9 @@ THREE_STAGE_UP_TOKENS = 2
 # one's sorted grouped GEMM (bench/RESULTS.md round seventeen, run 134): V4-Flash NVFP4 438.4 -> 352.1 / 715.4 ->
 # 605.8 / 1080.3 -> 944.4 us at 16 / 32 / 64 tokens, V4-Pro NVFP4 1130.7 -> 922.2 / 2041.2 -> 1648.3 / 3529.3 ->
 # 2734.0, V4-Flash MXFP4 422.5 -> 338.5 / 676.9 -> 576.7 / 988.2 -> 922.2; at 4-8 tokens it is level to 6 % slower
-# than the pair without blocks (runs 130-131), above 64 tokens not measured
+# than the pair without blocks (runs 130-131), above 64 tokens not measured. (Measured with one table row per pair;
+# the table now has `block_rows` rows, which at V4 shapes leaves the split plans as they were and only drops units of
+# empty rows - V4-Flash from 43 tokens, 112 of 384 rows at 64 - not yet timed on a GPU)
 BLOCK_TOKENS = (9, 64)
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
 # V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
@@ -136,14 +138,14 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
 
 # ---------------------------------------------------------------------------- sorting pairs by expert
 
-@triton.jit(do_not_specialize=["P"])
-def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+@triton.jit(do_not_specialize=["P", "NB"])
+def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, NB, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                           MP: tl.constexpr, PDL: tl.constexpr):
     """One program: the P (token, slot) pairs' distinct experts as blocks of at most MP pairs, in expert order, each
-    expert's pairs in pair order. Row b of table (int32 [P, 2 + MP]): expert, pairs in the block (0 past the last
-    block), then the pairs (flat indices t * k + j). work (int32 [2 * E_PAD]): each expert's first block, then the
-    pairs of it placed by earlier chunks. Cost O(P * (E_PAD + CHUNK)): a histogram, a scan, and per chunk of pairs
-    their ranks among the chunk's pairs of the same expert."""
+    expert's pairs in pair order. Row b of table (int32 [NB, 2 + MP], NB at least the blocks there can be): expert,
+    pairs in the block (0 past the last block), then the pairs (flat indices t * k + j). work (int32 [2 * E_PAD]):
+    each expert's first block, then the pairs of it placed by earlier chunks. Cost O(P * (E_PAD + CHUNK)): a
+    histogram, a scan, and per chunk of pairs their ranks among the chunk's pairs of the same expert."""
     if PDL:   # the gate/up launch after it may start and stream the shared expert; the ids are routing's
         gdc_launch_dependents()
         gdc_wait()
@@ -162,10 +164,10 @@ def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, E, E_PAD: tl.constexp
         row = table_ptr + (starts + j) * (2 + MP)
         tl.store(row, offs_e, mask=has)
         tl.store(row + 1, tl.minimum(counts - j * MP, MP), mask=has)
-    for c in range(0, P, CHUNK):   # rows past the last block: no pairs
+    for c in range(0, NB, CHUNK):   # rows past the last block: no pairs
         b = c + tl.arange(0, CHUNK)
-        tl.store(table_ptr + b * (2 + MP), tl.zeros_like(b), mask=(b >= total) & (b < P))
-        tl.store(table_ptr + b * (2 + MP) + 1, tl.zeros_like(b), mask=(b >= total) & (b < P))
+        tl.store(table_ptr + b * (2 + MP), tl.zeros_like(b), mask=(b >= total) & (b < NB))
+        tl.store(table_ptr + b * (2 + MP) + 1, tl.zeros_like(b), mask=(b >= total) & (b < NB))
     placed = tl.zeros((E_PAD,), dtype=tl.int32)
     for c in range(0, P, CHUNK):
         tl.store(work_ptr + E_PAD + offs_e, placed)
@@ -181,18 +183,28 @@ def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, E, E_PAD: tl.constexp
         tl.debug_barrier()   # every load of this chunk done before the next chunk's store
 
 
+def block_rows(pairs: int, n_experts: int) -> int:
+    """Rows of the expert-block table: the most blocks `pairs` pairs over n_experts experts can need. Expert e with
+    c_e pairs takes ceil(c_e / MP) <= (c_e + MP - 1) / MP blocks, so all take at most (pairs + (MP - 1) * d) / MP
+    with d <= min(n_experts, pairs) distinct experts (V4-Flash, 256 experts, 64 tokens of 6: 272 rows, not 384)."""
+    MP = gemv.mma_n(1)
+    return min(pairs, (pairs + (MP - 1) * min(n_experts, pairs)) // MP)
+
+
 def expert_blocks(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """The expert-block table of routing ids [T, k] (experts < n_experts) for the GEMV pair
-    (`gemv.launch(blocks=...)`): int32 [T * k, 2 + MP] (MP = the GEMV's MMA N), one row per block of at most MP pairs
-    of one expert (experts in increasing order), rows past the last with 0 pairs (`_expert_blocks_kernel`)."""
+    (`gemv.launch(blocks=...)`): int32 [block_rows(T * k, n_experts), 2 + MP] (MP = the GEMV's MMA N), one row per
+    block of at most MP pairs of one expert (experts in increasing order), rows past the last with 0 pairs
+    (`_expert_blocks_kernel`)."""
     P, MP = ids.numel(), gemv.mma_n(1)
-    table = torch.empty(P, 2 + MP, dtype=torch.int32, device=ids.device)
+    NB = block_rows(P, n_experts)
+    table = torch.empty(NB, 2 + MP, dtype=torch.int32, device=ids.device)
     if P:
         pdl = has_pdl(ids.device)
         E_PAD = triton.next_power_of_2(n_experts + 1)
         work = torch.empty(2 * E_PAD, dtype=torch.int32, device=ids.device)
-        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, work, P, n_experts, E_PAD=E_PAD, CHUNK=64, MP=MP, PDL=pdl,
-                                    num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, work, P, NB, n_experts, E_PAD=E_PAD, CHUNK=64, MP=MP,
+                                    PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return table
 
 
@@ -422,7 +434,8 @@ def _routed_down(h, w2: QWeight, out, cfg: Config, weights, k: int, fused_sum: b
 
 
 def in_block_range(tokens: int, block_tokens: tuple[int, int] | None = BLOCK_TOKENS) -> bool:
-    """Whether `moe` at this many tokens runs the GEMV pair over expert blocks (`block_tokens`: (first, last) or None)."""
+    """Whether `moe` at this many tokens runs the GEMV pair over expert blocks (`block_tokens`: (first, last) or
+    None)."""
     return block_tokens is not None and block_tokens[0] <= tokens <= block_tokens[1]
 
 

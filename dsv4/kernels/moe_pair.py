@@ -44,21 +44,21 @@ def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.conste
     return u
 
 
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "CHUNK_S", "SPLIT_S", "n_steps_s",
-                               "d_M", "d_R", "d_SPLIT", "d_TOPK", "d_CHUNK", "d_P", "d_CHUNK_S", "d_SPLIT_S",
+@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "NB", "CHUNK_S", "SPLIT_S", "n_steps_s",
+                               "d_M", "d_R", "d_SPLIT", "d_TOPK", "d_CHUNK", "d_P", "d_NB", "d_CHUNK_S", "d_SPLIT_S",
                                "d_n_steps_s", "h_rows"])
 def _moe_pair_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
     M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
     stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
     stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
+    sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
     stride_ss2g,
     d_x_ptr, d_w_ptr, d_s_ptr, d_s2_ptr, d_y_ptr, d_ids_ptr, d_rw_ptr, d_ws_ptr, d_cnt_ptr,
     d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
     d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn, d_stride_s2e,
     d_stride_s2g, d_stride_ym,
-    d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg, d_stride_swn,
+    d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_NB, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg, d_stride_swn,
     d_stride_ssg, d_stride_ssn, d_stride_ss2g,
     sync_ptr, h_rows,
     FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
@@ -84,9 +84,9 @@ def _moe_pair_kernel(
     the same bits."""
     tl.static_assert(ROWS == 1 and GATED, "the first part of the pair is the gate/up launch")
     up_total, up_splits, up_n, up_shared, up_first_shared, up_first_routed = _launch_layout(
-        N, R, SPLIT, TOPK, P, SPLIT_S, 1, BN, SHARED, X_READY, COLS)
+        N, R, SPLIT, TOPK, P, SPLIT_S, NB, 1, BN, SHARED, X_READY, COLS, BLOCKS)
     dn_total, dn_splits, dn_n, dn_shared, dn_first_shared, dn_first_routed = _launch_layout(
-        d_N, d_R, d_SPLIT, d_TOPK, d_P, d_SPLIT_S, 2, D_BN, SHARED, False, COLS)
+        d_N, d_R, d_SPLIT, d_TOPK, d_P, d_SPLIT_S, d_NB, 2, D_BN, SHARED, False, COLS, BLOCKS)
     total = up_total + dn_total
     done_ptr = sync_ptr + SYNC_LINE
     ready_ptr = sync_ptr + 2 * SYNC_LINE
@@ -102,7 +102,7 @@ def _moe_pair_kernel(
                        M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
                        stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e,
                        stride_s2g, stride_ym,
-                       sw_ptr, ss_ptr, ss2_ptr, P, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
+                       sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
                        stride_ssn, stride_ss2g, ready_ptr, 0, sync_ptr,
                        FMT, SCALE_F32, 1, True, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S,
                        PDL, GCOL, X_READY, True, False, 0, True, COLS, BLOCKS)
@@ -117,7 +117,7 @@ def _moe_pair_kernel(
                        d_M, d_N, d_R, d_SPLIT, d_TOPK, d_CHUNK, d_n_steps, d_limit, d_X_DIV, d_GROUP_R, d_X_GSTRIDE,
                        d_stride_xm, d_stride_we, d_stride_wg, d_stride_wn, d_stride_se, d_stride_sg, d_stride_sn,
                        d_stride_s2e, d_stride_s2g, d_stride_ym,
-                       d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
+                       d_sw_ptr, d_ss_ptr, d_ss2_ptr, d_P, d_NB, d_CHUNK_S, d_SPLIT_S, d_n_steps_s, d_stride_swg,
                        d_stride_swn, d_stride_ssg, d_stride_ssn, d_stride_ss2g, ready_ptr, up_n, sync_ptr,
                        D_FMT, D_SCALE_F32, 2, False, D_BN, MP, DOT, ASM, W, SHARED, D_FMT_S, D_SCALE_F32_S, PF,
                        D_TILED, D_TILED_S, PDL, D_GCOL, False, False, True, AWAIT_L2, True, COLS, BLOCKS)
