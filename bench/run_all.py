@@ -88,6 +88,14 @@ class Run:
     def moe_tokens(self):
         return (1, 3, 11) if self.toy else tuple(int(t) for t in self.args.moe_tokens.split(","))
 
+    def moe_block_tokens(self) -> tuple[int, int] | None:
+        """`--moe-block-tokens` as `moe(block_tokens=)` takes it."""
+        text = self.args.moe_block_tokens
+        if text == "off":
+            return None
+        first, last = (int(t) for t in text.split(","))
+        return first, last
+
 
 # ------------------------------------------------------------------------------------------------ sections
 
@@ -529,10 +537,12 @@ def linear_table(run: Run):
 def moe_table(run: Run):
     """The whole MoE layer (routing kernel, routed experts, shared expert) vs the bytes of the experts it touches;
     also the routed experts through the other kernels where there are some (`other us`): round one's decode tiles at
-    up to 8 tokens, its sorted grouped GEMM where the GEMV pair runs over expert blocks (`moe.BLOCK_TOKENS`)."""
+    up to 8 tokens, its sorted grouped GEMM where the GEMV pair runs over expert blocks (`--moe-block-tokens`)."""
     from dsv4.kernels import gemv, moe as tmoe
     rows = []
     run.res["moe"] = rows
+    blocks = run.moe_block_tokens()
+    run.res["moe_block_tokens"] = blocks
     copy = run.res.get("copy_gbps", 1.0)
     dev, gen = run.device, run.gen
     combos = [(s, "nvfp4", "fp8") for s in run.models] + [(run.models[0], "mxfp4", "fp8")]
@@ -554,11 +564,12 @@ def moe_table(run: Run):
 
             def layer(x, lg):   # as dsv4.model.moe runs it: the shared expert inside ops.moe, after the routing
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2), after_route=True)
+                return run.ops.moe(x, ids, wts, w13, w2, 10.0, shared=(sw13, sw2), after_route=True,
+                                   block_tokens=blocks)
 
             def routed(x, lg, **kw):
                 wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                return run.ops.moe(x, ids, wts, w13, w2, 10.0, **kw)
+                return run.ops.moe(x, ids, wts, w13, w2, 10.0, **{"block_tokens": blocks, **kw})
 
             ms = run.timer.per_call_ms([lambda x=x, lg=lg: layer(x, lg) for x, lg in zip(xs, logits)])
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
@@ -566,7 +577,7 @@ def moe_table(run: Run):
             if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
                 ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True, block_tokens=None)
                                                   for x, lg in zip(xs, logits)])
-            if t <= 8 or tmoe.in_block_range(t):
+            if t <= 8 or tmoe.in_block_range(t, blocks):
                 # the other kernels on the same inputs, for the record: round one's decode tiles at <= 8 tokens, its
                 # sorted grouped GEMM where the pair over expert blocks runs
 
@@ -626,6 +637,9 @@ def table(run: Run) -> str:
                      f"{x['pct_copy']:5.0f} {x['tflops']:6.1f} {x['cublas_us']:9.1f} {x['cublas_tflops']:9.1f} "
                      f"{x['speedup']:7.2f}" + ("" if x.get("gemv_us") is None else f"  gemv {x['gemv_us']:.1f}"))
     lines.append("")
+    if r.get("moe"):
+        lines.append(f"MoE over expert blocks at tokens {r.get('moe_block_tokens')} (other us: round one's decode "
+                     "tiles at <= 8 tokens, else the sorted path)")
     lines.append(f"{'model':8s} {'fmt':5s} {'T':>4s} {'experts':>7s} {'layer us':>9s} {'floor MB':>8s} {'%floor':>6s} "
                  f"{'routed us':>9s} {'%floor':>6s} {'other us':>9s} {'fused-sum us':>12s}")
     for x in r.get("moe", []):
@@ -652,6 +666,10 @@ def main():
     ap.add_argument("--sections", default="env,copy,precompile,correctness,sweep,linear,moe,model,prefill")
     ap.add_argument("--ms", default=M_LIST, help="activation rows of the linear table (decode and prefill)")
     ap.add_argument("--moe-tokens", default=MOE_TOKENS, help="tokens of the MoE layer table")
+    ap.add_argument("--moe-block-tokens", default=",".join(map(str, moe.BLOCK_TOKENS or ())) or "off",
+                    help="FIRST,LAST (or off): token counts at which the MoE table runs the GEMV pair over expert "
+                         "blocks (`moe(block_tokens=)`; default moe.BLOCK_TOKENS); its `other us` there is the sorted "
+                         "path (above 8 tokens)")
     ap.add_argument("--layout", choices=("tiled", "row-major"), default="tiled",
                     help="how the benchmarked weights are stored (formats.tiling; the loader tiles on CUDA)")
     args = ap.parse_args()
