@@ -101,14 +101,18 @@ def _random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Ge
     raise ValueError(fmt)
 
 
+def random_routing(E: int, T: int, k: int, device, gen: torch.Generator) -> torch.Tensor:
+    """Expert ids [T, k] as a router gives them: k distinct experts of E per token, uniformly at random."""
+    return torch.stack([torch.randperm(E, device=device, generator=gen)[:k] for _ in range(T)])
+
+
 def moe_decode_inputs(s: Shapes, T: int, rot: int, device, gen: torch.Generator):
     """`rot` rotated input sets of the MoE decode pair for T tokens of model `s`: x [T, D] bf16, ids [T, k] (k
     distinct experts per token), routing weights [T * k], h [T * k + T, I] and out [T, D] buffers, and the mean
     number of distinct experts the routings touch."""
     P = T * s.k
     xs = [torch.randn(T, s.D, device=device, generator=gen).bfloat16() for _ in range(rot)]
-    ids = [torch.stack([torch.randperm(s.E, device=device, generator=gen)[:s.k] for _ in range(T)])
-           for _ in range(rot)]
+    ids = [random_routing(s.E, T, s.k, device, gen) for _ in range(rot)]
     rws = [torch.rand(P, device=device, generator=gen) for _ in range(rot)]
     hs = [torch.empty(P + T, s.I, device=device, dtype=torch.bfloat16) for _ in range(rot)]
     outs = [torch.empty(T, s.D, device=device, dtype=torch.bfloat16) for _ in range(rot)]

@@ -28,14 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight, random_routing  # noqa: E402
 
 from dsv4.kernels import gemm, moe, refuse_fallback  # noqa: E402
 
 
 def routings(E: int, T: int, k: int, rot: int, device, gen) -> dict[str, list[torch.Tensor]]:
     """`rot` expert-id tensors [T, k] per routing (module docstring)."""
-    rand = [torch.stack([torch.randperm(E, device=device, generator=gen)[:k] for _ in range(T)]) for _ in range(rot)]
+    rand = [random_routing(E, T, k, device, gen) for _ in range(rot)]
     return {"random": rand,
             "sorted": [ids.flatten().sort().values.reshape(T, k) for ids in rand],
             "unique": [torch.randperm(E, device=device, generator=gen)[:T * k].reshape(T, k) for _ in range(rot)]}

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_layout, copy_bandwidth,  # noqa: E402
-                    nbytes, random_qweight, rel_err)
+                    nbytes, random_qweight, random_routing, rel_err)
 
 from dsv4.kernels import Ops, moe, ref, refuse_fallback as _refuse  # noqa: E402
 
@@ -259,7 +259,7 @@ def correctness(run: Run):
             w1, ids1 = moe.route(logits, bias, s.k, 2.5, warps=1)
             record(f"route {s.name} on 1 warp against {moe.ROUTE_WARPS} (same bits)", rel_err(w1, w_), 0.0,
                    exact=torch.equal(ids1, ids) and torch.equal(w1, w_))
-        tid2eid = torch.stack([torch.randperm(s.E, device=dev, generator=gen)[:s.k] for _ in range(97)])
+        tid2eid = random_routing(s.E, 97, s.k, dev, gen)   # the hash layer's table: 97 token ids
         tok = torch.randint(0, 97, (512,), device=dev, generator=gen)
         w_, ids = run.ops.route(logits, None, s.k, 1.5, tid2eid, tok)
         rw, rids = ref.route(logits, None, s.k, 1.5, tid2eid, tok)
