@@ -24,7 +24,6 @@ import itertools
 import subprocess
 import sys
 import tarfile
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
 from dsv4.kernels import gemm, gemv, moe  # noqa: E402
-from dsv4.kernels import refuse_fallback  # noqa: E402
+from dsv4.kernels import Ops, refuse_fallback  # noqa: E402
 
 
 def export(commit: str, out: Path):
@@ -65,15 +64,11 @@ def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
                scratch=scratch)
 
 
-def layer(mod, gemm_mod, x, logits, bias, w13, w2, sw13, sw2, k, scratch, **kwargs):
-    """The routing kernel, then the MoE with its shared expert, through package `mod`'s kernels.moe; where the
-    shared expert runs beside the routed experts (above 8 tokens), through that package's `mlp`, as `Ops.triton`
-    gives it."""
-    linear = partial(gemm_mod.linear, fallback=refuse_fallback, scratch=scratch)
-    mlp = partial(mod.mlp, fallback=refuse_fallback, linear=linear, scratch=scratch)
+def layer(mod, x, logits, bias, w13, w2, sw13, sw2, k, scratch, **kwargs):
+    """The routing kernel, then the MoE with its shared expert, through package `mod`'s kernels.moe."""
     wts, ids = mod.route(logits, bias, k, 1.5, fallback=refuse_fallback)
     return mod.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, shared=(sw13, sw2), scratch=scratch,
-                   mlp_op=mlp, **kwargs)
+                   **kwargs)
 
 
 def main():
@@ -93,13 +88,17 @@ def main():
     ref_gemv = importlib.import_module("dsv4_ref.kernels.gemv")
     ref_gemm = importlib.import_module("dsv4_ref.kernels.gemm")
     ref_moe = importlib.import_module("dsv4_ref.kernels.moe")
-    # name: (gemv module, gemm module, moe module, moe keyword arguments, scratch)
+    # --layer: where the shared expert runs beside the routed experts (above 8 tokens), each package's own kernels,
+    # as its model runs them (`Ops.triton`)
+    ref_mlp = {"mlp_op": importlib.import_module("dsv4_ref.kernels").Ops.triton(strict=True).mlp} if args.layer else {}
+    new_mlp = {"mlp_op": Ops.triton(strict=True).mlp} if args.layer else {}
+    # name: (gemv module, moe module, moe keyword arguments, scratch)
     overlap = {"after_route": True} if args.layer else {}
-    sides = {"ref": (ref_gemv, ref_gemm, ref_moe, overlap, ref_gemm.Scratch()),
-             "new": (gemv, gemm, moe, overlap, gemm.Scratch())}
+    sides = {"ref": (ref_gemv, ref_moe, {**overlap, **ref_mlp}, ref_gemm.Scratch()),
+             "new": (gemv, moe, {**overlap, **new_mlp}, gemm.Scratch())}
     if args.layer:
-        sides["ref plain"] = (ref_gemv, ref_gemm, ref_moe, {}, ref_gemm.Scratch())
-        sides["plain"] = (gemv, gemm, moe, {}, gemm.Scratch())
+        sides["ref plain"] = (ref_gemv, ref_moe, ref_mlp, ref_gemm.Scratch())
+        sides["plain"] = (gemv, moe, new_mlp, gemm.Scratch())
     dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     timer = Timer(dev)
@@ -120,9 +119,9 @@ def main():
             floor_bytes = touched * (nbytes(w13) + nbytes(w2)) / s.E + nbytes(sw13) + nbytes(sw2)
 
             def call(name, i):
-                g, gm, m, kw, scratch = sides[name]
+                g, m, kw, scratch = sides[name]
                 if args.layer:
-                    return layer(m, gm, xs[i], logits[i], bias, w13, w2, sw13, sw2, s.k, scratch, **kw)
+                    return layer(m, xs[i], logits[i], bias, w13, w2, sw13, sw2, s.k, scratch, **kw)
                 pair(g, xs[i], w13, w2, sw13, sw2, ids[i], rws[i], hs[i], outs[i], s.k, scratch)
                 return outs[i]
 
