@@ -166,8 +166,9 @@ def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, NB, E, E_PAD: tl.cons
         tl.store(row + 1, tl.minimum(counts - j * MP, MP), mask=has)
     for c in range(0, NB, CHUNK):   # rows past the last block: no pairs
         b = c + tl.arange(0, CHUNK)
-        tl.store(table_ptr + b * (2 + MP), tl.zeros_like(b), mask=(b >= total) & (b < NB))
-        tl.store(table_ptr + b * (2 + MP) + 1, tl.zeros_like(b), mask=(b >= total) & (b < NB))
+        empty = (b >= total) & (b < NB)
+        tl.store(table_ptr + b * (2 + MP), tl.zeros_like(b), mask=empty)
+        tl.store(table_ptr + b * (2 + MP) + 1, tl.zeros_like(b), mask=empty)
     placed = tl.zeros((E_PAD,), dtype=tl.int32)
     for c in range(0, P, CHUNK):
         tl.store(work_ptr + E_PAD + offs_e, placed)
