@@ -1,20 +1,19 @@
-"""The routed experts of the MoE layer over expert blocks of 8 and of 16 pairs, against the sorted grouped GEMM.
+"""The routed experts of the MoE layer over expert blocks, against the sorted grouped GEMM.
 
     python bench/moe_blocks.py [--tokens 64,128,256,512] [--rounds 3] [--out DIR]     # on the GPU
     TRITON_INTERPRET=1 python bench/moe_blocks.py --toy                              # CPU dry run
 
 For each model, format and token count: the same rotated inputs (x, routing logits -> `route`) through
-`kernels.moe.moe` without the shared expert, three ways: the GEMV pair over expert blocks of 8 pairs
-(`block_width=8`), of 16 pairs (`block_width=16`), and round one's sorted grouped GEMM (`block_tokens=None`).
-The three are timed in turn, `--rounds` times, and the median of each is printed with its share of the byte
-floor (the bytes of the distinct experts the routings touch, at the measured copy bandwidth) and its error
-against the sorted path's output. This decides `moe.BLOCK_TOKENS` and `moe.WIDE_BLOCK_PAIRS`.
+`kernels.moe.moe` without the shared expert, two ways: the GEMV pair over expert blocks (`moe.expert_blocks`) and
+round one's sorted grouped GEMM (`block_tokens=None`). The two are timed in turn, `--rounds` times, and the median
+of each is printed with its share of the byte floor (the bytes of the distinct experts the routings touch, at the
+measured copy bandwidth), their ratio and the blocks' error against the sorted path's output. This decides
+`moe.BLOCK_PAIRS_PER_EXPERT`. (Commit e3ae6b6 also timed blocks of 16 pairs; bench/RESULTS.md run 139.)
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import json
 import os
 import statistics
@@ -30,13 +29,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight, rel_err  # noqa: E402
 
 from dsv4.kernels import gemm, ref, refuse_fallback  # noqa: E402
-from dsv4.kernels.gemv import GemvConfig  # noqa: E402
 from dsv4.kernels import moe as tmoe  # noqa: E402
 
-VARIANTS = {"blocks of 8": dict(block_tokens=(1, 1 << 30), block_width=8),
-            "blocks of 16": dict(block_tokens=(1, 1 << 30), block_width=16),
-            "16 uncapped": dict(block_tokens=(1, 1 << 30), block_width=16, maxnreg=0),
-            "sorted": dict(block_tokens=None)}
+VARIANTS = {"blocks": dict(block_tokens=(1, 1 << 30)), "sorted": dict(block_tokens=None)}
 
 
 def main():
@@ -70,16 +65,7 @@ def main():
 
                 def call(x, lg, kw):
                     wts, ids = tmoe.route(lg, bias, s.k, 1.5, fallback=refuse_fallback)
-                    kw = dict(kw)
-                    maxnreg = kw.pop("maxnreg", None)
-                    real = tmoe.pair_configs
-                    if maxnreg is not None:   # the pair's register cap (`GemvConfig.maxnreg`) for both stages
-                        tmoe.pair_configs = lambda *a: tuple(
-                            replace(c, maxnreg=maxnreg) if isinstance(c, GemvConfig) else c for c in real(*a))
-                    try:
-                        return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, scratch=scratch, **kw)
-                    finally:
-                        tmoe.pair_configs = real
+                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, scratch=scratch, **kw)
 
                 outs = {name: call(xs[0], logits[0], kw) for name, kw in VARIANTS.items()}
                 times = {name: [] for name in VARIANTS}
@@ -95,11 +81,9 @@ def main():
                     row[name] = dict(us=us, all_us=times[name], pct_floor=100 * floor / (copy * 1e3) / us,
                                      rel_err_to_sorted=rel_err(outs[name], outs["sorted"]))
                     line += f" | {name} {us:8.1f} us {row[name]['pct_floor']:3.0f}%"
-                line += (f" | 16/8 {row['blocks of 16']['us'] / row['blocks of 8']['us']:.3f}"
-                         f" 16/sorted {row['blocks of 16']['us'] / row['sorted']['us']:.3f}"
-                         f" 8/sorted {row['blocks of 8']['us'] / row['sorted']['us']:.3f}"
-                         f" err16 {row['blocks of 16']['rel_err_to_sorted']:.1e}"
-                         f" err8 {row['blocks of 8']['rel_err_to_sorted']:.1e}")
+                row["blocks/sorted"] = row["blocks"]["us"] / row["sorted"]["us"]
+                line += (f" | blocks/sorted {row['blocks/sorted']:.3f}"
+                         f" | rel. diff {row['blocks']['rel_err_to_sorted']:.1e}")
                 print(line, flush=True)
                 rows.append(row)
     out = Path(args.out)

@@ -764,10 +764,6 @@ def mma_n(rows: int) -> int:
     return max(8, triton.next_power_of_2(max(1, rows)))
 
 
-# pairs per block of an expert-block table (`moe.expert_blocks`): the MMA's N of the launch that streams it
-BLOCK_WIDTHS = (8, 16)
-
-
 def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeight | None) -> bool:
     """The group columns (module docstring): where every unit reads one x row (the MoE row modes, or a dense call
     of one row; the MMA's N is then 8) and the routed or shared weight is FP4; `cfg.group_cols` None = in the MoE
@@ -940,22 +936,17 @@ def _prepare(x, w: QWeight, y, cfg: GemvConfig, *, M: int, rows: int, R: int, ga
     n_blocks = 0
     if blocks is not None:
         P = pairs
-        width = blocks.shape[-1] - 2   # pairs per block: the MMA's N (`BLOCK_WIDTHS`)
-        widths = (MP,) if consts["COLS"] else BLOCK_WIDTHS   # token columns: the shared expert's width
         if rows not in (ROWS_PAIR, ROWS_TOKEN) or (shared is not None and not consts["COLS"]) or \
-                blocks.dim() != 2 or not 0 < blocks.shape[0] <= P or width not in widths or \
+                blocks.dim() != 2 or not 0 < blocks.shape[0] <= P or blocks.shape[1] != 2 + mma_n(1) or \
                 blocks.dtype != torch.int32:
             raise ValueError(f"expert blocks {tuple(blocks.shape)} {blocks.dtype} do not fit this launch (rows {rows}, "
                              f"{P} pairs, shared expert as token columns: {consts['COLS']}); expected int32 "
-                             f"[1..{P}, 2 + w] for a block width w in {widths}")
+                             f"[1..{P}, {2 + mma_n(1)}]")
         consts["BLOCKS"] = True
-        consts["MP"] = MP = width
-        consts["GCOL"] = consts["GCOL"] and MP == 8   # the group columns are the 8 scale groups of a sub-step
         ids, n_blocks = blocks, blocks.shape[0]
     if consts["PDL"]:
         consts["launch_pdl"] = True
-    # (over expert blocks both stages alike: the one-launch pair needs one register cap)
-    maxnreg = (128 if (MP == 8 or not gated or blocks is not None) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
+    maxnreg = (128 if (MP == 8 or not gated) else 0) if cfg.maxnreg < 0 else cfg.maxnreg
     if maxnreg and not interp:
         consts["maxnreg"] = maxnreg
     if cnt is None:

@@ -51,8 +51,6 @@ THREE_STAGE_UP_TOKENS = 2
 # the table now has `block_rows` rows, which at V4 shapes leaves the split plans as they were and only drops units of
 # empty rows - V4-Flash from 43 tokens, 112 of 384 rows at 64 - not yet timed on a GPU)
 BLOCK_TOKENS = (9, 64)
-# expert blocks hold 16 pairs instead of 8 (`choose_block_width`) where the pairs per distinct expert exceed this
-WIDE_BLOCK_PAIRS = 8
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
 # V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
@@ -186,35 +184,27 @@ def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, NB, E, E_PAD: tl.cons
         tl.debug_barrier()   # every load of this chunk done before the next chunk's store
 
 
-def block_rows(pairs: int, n_experts: int, width: int = 8) -> int:
+def block_rows(pairs: int, n_experts: int) -> int:
     """Rows of the expert-block table: the most blocks `pairs` pairs over n_experts experts can need. Expert e with
-    c_e pairs takes ceil(c_e / width) <= (c_e + width - 1) / width blocks, so all take at most
-    (pairs + (width - 1) * d) / width with d <= min(n_experts, pairs) distinct experts (V4-Flash, 256 experts, 64
-    tokens of 6, width 8: 272 rows, not 384)."""
-    return min(pairs, (pairs + (width - 1) * min(n_experts, pairs)) // width)
+    c_e pairs takes ceil(c_e / MP) <= (c_e + MP - 1) / MP blocks, so all take at most (pairs + (MP - 1) * d) / MP
+    with d <= min(n_experts, pairs) distinct experts (V4-Flash, 256 experts, 64 tokens of 6: 272 rows, not 384)."""
+    MP = gemv.mma_n(1)
+    return min(pairs, (pairs + (MP - 1) * min(n_experts, pairs)) // MP)
 
 
-def choose_block_width(pairs: int, n_experts: int) -> int:
-    """Pairs per block of the expert-block table `moe` builds (`gemv.BLOCK_WIDTHS`): 16 where the pairs per distinct
-    expert they can reach exceed `WIDE_BLOCK_PAIRS`, else 8."""
-    return 16 if pairs > WIDE_BLOCK_PAIRS * min(n_experts, pairs) else 8
-
-
-def expert_blocks(ids: torch.Tensor, n_experts: int, width: int = 8) -> torch.Tensor:
+def expert_blocks(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """The expert-block table of routing ids [T, k] (experts < n_experts) for the GEMV pair
-    (`gemv.launch(blocks=...)`): int32 [block_rows(T * k, n_experts, width), 2 + width], one row per block of at most
-    `width` pairs of one expert (experts in increasing order), rows past the last with 0 pairs
-    (`_expert_blocks_kernel`). The launch streaming it takes `width` as its MMA's N (`gemv.BLOCK_WIDTHS`)."""
-    if width not in gemv.BLOCK_WIDTHS:
-        raise ValueError(f"expert_blocks: width {width} is not one of gemv.BLOCK_WIDTHS {gemv.BLOCK_WIDTHS}")
-    P = ids.numel()
-    NB = block_rows(P, n_experts, width)
-    table = torch.empty(NB, 2 + width, dtype=torch.int32, device=ids.device)
+    (`gemv.launch(blocks=...)`): int32 [block_rows(T * k, n_experts), 2 + MP] (MP = the GEMV's MMA N), one row per
+    block of at most MP pairs of one expert (experts in increasing order), rows past the last with 0 pairs
+    (`_expert_blocks_kernel`)."""
+    P, MP = ids.numel(), gemv.mma_n(1)
+    NB = block_rows(P, n_experts)
+    table = torch.empty(NB, 2 + MP, dtype=torch.int32, device=ids.device)
     if P:
         pdl = has_pdl(ids.device)
         E_PAD = triton.next_power_of_2(n_experts + 1)
         work = torch.empty(2 * E_PAD, dtype=torch.int32, device=ids.device)
-        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, work, P, NB, n_experts, E_PAD=E_PAD, CHUNK=64, MP=width,
+        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, work, P, NB, n_experts, E_PAD=E_PAD, CHUNK=64, MP=MP,
                                     PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return table
 
@@ -347,7 +337,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False,
-        block_tokens: tuple[int, int] | None = BLOCK_TOKENS, block_width: int | None = None) -> torch.Tensor:
+        block_tokens: tuple[int, int] | None = BLOCK_TOKENS) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
@@ -370,14 +360,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `block_tokens` ((first, last) or None: off; `BLOCK_TOKENS`): at these token counts (`decode` "auto" or "gemv")
     the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair` decides), each
     distinct expert streamed once for all the pairs routed to it; the shared expert rides in its launches as token
-    columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it. `block_width`: pairs per block (8 or 16,
-    `gemv.BLOCK_WIDTHS`; None: `choose_block_width`); the same values either way, summed in another order."""
+    columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it."""
     in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
     if shared is not None and not gemv_pair:
         routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
-                     configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum, block_tokens=block_tokens,
-                     block_width=block_width)
+                     configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum, block_tokens=block_tokens)
         return routed + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
@@ -402,8 +390,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         overlap = after_route and shared is not None
         up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
         # (`_gemv_pair`: with blocks, the shared expert is here only as token columns)
-        width = block_width or choose_block_width(P, E)
-        blocks = expert_blocks(ids, E, width) if in_blocks else None   # each distinct expert streamed once
+        blocks = expert_blocks(ids, E) if in_blocks else None   # each distinct expert streamed once
         moe_pair.launch_pair(x, w13, h, w2, out, up, down, tokens=T, topk=k, ids=ids, rw=weights.reshape(-1),
                              limit=limit, shared=shared, scratch=scratch, x_ready=overlap, up_alone=up_alone,
                              fused=fused, blocks=blocks)
