@@ -83,7 +83,8 @@ def main():
                     line += f" | {name} {us:8.1f} us {row[name]['pct_floor']:3.0f}%"
                 row["blocks/sorted"] = row["blocks"]["us"] / row["sorted"]["us"]
                 line += (f" | blocks/sorted {row['blocks/sorted']:.3f}"
-                         f" | rel. diff {row['blocks']['rel_err_to_sorted']:.1e}")
+                         f" | rel. diff {row['blocks']['rel_err_to_sorted']:.1e}"
+                         f" | in moe's block range: {tmoe.in_block_range(t, tmoe.auto_block_tokens(s.E, s.k))}")
                 print(line, flush=True)
                 rows.append(row)
     out = Path(args.out)

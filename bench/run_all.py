@@ -88,11 +88,11 @@ class Run:
     def moe_tokens(self):
         return (1, 3, 11) if self.toy else tuple(int(t) for t in self.args.moe_tokens.split(","))
 
-    def moe_block_tokens(self) -> tuple[int, int] | None:
+    def moe_block_tokens(self) -> tuple[int, int] | None | str:
         """`--moe-block-tokens` as `moe(block_tokens=)` takes it."""
         text = self.args.moe_block_tokens
-        if text == "off":
-            return None
+        if text in ("off", "auto"):
+            return None if text == "off" else text
         first, last = (int(t) for t in text.split(","))
         return first, last
 
@@ -278,7 +278,7 @@ def correctness(run: Run):
             record(f"moe {s.name} {fmt} T={t}", rel_err(y, want), bound, written=bool(torch.isfinite(y).all()))
             first = 3 if run.toy else 4
             if run.ops.name != "ref" and first <= t <= moe.DECODE_TOKENS:
-                # the pair over expert blocks at <= 8 tokens too (by default from 9: `moe.BLOCK_TOKENS`)
+                # the pair over expert blocks at <= 8 tokens too (by default from 9: `moe.auto_block_tokens`)
                 y_blk = moe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, scratch=run.scratch,
                                 block_tokens=(first, moe.DECODE_TOKENS))
                 record(f"moe {s.name} {fmt} T={t} expert blocks ({ids.numel() - ids.unique().numel()} shared)",
@@ -577,7 +577,8 @@ def moe_table(run: Run):
             if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
                 ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True, block_tokens=None)
                                                   for x, lg in zip(xs, logits)])
-            if t <= 8 or tmoe.in_block_range(t, blocks):
+            in_blocks = tmoe.in_block_range(t, tmoe.auto_block_tokens(s.E, s.k) if blocks == "auto" else blocks)
+            if t <= 8 or in_blocks:
                 # the other kernels on the same inputs, for the record: round one's decode tiles at <= 8 tokens, its
                 # sorted grouped GEMM where the pair over expert blocks runs
 
@@ -638,8 +639,8 @@ def table(run: Run) -> str:
                      f"{x['speedup']:7.2f}" + ("" if x.get("gemv_us") is None else f"  gemv {x['gemv_us']:.1f}"))
     lines.append("")
     if r.get("moe"):
-        lines.append(f"MoE over expert blocks at tokens {r.get('moe_block_tokens')} (other us: round one's decode "
-                     "tiles at <= 8 tokens, else the sorted path)")
+        lines.append(f"MoE over expert blocks at tokens {r.get('moe_block_tokens') or 'off'} (other us: round one's "
+                     "decode tiles at <= 8 tokens, else the sorted path)")
     lines.append(f"{'model':8s} {'fmt':5s} {'T':>4s} {'experts':>7s} {'layer us':>9s} {'floor MB':>8s} {'%floor':>6s} "
                  f"{'routed us':>9s} {'%floor':>6s} {'other us':>9s} {'fused-sum us':>12s}")
     for x in r.get("moe", []):
@@ -666,10 +667,10 @@ def main():
     ap.add_argument("--sections", default="env,copy,precompile,correctness,sweep,linear,moe,model,prefill")
     ap.add_argument("--ms", default=M_LIST, help="activation rows of the linear table (decode and prefill)")
     ap.add_argument("--moe-tokens", default=MOE_TOKENS, help="tokens of the MoE layer table")
-    ap.add_argument("--moe-block-tokens", default=",".join(map(str, moe.BLOCK_TOKENS or ())) or "off",
-                    help="FIRST,LAST (or off): token counts at which the MoE table runs the GEMV pair over expert "
-                         "blocks (`moe(block_tokens=)`; default moe.BLOCK_TOKENS); its `other us` there is the sorted "
-                         "path (above 8 tokens)")
+    ap.add_argument("--moe-block-tokens", default="auto",
+                    help="FIRST,LAST, off or auto: token counts at which the MoE table runs the GEMV pair over expert "
+                         "blocks (`moe(block_tokens=)`; auto: moe.auto_block_tokens, from 9 tokens to 6 pairs per "
+                         "expert); its `other us` there is the sorted path (above 8 tokens)")
     ap.add_argument("--layout", choices=("tiled", "row-major"), default="tiled",
                     help="how the benchmarked weights are stored (formats.tiling; the loader tiles on CUDA)")
     args = ap.parse_args()

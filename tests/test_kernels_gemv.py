@@ -196,13 +196,15 @@ def test_split_choice_weighs_fill_against_unit_cost():
     assert 1 < split <= 64 and 128 // split >= 2
 
 
-def test_moe_auto_takes_the_gemv_pair_up_to_64_tokens(launches):
-    """The GEMV pair up to 8 tokens, over expert blocks at `moe.BLOCK_TOKENS` (9-64), above the grouped (sorted)
-    kernels."""
-    E, k, D, I = 4, 1, 128, 128
+def test_moe_auto_takes_the_gemv_pair_up_to_six_pairs_per_expert(launches):
+    """The GEMV pair up to 8 tokens, over expert blocks from 9 tokens while the (token, slot) pairs are at most
+    `moe.BLOCK_PAIRS_PER_EXPERT` (6) per expert (`moe.auto_block_tokens`: 4 experts of 2 per token, 12 tokens), above
+    the grouped (sorted) kernels."""
+    E, k, D, I = 4, 2, 128, 128
+    assert tmoe.auto_block_tokens(E, k) == (9, 12) and tmoe.auto_block_tokens(256, 6) == (9, 256)
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
     pair = [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
-    for T, want in ((1, pair), (8, pair), (9, pair), (64, pair), (65, [])):
+    for T, want in ((1, pair), (8, pair), (9, pair), (12, pair), (13, [])):
         launches.clear()
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
@@ -431,10 +433,10 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
 
 
 def test_moe_beyond_eight_tokens_runs_the_pair_over_expert_blocks(kernel_calls):
-    """From 9 tokens (`moe.BLOCK_TOKENS`) `moe` runs the routed experts as the GEMV pair over expert blocks (up to 8
-    pairs of one expert per block) and adds the shared expert with `mlp_op` (token columns hold at most 8 tokens);
-    past the range, round one's sorted grouped GEMM: both against the reference."""
-    E, k, D, I, T = 6, 4, 256, 128, 12
+    """From 9 tokens (`moe.auto_block_tokens`) `moe` runs the routed experts as the GEMV pair over expert blocks (up
+    to 8 pairs of one expert per block) and adds the shared expert with `mlp_op` (token columns hold at most 8
+    tokens); past the range, round one's sorted grouped GEMM: both against the reference."""
+    E, k, D, I, T = 8, 4, 256, 128, 12   # (at most 6 pairs per expert: blocks up to 12 tokens)
     gen = torch.Generator().manual_seed(T)
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
     shared = make_weight("fp8", I, D, (2,), 0.5), make_weight("fp8", D, I, (), 0.1)

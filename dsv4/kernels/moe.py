@@ -8,9 +8,9 @@ fused and deterministic, no fp32 rows.
 When the weights' format or shape does not suit the GEMV, round one's decode tiles (`gemm.py`) run instead:
 stage 1 one program per (token, slot) pair and N tile, stage 2 the routed pairs, then a row sum.
 
-Over expert blocks (`BLOCK_TOKENS`, 9-64 tokens): `expert_blocks` (one program) lists each distinct expert's
-pairs in blocks of up to 8, and the same GEMV pair streams each block's expert once, its pairs as MMA columns
-(`gemv.launch(blocks=...)`); the shared expert then runs beside it (`mlp_op`).
+Over expert blocks (from 9 tokens up to 6 pairs per expert: `auto_block_tokens`): `expert_blocks` (one program)
+lists each distinct expert's pairs in blocks of up to 8, and the same GEMV pair streams each block's expert once, its
+pairs as MMA columns (`gemv.launch(blocks=...)`); the shared expert then runs beside it (`mlp_op`).
 
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
@@ -41,16 +41,19 @@ FUSED_TOPK_SUM = False
 # pipeline stages: V4-Pro 61.9 -> 54.8 us at 1 token, V4-Flash 26.4 -> 25.9; down and 4-8 tokens measured level or
 # slower with them (bench/RESULTS.md, run 104)
 THREE_STAGE_UP_TOKENS = 2
-# (first, last) token counts (None: never) at which the GEMV pair streams each distinct expert once for all its
-# (token, slot) pairs, as MMA columns (`expert_blocks`); the shared expert, if any, then runs beside it (`mlp_op`:
-# it rides in the pair's launches as token columns at up to 8 tokens only). H200, routed experts alone, against round
-# one's sorted grouped GEMM (bench/RESULTS.md round seventeen, run 134): V4-Flash NVFP4 438.4 -> 352.1 / 715.4 ->
-# 605.8 / 1080.3 -> 944.4 us at 16 / 32 / 64 tokens, V4-Pro NVFP4 1130.7 -> 922.2 / 2041.2 -> 1648.3 / 3529.3 ->
-# 2734.0, V4-Flash MXFP4 422.5 -> 338.5 / 676.9 -> 576.7 / 988.2 -> 922.2; at 4-8 tokens it is level to 6 % slower
-# than the pair without blocks (runs 130-131), above 64 tokens not measured. (Measured with one table row per pair;
-# the table now has `block_rows` rows, which at V4 shapes leaves the split plans as they were and only drops units of
-# empty rows - V4-Flash from 43 tokens, 112 of 384 rows at 64 - not yet timed on a GPU)
-BLOCK_TOKENS = (9, 64)
+# `moe`'s default `block_tokens` ("auto", `auto_block_tokens`): from BLOCK_FROM_TOKENS tokens while the (token, slot)
+# pairs are at most BLOCK_PAIRS_PER_EXPERT per expert (V4-Flash 9-256 tokens, V4-Pro 9-384), the GEMV pair streams
+# each distinct expert once for all its pairs, as MMA columns in blocks of up to 8 (`expert_blocks`); the shared
+# expert, if any, then runs beside it (`mlp_op`: it rides in the pair's launches as token columns at up to 8 tokens
+# only). H200, routed experts alone, median of 3, against round one's sorted grouped GEMM (bench/moe_blocks.py,
+# bench/RESULTS.md round eighteen, run 139): V4-Flash NVFP4 1024.1 -> 834.3 / 1259.8 -> 1060.5 / 1310.9 -> 1169.5 /
+# 1338.3 -> 1293.7 us at 64 / 128 / 192 / 256 tokens (1.24x slower at 384: 9 pairs per expert), V4-Pro NVFP4
+# 3130.4 -> 2627.1 / 4304.1 -> 3544.5 / 4964.6 -> 4196.0 / 5120.9 -> 4865.3 at 64 / 128 / 256 / 384 (1.12x slower
+# at 512: 8 per expert); at 4-8 tokens level to 6 % slower than the pair without blocks (runs 130-131). Blocks of
+# 16 pairs (MMA N = 16; commit e3ae6b6) measured 1.19-1.44x slower than blocks of 8 up to 6 pairs per expert and
+# 1.23-1.26x slower than the sorted path at 8-12 (run 139), so blocks hold 8.
+BLOCK_FROM_TOKENS = 9
+BLOCK_PAIRS_PER_EXPERT = 6
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
 # V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
@@ -337,12 +340,13 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False,
-        block_tokens: tuple[int, int] | None = BLOCK_TOKENS) -> torch.Tensor:
+        block_tokens: tuple[int, int] | None | str = "auto") -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
     (gate/up over the pairs, then the routed down projection over the pairs and a row sum). At `block_tokens`
-    (by default 9-64 tokens) the GEMV pair over expert blocks; else above decode_tokens the sorted grouped GEMM.
+    (by default `auto_block_tokens`) the GEMV pair over expert blocks; else above decode_tokens the sorted grouped
+    GEMM.
 
     `shared` (w13 (2,), w2): the shared expert. The GEMV pair streams it in the same launches (one more
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots; from
@@ -357,10 +361,12 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `fused_sum` (round one's decode tiles and the sorted path): the routed down projection adds each token's
     k rows in the same launch instead of a separate sum kernel; the same bits.
 
-    `block_tokens` ((first, last) or None: off; `BLOCK_TOKENS`): at these token counts (`decode` "auto" or "gemv")
-    the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair` decides), each
-    distinct expert streamed once for all the pairs routed to it; the shared expert rides in its launches as token
-    columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it."""
+    `block_tokens` ((first, last), None: off, or "auto": `auto_block_tokens`): at these token counts (`decode`
+    "auto" or "gemv") the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair`
+    decides), each distinct expert streamed once for all the pairs routed to it; the shared expert rides in its
+    launches as token columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it."""
+    if block_tokens == "auto":
+        block_tokens = auto_block_tokens(w13.leading[0] if w13.leading else 0, ids.shape[-1])
     in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
     if shared is not None and not gemv_pair:
@@ -434,7 +440,13 @@ def _routed_down(h, w2: QWeight, out, cfg: Config, weights, k: int, fused_sum: b
         gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
 
 
-def in_block_range(tokens: int, block_tokens: tuple[int, int] | None = BLOCK_TOKENS) -> bool:
+def auto_block_tokens(n_experts: int, topk: int) -> tuple[int, int]:
+    """`moe`'s token range over expert blocks for n_experts experts and topk per token (`block_tokens="auto"`): from
+    BLOCK_FROM_TOKENS to where the pairs reach BLOCK_PAIRS_PER_EXPERT per expert (V4-Flash 256, V4-Pro 384)."""
+    return BLOCK_FROM_TOKENS, BLOCK_PAIRS_PER_EXPERT * n_experts // max(1, topk)
+
+
+def in_block_range(tokens: int, block_tokens: tuple[int, int] | None) -> bool:
     """Whether `moe` at this many tokens runs the GEMV pair over expert blocks (`block_tokens`: (first, last) or
     None)."""
     return block_tokens is not None and block_tokens[0] <= tokens <= block_tokens[1]
