@@ -210,6 +210,8 @@ def test_moe_auto_takes_the_gemv_pair_up_to_six_pairs_per_expert(launches):
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
         assert launches == want and rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+    with pytest.raises(ValueError, match="block_tokens 'on'"):
+        tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, block_tokens="on")
 
 
 def test_unsupported_calls_leave_the_gemv():

@@ -365,7 +365,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     "auto" or "gemv") the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair`
     decides), each distinct expert streamed once for all the pairs routed to it; the shared expert rides in its
     launches as token columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it."""
-    if block_tokens == "auto":
+    if isinstance(block_tokens, str):
+        if block_tokens != "auto":
+            raise ValueError(f"moe: block_tokens {block_tokens!r}: expected (first, last), None or 'auto'")
         block_tokens = auto_block_tokens(w13.leading[0] if w13.leading else 0, ids.shape[-1])
     in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
