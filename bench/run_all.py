@@ -290,12 +290,13 @@ def correctness(run: Run):
                    exact=torch.equal(y_fused, run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1")),
                    written=bool(torch.isfinite(y_fused).all()))
         del w13, w2
-    # MoE with the shared expert in the same two GEMV launches (mixed formats, as the official checkpoints)
+    # MoE with the shared expert in the same two GEMV launches (mixed formats, as the official checkpoints): one row
+    # block per token (1), the token columns in one row block (4, 8) and in two (12, 16; over expert blocks)
     for s, fmt, sfmt in ((sh, "mxfp4", "fp8"), (big, "nvfp4", "fp8"), (sh, "nvfp4", "nvfp4")):
         w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight(fmt, (s.E,), s.D, s.I, dev, gen)
         shared = random_qweight(sfmt, (2,), s.I, s.D, dev, gen), random_qweight(sfmt, (), s.D, s.I, dev, gen)
-        for t in ((1, 3) if run.toy else (1, 4, 8, 16)):
+        for t in ((1, 3) if run.toy else (1, 4, 8, 12, 16)):
             x = run.x(t, s.D)
             logits, zero = torch.randn(t, s.E, device=dev, generator=gen), torch.zeros(s.E, device=dev)
             wts, ids = ref.route(logits, zero, s.k, 1.5)

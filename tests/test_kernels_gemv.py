@@ -708,12 +708,53 @@ def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_f
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
 
 
+@pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 12), ("mxfp4", "nvfp4", 16)])
+def test_shared_expert_as_token_columns_of_several_row_blocks(kernel_calls, fmt, shared_fmt, T):
+    """From 9 tokens the shared expert's token columns are row blocks of 8 tokens (`COLS_TOKENS`), in the same
+    launches as the routed experts over expert blocks (`moe` at 9-16 tokens): block g's gate/up units write h rows
+    P + 8 g .. P + 8 g + 7 and count into the flag of h row P + g, its down units wait there and count into its
+    tokens' output tiles. Against the reference; in one launch and two, with the shared units first or last, the
+    same bits, over expert blocks and without them (the pair's own order; the shared expert's h rows are the same
+    bits either way); the semaphores re-arm."""
+    E, k, D, I = 6, 2, 256, 128
+    gen = torch.Generator().manual_seed(T)
+    w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
+    shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
+    x = torch.randn(T, D, generator=gen) * 2
+    w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
+    want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
+    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    assert rel_err(got, want) < 1e-6
+    assert kernel_calls and all(a["COLS"] and a["BLOCKS"] for a in kernel_calls)
+    if T > 12:
+        return   # (the launch modes once, at 12 tokens: two row blocks, the second part-filled)
+    scratch, rows, cfg = gemm.Scratch(), T * k + T, gemv.GemvConfig(split=2)
+    table = tmoe.expert_blocks(ids, E)
+    runs = []
+    for fused, x_ready, blocks in ((False, False, table), (True, True, table), (True, False, None),
+                                   (True, True, None), (False, False, None)):
+        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
+        kernel_calls.clear()
+        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+                             shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, blocks=blocks)
+        assert kernel_calls[-1]["COLS"]
+        runs.append((h, out))
+    P = T * k
+    for first, rest in ((runs[0], runs[1:2]), (runs[2], runs[3:])):   # over expert blocks, then without
+        assert rel_err(first[1], want) < 1e-6
+        for h, out in rest:
+            assert torch.equal(h, first[0]) and torch.equal(out, first[1])
+        assert torch.equal(first[0][P:], runs[0][0][P:])
+    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
+
+
 def test_shared_expert_keeps_a_row_block_per_token_below_four_tokens_and_without_the_pair(kernel_calls):
     """`shared_cols`: the per-token layout at 1-3 tokens (measured faster there), in dense launches and without
-    a shared expert; the token columns from 4 to 8 tokens (the MMA's N)."""
+    a shared expert; the token columns from 4 to SHARED_COLS_MAX (16) tokens, 8 per row block."""
     s13 = make_weight("fp8", 128, 256, (2,))
+    assert gemv.SHARED_COLS_MAX == 16
     for rows, R, pairs, want in ((gemv.ROWS_PAIR, 3 * 3, 3 * 2, False), (gemv.ROWS_PAIR, 4 * 3, 4 * 2, True),
-                                 (gemv.ROWS_TOKEN, 8, 16, True), (gemv.ROWS_TOKEN, 9, 18, False),
+                                 (gemv.ROWS_TOKEN, 16, 32, True), (gemv.ROWS_TOKEN, 17, 34, False),
                                  (gemv.ROWS_DENSE, 4, 0, False)):
         assert gemv.shared_cols(rows, R, pairs, s13) == want, (rows, R)
         assert not gemv.shared_cols(rows, R, pairs, None)

@@ -57,8 +57,8 @@ The MMA's N (x rows per unit, `MP`) is 8 for up to 8 rows (half the MMAs and x r
 * ROWS_TOKEN: one token per unit, its k experts are extra K splits: the routing weight and each expert's
   factor scale the partials, whose ordered sum is the MoE output (the top-k sum fused, deterministic).
 The MoE's shared expert rides in the ROWS_PAIR / ROWS_TOKEN launches: as one more row block (slot) per token,
-or, from 4 tokens (`shared_cols`, `COLS`), as one row block whose MMA columns are the tokens, so that each of
-its weight tiles is read and decoded once instead of once per token.
+or, from 4 tokens (`shared_cols`, `COLS`), as row blocks whose MMA columns are 8 tokens each, so that each of
+its weight tiles is read and decoded once per 8 tokens instead of once per token.
 Gated FP4 units stream gate and up in one K loop, a sub-step of each per iteration (`_unit_acc`, PAIRED).
 
 The MoE pair (gate/up ROWS_PAIR, then down ROWS_TOKEN) can run as one launch (`moe_pair.py`): every unit is
@@ -85,6 +85,8 @@ ROWS_DENSE, ROWS_PAIR, ROWS_TOKEN = 0, 1, 2
 # k elements per thread and register group in the mma.sync bf16 operand layout Triton picks: 4 up to 3.7, the
 # instruction's own 2 from 3.8 (SASS of Triton 3.6, 3.7.1, 3.8.0, 3.9.0; `_k_order` follows it)
 MMA_K_WIDTH = tl.constexpr(4 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 8) else 2)
+COLS_TOKENS = 8         # tokens per row block of the shared expert's token columns (`COLS`): the MMA's N
+COLS_TOKENS_C = tl.constexpr(COLS_TOKENS)
 MAX_ROWS = 16           # x rows per unit (the MMA N dimension); at 32 the x sub-tiles in registers spill
                         # (255 registers, sm_90, Triton 3.6), so 17..64 rows run gemm's fused tiles
 
@@ -329,8 +331,8 @@ def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, NB, ROWS: tl.constexpr, BN: tl
     the unit numbering `_gemv_unit` decodes. The shared expert's units (SPLIT_S per N tile of each of its row
     blocks: one per token, or one for all tokens with COLS) form their own range in ROWS_PAIR, first when
     X_READY, and in ROWS_TOKEN with COLS, first; without COLS, ROWS_TOKEN gives them the splits j >= TOPK *
-    SPLIT of every token's tiles. BLOCKS: the routed units are SPLIT per N tile of each of the NB rows of the
-    expert-block table."""
+    SPLIT of every token's tiles. COLS: the shared expert has a row block per COLS_TOKENS tokens. BLOCKS: the
+    routed units are SPLIT per N tile of each of the NB rows of the expert-block table."""
     num_n = tl.cdiv(N, BN)
     splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
     total = (NB * num_n * SPLIT) if BLOCKS else R * num_n * splits
@@ -338,7 +340,7 @@ def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, NB, ROWS: tl.constexpr, BN: tl
     first_shared = total * 0
     first_routed = total * 0
     if SHARED and (ROWS == 1 or COLS):
-        shared_units = (1 if COLS else R - P) * num_n * SPLIT_S
+        shared_units = (tl.cdiv(R - P if ROWS == 1 else R, COLS_TOKENS_C) if COLS else R - P) * num_n * SPLIT_S
         routed = (NB * SPLIT if BLOCKS else P * SPLIT if ROWS == 1 else R * SPLIT * TOPK) * num_n
         total = routed + shared_units
         shared_first = X_READY or ROWS == 2   # ROWS_TOKEN: so that the tiles' last arrivals spread over routed units
@@ -419,7 +421,7 @@ def _gemv_unit(
                 nsplit = SPLIT_S + u * 0
                 j = (u - first_shared) % SPLIT_S
                 tile = P * num_n + (u - first_shared) // SPLIT_S
-            else:   # COLS: token 0's tile stands for every token's (rows below); the slot TOPK
+            else:   # COLS: token block g's first tile stands for its tokens' (rows below); the slot TOPK
                 j = TOPK * SPLIT + (u - first_shared) % SPLIT_S
                 tile = (u - first_shared) // SPLIT_S
         else:
@@ -490,7 +492,10 @@ def _gemv_unit(
     s0 = ks * CHUNK
     # the shared expert's unit (SHARED only; a compile-time False otherwise, so no branch is emitted)
     shared_unit = on_shared if SHARED else False
-    tokens = R - P if ROWS == 1 else R   # (COLS: MMA column t of the shared unit is token t)
+    tokens = R - P if ROWS == 1 else R
+    # COLS: MMA column c of the shared unit of token block g (r - P in gate/up, r in down) is token 8 g + c
+    tl.static_assert(not COLS or MP == COLS_TOKENS_C, "token columns: COLS_TOKENS tokens per MMA")
+    col_token = ((r - P if ROWS == 1 else r) * COLS_TOKENS_C + offs_r) if COLS else offs_r
     if AWAIT:   # ROWS_TOKEN: x row `pair` (routed slot) or P + r (the shared expert's), written by gate/up units
         if shared_unit:
             s0 = ks * CHUNK_S
@@ -508,9 +513,9 @@ def _gemv_unit(
         s0 = ks * CHUNK_S
         xrow_s = xrow
         rmask_s = rmask
-        if COLS:   # one row block for every token: column t reads x row t (gate/up) or h row P + t (down)
-            xrow_s = offs_r + (0 if ROWS == 1 else P)
-            rmask_s = offs_r < tokens
+        if COLS:   # column c reads x row col_token[c] (gate/up) or h row P + col_token[c] (down)
+            xrow_s = col_token + (0 if ROWS == 1 else P)
+            rmask_s = col_token < tokens
         acc, acc_u, f, f_u = _weight_unit(
             x_ptr, xrow_s, rmask_s, xcol, sw_ptr, ss_ptr, ss2_ptr, rows, rows_mma, nmask_mma, s0,
             tl.minimum(s0 + CHUNK_S, n_steps_s), rw, stride_xm, stride_swg, stride_swn, stride_ssg,
@@ -539,9 +544,9 @@ def _gemv_unit(
             s2_ptr + e64 * stride_s2e, rows, rows_mma, nmask_mma, s0, tl.minimum(s0 + CHUNK, n_steps), rw,
             stride_xm, stride_wg, stride_wn, stride_sg, stride_sn, stride_s2g, FMT, SCALE_F32, GATED, BN, MP,
             W, DOT, ASM, PF, TILED, GCOL)
-    if SHARED and COLS:   # ... and writes row t of its output block: h row P + t (gate/up), out row t (down)
-        rmask = tl.where(on_shared, offs_r < tokens, rmask)
-        yrow = tl.where(on_shared, offs_r + (P if ROWS == 1 else 0), yrow)
+    if SHARED and COLS:   # ... and writes h row P + col_token[c] (gate/up) or out row col_token[c] (down)
+        rmask = tl.where(on_shared, col_token < tokens, rmask)
+        yrow = tl.where(on_shared, col_token + (P if ROWS == 1 else 0), yrow)
     if WAIT_PER_UNIT:
         gdc_wait()   # before any write: h and the workspace may reuse memory the previous kernel reads
     ticket = u * 0
@@ -614,9 +619,10 @@ def _gemv_kernel(
     SPLIT_S K splits of CHUNK_S sub-steps, so that its units stream about as many bytes as a routed one):
     ROWS_PAIR pairs P .. R - 1 are the shared expert's rows (x row r - P), their units after all routed ones;
     ROWS_TOKEN tokens get SPLIT_S more splits j >= TOPK * SPLIT, the slot TOPK, which reads h row P + token
-    with routing weight 1. COLS: the shared expert's units are one row block for all R - P (ROWS_PAIR) or R
-    tokens, MMA column t being token t; in ROWS_TOKEN they come first and each counts into every token's
-    output tile (`_gemv_unit`).
+    with routing weight 1. COLS: the shared expert's units are a row block per COLS_TOKENS of the R - P
+    (ROWS_PAIR) or R tokens, MMA column c of block g being token 8 g + c (its h row P + 8 g + c); in ROWS_TOKEN
+    they come first and each counts into its tokens' output tiles (`_gemv_unit`); in the fused pair, block g's
+    gate/up tiles count into the flag of h row P + g, on which its down units wait.
 
     X_READY (ROWS_PAIR with SHARED; `launch(x_ready=True)`: x was written before the previous kernel started,
     which is `moe.route`): the shared expert's units come first, and with PDL a unit waits for the previous
@@ -773,17 +779,19 @@ def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeigh
     return wanted and fp4 and (rows != ROWS_DENSE or M == 1)
 
 
-SHARED_COLS_TOKENS = 4   # from this many tokens (up to the MMA's N, 8) the shared expert's units read all tokens
+SHARED_COLS_TOKENS = 4   # from this many tokens the shared expert's units read COLS_TOKENS tokens each ...
+SHARED_COLS_MAX = 16     # ... up to this many (above, `moe` adds it beside the pair: `mlp_op`)
 
 
 def shared_cols(rows: int, R: int, pairs: int, shared: QWeight | None) -> bool:
-    """Whether the MoE's shared expert runs as one row block whose MMA columns are the tokens (`COLS`) instead of
-    one row block per token: each of its weight tiles is then read and decoded once for all tokens, and its
+    """Whether the MoE's shared expert runs as row blocks whose MMA columns are 8 tokens each (`COLS`) instead of
+    one row block per token: each of its weight tiles is then read and decoded once per 8 tokens, and its
     units get K splits as long as the routed ones' (`plan_splits`). What the shared expert adds to the pair
     (bench/profile_shared.py, run 88, FP8 shared beside NVFP4 experts): V4-Pro 33 / 41 us at 4 / 8 tokens
     against 45 / 75 per token, level at 2; V4-Flash 24 against 25 us at 8 tokens, 1-2 us more at 2 and 4."""
     tokens = R - pairs if rows == ROWS_PAIR else R
-    return shared is not None and rows in (ROWS_PAIR, ROWS_TOKEN) and SHARED_COLS_TOKENS <= tokens <= mma_n(1)
+    return (shared is not None and rows in (ROWS_PAIR, ROWS_TOKEN)
+            and SHARED_COLS_TOKENS <= tokens <= SHARED_COLS_MAX)
 
 
 def pdl_enabled(cfg: GemvConfig, device: torch.device) -> bool:
@@ -797,8 +805,8 @@ def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_st
     """(units, partials per output tile, split, chunk, split_s, chunk_s) of one launch: R row blocks (of which
     `routed_rows` stream the routed weight, the rest the shared expert's with n_steps_s sub-steps; 0 = none),
     ROWS_TOKEN slots of `topk` routed experts plus the shared one. Chunks are whole step pairs. `cols`
-    (`shared_cols`): the shared expert has one row block for all tokens. `blocks` (> 0: over expert blocks): the
-    routed row blocks are the rows of the expert-block table.
+    (`shared_cols`): the shared expert has one row block per COLS_TOKENS tokens. `blocks` (> 0: over expert
+    blocks): the routed row blocks are the rows of the expert-block table.
 
     The routed split is `forced` or `choose_split`'s, and the shared expert gets the same. A sub-step is 64
     bytes of a row in every format, so an FP8 shared expert beside FP4 experts then has twice their sub-steps
@@ -813,7 +821,7 @@ def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_st
     if not shared:
         shared_blocks = 0
     elif cols:
-        shared_blocks = 1
+        shared_blocks = triton.cdiv(R if rows == ROWS_TOKEN else R - routed_rows, COLS_TOKENS)
     else:
         shared_blocks = R if rows == ROWS_TOKEN else R - routed_rows
 
@@ -880,7 +888,7 @@ def launch(x: torch.Tensor, w: QWeight, y: torch.Tensor, cfg: GemvConfig, *, M: 
     `shared` (ROWS_PAIR / ROWS_TOKEN): the MoE's shared expert, any supported format, same N and K, streamed in
     the same launch. ROWS_PAIR: R = M = pairs + tokens, rows from `pairs` on are the shared expert's (x row
     r - pairs); ROWS_TOKEN: x has pairs + R rows, each token's extra slot reads row pairs + token. From
-    SHARED_COLS_TOKENS tokens its units cover every token at once (`shared_cols`); the same rows are written.
+    SHARED_COLS_TOKENS tokens each of its units covers COLS_TOKENS tokens (`shared_cols`); the same rows are written.
 
     `x_ready` (ROWS_PAIR with `shared`): the caller promises that x was written before the previous kernel on
     the stream started and that that kernel writes neither x nor the weights (it is `moe.route`'s); the shared

@@ -10,7 +10,8 @@ stage 1 one program per (token, slot) pair and N tile, stage 2 the routed pairs,
 
 Over expert blocks (from 9 tokens up to 6 pairs per expert: `auto_block_tokens`): `expert_blocks` (one program)
 lists each distinct expert's pairs in blocks of up to 8, and the same GEMV pair streams each block's expert once, its
-pairs as MMA columns (`gemv.launch(blocks=...)`); the shared expert then runs beside it (`mlp_op`).
+pairs as MMA columns (`gemv.launch(blocks=...)`); the shared expert rides in the same launches as token columns
+(`gemv.shared_cols`) or, from more tokens, runs beside them (`mlp_op`).
 
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
@@ -44,14 +45,14 @@ THREE_STAGE_UP_TOKENS = 2
 # `moe`'s default `block_tokens` ("auto", `auto_block_tokens`): from BLOCK_FROM_TOKENS tokens while the (token, slot)
 # pairs are at most BLOCK_PAIRS_PER_EXPERT per expert (V4-Flash 9-256 tokens, V4-Pro 9-384), the GEMV pair streams
 # each distinct expert once for all its pairs, as MMA columns in blocks of up to 8 (`expert_blocks`); the shared
-# expert, if any, then runs beside it (`mlp_op`: it rides in the pair's launches as token columns at up to 8 tokens
-# only). H200, routed experts alone, median of 3, against round one's sorted grouped GEMM (bench/moe_blocks.py,
-# bench/RESULTS.md round eighteen, run 139): V4-Flash NVFP4 1024.1 -> 834.3 / 1259.8 -> 1060.5 / 1310.9 -> 1169.5 /
-# 1338.3 -> 1293.7 us at 64 / 128 / 192 / 256 tokens (1.24x slower at 384: 9 pairs per expert), V4-Pro NVFP4
-# 3130.4 -> 2627.1 / 4304.1 -> 3544.5 / 4964.6 -> 4196.0 / 5120.9 -> 4865.3 at 64 / 128 / 256 / 384 (1.12x slower
-# at 512: 8 per expert); at 4-8 tokens level to 6 % slower than the pair without blocks (runs 130-131). Blocks of
-# 16 pairs (MMA N = 16; commit e3ae6b6) measured 1.19-1.44x slower than blocks of 8 up to 6 pairs per expert and
-# 1.23-1.26x slower than the sorted path at 8-12 (run 139), so blocks hold 8.
+# expert, if any, rides in the pair's launches as token columns up to `gemv.SHARED_COLS_MAX` tokens, above them
+# beside it (`mlp_op`). H200, routed experts alone, median of 3, against round one's sorted grouped GEMM
+# (bench/moe_blocks.py, bench/RESULTS.md round eighteen, run 139): V4-Flash NVFP4 1024.1 -> 834.3 / 1259.8 ->
+# 1060.5 / 1310.9 -> 1169.5 / 1338.3 -> 1293.7 us at 64 / 128 / 192 / 256 tokens (1.24x slower at 384: 9 pairs per
+# expert), V4-Pro NVFP4 3130.4 -> 2627.1 / 4304.1 -> 3544.5 / 4964.6 -> 4196.0 / 5120.9 -> 4865.3 at 64 / 128 / 256 /
+# 384 (1.12x slower at 512: 8 per expert); at 4-8 tokens level to 6 % slower than the pair without blocks (runs
+# 130-131). Blocks of 16 pairs (MMA N = 16; commit e3ae6b6) measured 1.19-1.44x slower than blocks of 8 up to 6
+# pairs per expert and 1.23-1.26x slower than the sorted path at 8-12 (run 139), so blocks hold 8.
 BLOCK_FROM_TOKENS = 9
 BLOCK_PAIRS_PER_EXPERT = 6
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
@@ -364,7 +365,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     `block_tokens` ((first, last), None: off, or "auto": `auto_block_tokens`): at these token counts (`decode`
     "auto" or "gemv") the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair`
     decides), each distinct expert streamed once for all the pairs routed to it; the shared expert rides in its
-    launches as token columns (`gemv.shared_cols`: 4-8 tokens), else `mlp_op` adds it."""
+    launches as token columns (`gemv.shared_cols`: 4 to `gemv.SHARED_COLS_MAX` tokens), else `mlp_op` adds it."""
     if isinstance(block_tokens, str):
         if block_tokens != "auto":
             raise ValueError(f"moe: block_tokens {block_tokens!r}: expected (first, last), None or 'auto'")

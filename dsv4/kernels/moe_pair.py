@@ -15,8 +15,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..formats import QWeight
 from . import gemv
-from .gemv import (ROWS_PAIR, ROWS_TOKEN, GemvConfig, _gemv_unit, _launch_layout, _prepare, resident_ctas,
-                   waits_per_unit)
+from .gemv import (COLS_TOKENS_C, ROWS_PAIR, ROWS_TOKEN, GemvConfig, _gemv_unit, _launch_layout, _prepare,
+                   resident_ctas, waits_per_unit)
 from .host import interpreting, num_sms
 from .sync import SYNC_LINE
 
@@ -27,9 +27,9 @@ def _pair_down_unit(v, R, num_n, splits, SPLIT, SPLIT_S, TOPK, SHARED: tl.conste
     """The down launch's unit (`gemv._launch_layout`'s numbering, ROWS_TOKEN) for the fused pair's v-th down unit,
     in the order gate/up completes h rows: pair by pair (token, slot), the shared expert's rows first when its
     gate/up units come first (X_READY), else last. COLS: the shared expert's units are their own range before
-    the routed ones in the down launch, one row block for all tokens."""
+    the routed ones in the down launch, a row block per COLS_TOKENS tokens."""
     routed = R * num_n * SPLIT * TOPK
-    n_shared = (1 if COLS else R) * num_n * SPLIT_S
+    n_shared = (tl.cdiv(R, COLS_TOKENS_C) if COLS else R) * num_n * SPLIT_S
     w = v - n_shared if SHARED and SHARED_FIRST else v
     pair = w // (num_n * SPLIT)
     rem = w % (num_n * SPLIT)
