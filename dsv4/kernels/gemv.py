@@ -780,7 +780,10 @@ def group_cols_on(cfg: GemvConfig, rows: int, M: int, w: QWeight, shared: QWeigh
 
 
 SHARED_COLS_TOKENS = 4   # from this many tokens the shared expert's units read COLS_TOKENS tokens each ...
-SHARED_COLS_MAX = 16     # ... up to this many (above, `moe` adds it beside the pair: `mlp_op`)
+# ... up to this many (above, `moe` adds it beside the pair: `mlp_op`). Against `mlp_op` beside the pair over expert
+# blocks, the MoE layer (H200, bench/RESULTS.md run 141): V4-Flash NVFP4 0.940 / 0.962 of the time at 12 / 16 tokens,
+# 0.975-0.979 at 24-32 (3-4 row blocks, each decoding the shared weights again); V4-Pro 0.998 at 12-16, 1.016 at 32
+SHARED_COLS_MAX = 16
 
 
 def shared_cols(rows: int, R: int, pairs: int, shared: QWeight | None) -> bool:
