@@ -329,10 +329,10 @@ def _launch_layout(N, R, SPLIT, TOPK, P, SPLIT_S, NB, ROWS: tl.constexpr, BN: tl
                    X_READY: tl.constexpr, COLS: tl.constexpr = False, BLOCKS: tl.constexpr = False):
     """(units, splits per output tile, N tiles, shared units, first shared unit, first routed unit) of one launch:
     the unit numbering `_gemv_unit` decodes. The shared expert's units (SPLIT_S per N tile of each of its row
-    blocks: one per token, or one for all tokens with COLS) form their own range in ROWS_PAIR, first when
+    blocks: one per token, or with COLS one per COLS_TOKENS tokens) form their own range in ROWS_PAIR, first when
     X_READY, and in ROWS_TOKEN with COLS, first; without COLS, ROWS_TOKEN gives them the splits j >= TOPK *
-    SPLIT of every token's tiles. COLS: the shared expert has a row block per COLS_TOKENS tokens. BLOCKS: the
-    routed units are SPLIT per N tile of each of the NB rows of the expert-block table."""
+    SPLIT of every token's tiles. BLOCKS: the routed units are SPLIT per N tile of each of the NB rows of the
+    expert-block table."""
     num_n = tl.cdiv(N, BN)
     splits = SPLIT * TOPK + (SPLIT_S if SHARED else 0) if ROWS == 2 else SPLIT
     total = (NB * num_n * SPLIT) if BLOCKS else R * num_n * splits
