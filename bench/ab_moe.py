@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
 from dsv4.kernels import gemm, gemv, moe  # noqa: E402
 from dsv4.kernels import Ops, refuse_fallback  # noqa: E402
@@ -99,11 +99,7 @@ def main():
     if args.layer:
         sides["ref plain"] = (ref_gemv, ref_moe, ref_mlp, ref_gemm.Scratch())
         sides["plain"] = (gemv, moe, new_mlp, gemm.Scratch())
-    dev = torch.device("cpu" if args.toy else "cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timer = Timer(dev)
-    copy = 1.0 if args.toy else copy_bandwidth(dev)
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    dev, gen, timer, copy = bench_start(args.toy)
     for s, fmt in itertools.product((TOY,) if args.toy else (FLASH, PRO), args.fmts.split(",")):
         w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight(fmt, (s.E,), s.D, s.I, dev, gen)

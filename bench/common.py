@@ -179,3 +179,12 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     ms = t.per_call_ms([lambda: b.copy_(a)], graph=False, rep=200)
     del a, b
     return 2 * n * 4 / (ms * 1e-3) / 1e9
+
+
+def bench_start(toy: bool) -> tuple[torch.device, torch.Generator, Timer, float]:
+    """What an MoE benchmark starts with: its device (the CPU for a `--toy` dry run, else CUDA), a generator seeded
+    0 on it, a Timer, and the copy bandwidth in GB/s (printed; 1.0 on the toy run, whose percentages mean nothing)."""
+    dev = torch.device("cpu" if toy else "cuda")
+    copy = 1.0 if toy else copy_bandwidth(dev)
+    print(f"copy bandwidth {copy:.0f} GB/s")
+    return dev, torch.Generator(device=dev).manual_seed(0), Timer(dev), copy

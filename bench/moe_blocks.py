@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight, rel_err  # noqa: E402
+from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, rel_err  # noqa: E402
 
 from dsv4.kernels import gemm, ref, refuse_fallback  # noqa: E402
 from dsv4.kernels import moe as tmoe  # noqa: E402
@@ -42,11 +42,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--toy", action="store_true", help="CPU interpreter dry run at toy shapes (checks the script)")
     args = ap.parse_args()
-    dev = torch.device("cpu" if args.toy else "cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timer, scratch = Timer(dev), gemm.Scratch()
-    copy = 1.0 if args.toy else copy_bandwidth(dev)
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    dev, gen, timer, copy = bench_start(args.toy)
+    scratch = gemm.Scratch()
     models = [TOY] if args.toy else [FLASH, PRO]
     fmts = args.fmts.split(",")
     rows = []

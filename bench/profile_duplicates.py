@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, copy_bandwidth, nbytes, random_qweight, random_routing  # noqa: E402
+from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, random_routing  # noqa: E402
 
 from dsv4.kernels import gemm, moe, refuse_fallback  # noqa: E402
 
@@ -48,11 +48,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="timings per routing (their median)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    dev = torch.device("cpu" if args.toy else "cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timer, scratch = Timer(dev), gemm.Scratch()
-    copy = 1.0 if args.toy else copy_bandwidth(dev)
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    dev, gen, timer, copy = bench_start(args.toy)
+    scratch = gemm.Scratch()
     for s in (TOY,) if args.toy else (FLASH, PRO):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
