@@ -578,7 +578,7 @@ def moe_table(run: Run):
             if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
                 ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True, block_tokens=None)
                                                   for x, lg in zip(xs, logits)])
-            in_blocks = tmoe.in_block_range(t, tmoe.auto_block_tokens(s.E, s.k) if blocks == "auto" else blocks)
+            in_blocks = tmoe.in_block_range(t, tmoe.resolve_block_tokens(blocks, s.E, s.k))
             if t <= 8 or in_blocks:
                 # the other kernels on the same inputs, for the record: round one's decode tiles at <= 8 tokens, its
                 # sorted grouped GEMM where the pair over expert blocks runs

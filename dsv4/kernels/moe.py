@@ -366,10 +366,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     "auto" or "gemv") the GEMV pair runs over expert blocks (`expert_blocks`; in one launch or two, as `launch_pair`
     decides), each distinct expert streamed once for all the pairs routed to it; the shared expert rides in its
     launches as token columns (`gemv.shared_cols`: 4 to `gemv.SHARED_COLS_MAX` tokens), else `mlp_op` adds it."""
-    if isinstance(block_tokens, str):
-        if block_tokens != "auto":
-            raise ValueError(f"moe: block_tokens {block_tokens!r}: expected (first, last), None or 'auto'")
-        block_tokens = auto_block_tokens(w13.leading[0] if w13.leading else 0, ids.shape[-1])
+    block_tokens = resolve_block_tokens(block_tokens, w13.leading[0] if w13.leading else 0, ids.shape[-1])
     in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
     if shared is not None and not gemv_pair:
@@ -447,6 +444,16 @@ def auto_block_tokens(n_experts: int, topk: int) -> tuple[int, int]:
     """`moe`'s token range over expert blocks for n_experts experts and topk per token (`block_tokens="auto"`): from
     BLOCK_FROM_TOKENS to where the pairs reach BLOCK_PAIRS_PER_EXPERT per expert (V4-Flash 256, V4-Pro 384)."""
     return BLOCK_FROM_TOKENS, BLOCK_PAIRS_PER_EXPERT * n_experts // max(1, topk)
+
+
+def resolve_block_tokens(block_tokens: tuple[int, int] | None | str, n_experts: int,
+                         topk: int) -> tuple[int, int] | None:
+    """`moe`'s `block_tokens` as a range: (first, last) or None as given, "auto" as `auto_block_tokens`."""
+    if isinstance(block_tokens, str):
+        if block_tokens != "auto":
+            raise ValueError(f"moe: block_tokens {block_tokens!r}: expected (first, last), None or 'auto'")
+        return auto_block_tokens(n_experts, topk)
+    return block_tokens
 
 
 def in_block_range(tokens: int, block_tokens: tuple[int, int] | None) -> bool:
