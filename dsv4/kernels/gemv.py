@@ -821,12 +821,9 @@ def plan_splits(rows: int, R: int, routed_rows: int, topk: int, num_n: int, n_st
     shared = n_steps_s > 0
     # row blocks (ROWS_TOKEN: (token, slot) blocks) of the routed weights and of the shared expert per N tile
     routed_blocks = blocks or (R * topk if rows == ROWS_TOKEN else routed_rows)
-    if not shared:
-        shared_blocks = 0
-    elif cols:
-        shared_blocks = triton.cdiv(R if rows == ROWS_TOKEN else R - routed_rows, COLS_TOKENS)
-    else:
-        shared_blocks = R if rows == ROWS_TOKEN else R - routed_rows
+    shared_tokens = (R if rows == ROWS_TOKEN else R - routed_rows) if shared else 0
+    # one row block per token, or with `cols` one per COLS_TOKENS tokens
+    shared_blocks = triton.cdiv(shared_tokens, COLS_TOKENS) if cols else shared_tokens
 
     def plan(split, split_s):
         chunk = triton.cdiv(n_steps, split)
