@@ -142,6 +142,17 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
 
 # ---------------------------------------------------------------------------- sorting pairs by expert
 
+@triton.jit
+def _expert_counts(ids_ptr, P, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Pairs per expert [E_PAD] of the P expert ids at ids_ptr (one program, CHUNK at a time; 0 from E on)."""
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c in range(0, P, CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)  # padding counts in bin E
+        counts += tl.histogram(e, E_PAD)
+    return tl.where(tl.arange(0, E_PAD) < E, counts, 0)
+
+
 @triton.jit(do_not_specialize=["P", "NB"])
 def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, NB, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                           MP: tl.constexpr, PDL: tl.constexpr):
@@ -154,11 +165,7 @@ def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, P, NB, E, E_PAD: tl.cons
         gdc_launch_dependents()
         gdc_wait()
     offs_e = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c in range(0, P, CHUNK):
-        offs = c + tl.arange(0, CHUNK)
-        counts += tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32), E_PAD)
-    counts = tl.where(offs_e < E, counts, 0)   # padding counted in bin E
+    counts = _expert_counts(ids_ptr, P, E, E_PAD, CHUNK)
     nb = (counts + MP - 1) // MP
     starts = tl.cumsum(nb, 0) - nb
     total = tl.sum(nb, axis=0)
@@ -223,12 +230,7 @@ def _align_kernel(ids_ptr, rows_ptr, blk_e_ptr, nblk_ptr, cursor_ptr, P, E, NUM_
     from atomics on a per-expert cursor (order inside an expert's blocks does not change any row's result).
     """
     offs_e = tl.arange(0, E_PAD)
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c in range(0, P, CHUNK):
-        offs = c + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)  # padding counts in bin E
-        counts += tl.histogram(e, E_PAD)
-    counts = tl.where(offs_e < E, counts, 0)
+    counts = _expert_counts(ids_ptr, P, E, E_PAD, CHUNK)
     nb = (counts + BM - 1) // BM
     ends = tl.cumsum(nb, 0)
     starts = ends - nb
