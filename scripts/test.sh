@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up ./.venv (first run only) and run the whole test suite on two workers (pytest-xdist; CI has 2 cores), each
 # with one torch thread: the interpreted Triton kernels run many tiny torch / numpy ops, which a second thread per
-# worker only slows (test_moe_auto_takes_the_gemv_pair_up_to_64_tokens alone: 39 s with the default threads, 20 s
-# with one). Extra arguments go to pytest.
+# worker only slows (test_moe_auto_takes_the_gemv_pair_up_to_64_tokens, since renamed
+# ..._up_to_six_pairs_per_expert, alone: 39 s with the default threads, 20 s with one). Extra arguments go to pytest.
 source "$(dirname "$0")/env.sh" test
 export TRITON_INTERPRET=1 PYTHONWARNINGS="ignore::UserWarning:modelopt" OMP_NUM_THREADS=1
 exec python -m pytest -n 2 --durations=20 "$@"
