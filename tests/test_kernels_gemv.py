@@ -46,6 +46,17 @@ def make_weight(fmt: str, n: int, k: int, lead: tuple = (), scale: float = 0.05)
     return stacked_weight(fmt, n, k, lead, scale, spread="row")
 
 
+def pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, **launch):
+    """h and out of `moe_pair.launch_pair` (cfg for both stages) written into NaN-filled buffers, so that a row or
+    tile no unit writes stays NaN; `launch`: its other keyword arguments (fused, x_ready, blocks, ...)."""
+    T, k = ids.shape
+    h = torch.full((T * k + (T if shared else 0), w13.out_features), float("nan"))
+    out = torch.full((T, w2.out_features), float("nan"))
+    moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
+                         shared=shared, scratch=scratch, **launch)
+    return h, out
+
+
 def stored_weight(fmt: str, n: int, k: int, lead: tuple = ()) -> QWeight:
     """A weight with the stored tensors of the right sizes (zeros): for decisions made on bytes alone."""
     if fmt == "fp8":
@@ -357,14 +368,11 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
     shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
     x = torch.randn(T, D) * 2
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    rows = T * k + (T if shared else 0)
     cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
     runs = []
     for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, False)):
-        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
-        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
-                         shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, pair_order=order)
-        runs.append((h, out))
+        runs.append(pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, x_ready=x_ready, fused=fused,
+                                  pair_order=order))
         assert kernel_calls[-1]["kernel"] == ("pair" if fused else "gemv")
     assert rel_err(runs[0][1], ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
     for h, out in runs[1:]:
@@ -469,14 +477,11 @@ def test_expert_block_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     table = tmoe.expert_blocks(ids, E)
     assert int(table[:, 1].max()) > 1   # a block of several pairs
-    rows = T * k + (T if shared else 0)
     cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
     runs = []
     for fused, x_ready in ((False, False), (True, False), (True, True)):
-        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
-        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
-                             shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, blocks=table)
-        runs.append((h, out))
+        runs.append(pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, x_ready=x_ready, fused=fused,
+                                  blocks=table))
         assert kernel_calls[-1]["kernel"] == ("pair" if fused else "gemv") and kernel_calls[-1]["BLOCKS"]
     assert not kernel_calls[-1]["PAIR_ORDER"]
     assert rel_err(runs[0][1], ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
@@ -692,14 +697,12 @@ def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_f
     assert kernel_calls and all(a["COLS"] for a in kernel_calls)
     if shared_fmt == "fp8" and fmt != "fp8":
         assert all(a["SPLIT_S"] == 2 * a["SPLIT"] and a["CHUNK_S"] == a["CHUNK"] for a in stages(kernel_calls))
-    scratch, rows, cfg = gemm.Scratch(), T * k + T, gemv.GemvConfig(split=2)
+    scratch, cfg = gemm.Scratch(), gemv.GemvConfig(split=2)
     runs = []
     for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, False), (False, True, True)):
-        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
         kernel_calls.clear()
-        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
-                             shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, pair_order=order)
-        runs.append((h, out))
+        runs.append(pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, x_ready=x_ready, fused=fused,
+                                  pair_order=order))
         # gate/up has 4 K steps here, so the forced split of 2 holds
         assert kernel_calls[-1]["COLS"] and stages(kernel_calls)[0]["SPLIT"] == 2
     assert rel_err(runs[0][1], want) < 1e-6
@@ -728,17 +731,15 @@ def test_shared_expert_as_token_columns_of_several_row_blocks(kernel_calls, fmt,
     assert kernel_calls and all(a["COLS"] and a["BLOCKS"] for a in kernel_calls)
     if T > 12:
         return   # (the launch modes once, at 12 tokens: two row blocks, the second part-filled)
-    scratch, rows, cfg = gemm.Scratch(), T * k + T, gemv.GemvConfig(split=2)
+    scratch, cfg = gemm.Scratch(), gemv.GemvConfig(split=2)
     table = tmoe.expert_blocks(ids, E)
     runs = []
     for fused, x_ready, blocks in ((False, False, table), (True, True, table), (True, False, None),
                                    (True, True, None), (False, False, None)):
-        h, out = torch.full((rows, I), float("nan")), torch.full((T, D), float("nan"))
         kernel_calls.clear()
-        moe_pair.launch_pair(x, w13, h, w2, out, cfg, cfg, tokens=T, topk=k, ids=ids, rw=w.reshape(-1), limit=LIMIT,
-                             shared=shared, scratch=scratch, x_ready=x_ready, fused=fused, blocks=blocks)
+        runs.append(pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, x_ready=x_ready, fused=fused,
+                                  blocks=blocks))
         assert kernel_calls[-1]["COLS"]
-        runs.append((h, out))
     P = T * k
     for first, rest in ((runs[0], runs[1:2]), (runs[2], runs[3:])):   # over expert blocks, then without
         assert rel_err(first[1], want) < 1e-6
