@@ -7,7 +7,8 @@ For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --form
 token count, `kernels.moe.moe` timed as:
 * routed: the GEMV pair without the shared expert;
 * in pair: with the shared expert in the pair's launches (this tree's layout: `gemv.shared_cols`);
-* per token: the same with the shared expert as one row block per token (`shared_cols` forced off);
+* per token: the same with the shared expert as one row block per token (`shared_cols` forced off; over expert
+  blocks, from `moe.auto_block_tokens`' first count, the pair cannot carry it so, and it runs as "apart");
 * apart: the routed pair, then the shared expert as its own two dense GEMV launches (`moe.mlp`), then the add;
 * alone: the shared expert's two dense launches by themselves.
 Outputs of "in pair" and "per token" are compared (`=` when bit-identical).
@@ -43,6 +44,9 @@ def main():
     copy = copy_bandwidth(dev, 0.01 if args.toy else 2.0)
     print(f"copy bandwidth {copy:.0f} GB/s")
     real_cols = gemv.shared_cols
+
+    def alone_op(x, w13, w2, limit):
+        return moe.mlp(x, w13, w2, limit, fallback=refuse_fallback, linear=linear, scratch=scratch)
     for s in ((TOY,) if args.toy else (FLASH, PRO)):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
@@ -50,7 +54,9 @@ def main():
         shared_mb = (nbytes(shared[0]) + nbytes(shared[1])) / 1e6
         for T in (int(t) for t in args.tokens.split(",")):
             xs, ids, rws, _, _, _ = moe_decode_inputs(s, T, 2 if args.toy else 8, dev, gen)
-            kw = dict(fallback=refuse_fallback, scratch=scratch)
+            # where the pair does not carry the shared expert (over expert blocks, token columns off) `moe` adds
+            # it with mlp_op: the Triton shared expert as the model runs it, not the reference's dequantization
+            kw = dict(fallback=refuse_fallback, scratch=scratch, mlp_op=alone_op)
 
             def routed(i):
                 return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, **kw)
@@ -59,8 +65,7 @@ def main():
                 return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, **kw)
 
             def alone(i):
-                return moe.mlp(xs[i], *shared, LIMIT, fallback=refuse_fallback, linear=linear,
-                               scratch=scratch)
+                return alone_op(xs[i], *shared, LIMIT)
 
             def apart(i):
                 return routed(i) + alone(i)
