@@ -6,7 +6,8 @@
     TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
     ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/profile_moe.py --once
 
-For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
+For each model (routed NVFP4 experts, FP8 shared expert, as NVIDIA's NVFP4 builds store them: `dsv4 convert
+--format nvfp4-experts`) and
 token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
 routing weights and the top-k sum fused) against the bytes each reads, and both launches back to back with the
 plain `GemvConfig` (`kernels.moe` departs from it where `moe.pair_configs` says: 3-stage gate/up, 128-row down).

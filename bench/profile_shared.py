@@ -1,9 +1,10 @@
 """What the MoE's shared expert costs in the decode pair, and where.
 
-    python bench/profile_shared.py [--tokens 1,2,4,8]
+    python bench/profile_shared.py [--tokens 1,2,4,8] [--shared-fmt fp8]
     TRITON_INTERPRET=1 python bench/profile_shared.py --toy      # CPU dry run on a toy shape
 
-For each model (routed NVFP4 experts, FP8 shared expert, as `dsv4 convert --format nvfp4` writes them) and
+For each model (routed NVFP4 experts and an FP8 shared expert, as NVIDIA's NVFP4 builds store them, `dsv4 convert
+--format nvfp4-experts`; `--shared-fmt nvfp4`: as `--format nvfp4` writes it) and
 token count, `kernels.moe.moe` timed as:
 * routed: the GEMV pair without the shared expert;
 * in pair: with the shared expert in the pair's launches (this tree's layout: `gemv.shared_cols`);
@@ -35,6 +36,8 @@ LIMIT = 10.0
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--shared-fmt", default="fp8", choices=("fp8", "nvfp4", "mxfp4"),
+                    help="the shared expert's format (the routed experts are NVFP4)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
@@ -50,7 +53,8 @@ def main():
     for s in ((TOY,) if args.toy else (FLASH, PRO)):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
-        shared = random_qweight("fp8", (2,), s.I, s.D, dev, gen), random_qweight("fp8", (), s.D, s.I, dev, gen)
+        shared = (random_qweight(args.shared_fmt, (2,), s.I, s.D, dev, gen),
+                  random_qweight(args.shared_fmt, (), s.D, s.I, dev, gen))
         shared_mb = (nbytes(shared[0]) + nbytes(shared[1])) / 1e6
         for T in (int(t) for t in args.tokens.split(",")):
             xs, ids, rws, _, _, _ = moe_decode_inputs(s, T, 2 if args.toy else 8, dev, gen)
