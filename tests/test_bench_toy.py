@@ -1,0 +1,36 @@
+"""The MoE benchmark scripts run end to end at toy shapes on the CPU (`--toy`, Triton's interpreter).
+
+They run on the GPU only a few times a session, so an API change in `dsv4.kernels` could otherwise break one unseen
+until a device run fails and costs device time. Toy token counts cover both the GEMV pair over (token, slot) pairs
+and over expert blocks (toy: 8 experts, top-2, blocks from 9 tokens). Timings at these shapes mean nothing; each
+script must finish and print its per-case line. (What only a GPU shows is out of reach here: bench/RESULTS.md run
+145 stopped on a host sync inside a CUDA graph capture, which the CPU never captures.)
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPTS = {
+    "moe_blocks": ["bench/moe_blocks.py", "--tokens", "12", "--rounds", "1"],
+    "profile_shared": ["bench/profile_shared.py", "--tokens", "1,12"],
+    "profile_moe": ["bench/profile_moe.py", "--tokens", "1", "--splits", "0"],
+    "profile_duplicates": ["bench/profile_duplicates.py"],
+    "run_all_moe": ["bench/run_all.py", "--sections", "env,moe"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_bench_script_runs_at_toy_shapes(name, tmp_path):
+    args = SCRIPTS[name] + ["--toy"]
+    if name in ("moe_blocks", "run_all_moe"):
+        args += ["--out", str(tmp_path)]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(args)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert any(line.startswith("toy") for line in proc.stdout.splitlines()), proc.stdout[-2000:]
