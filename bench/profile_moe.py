@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes,  # noqa: E402
+from common import (FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes,  # noqa: E402
                     random_qweight)
 
 from dsv4.kernels import gemm, gemv, moe, moe_pair  # noqa: E402
@@ -80,11 +80,8 @@ def main():
                                   ints(args.splits)))
     awaits = ints(args.await_l2) if args.fused else []
     route_warps = ints(args.route_warps)
-    dev = torch.device("cpu" if args.toy else "cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timer, scratch = Timer(dev), gemm.Scratch()
-    copy = copy_bandwidth(dev, 0.01 if args.toy else 2.0)
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    dev, gen, timer, copy = bench_start(args.toy)
+    scratch = gemm.Scratch()
     for s in ((TOY,) if args.toy else (FLASH, PRO)):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)

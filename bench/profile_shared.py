@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
 from dsv4.kernels import gemm, gemv, moe, ops_for, refuse_fallback  # noqa: E402
 
@@ -40,12 +40,8 @@ def main():
                     help="the shared expert's format (the routed experts are NVFP4)")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
-    dev = torch.device("cpu" if args.toy else "cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    timer, scratch = Timer(dev), gemm.Scratch()
-    linear = ops_for(dev, "triton").linear
-    copy = copy_bandwidth(dev, 0.01 if args.toy else 2.0)
-    print(f"copy bandwidth {copy:.0f} GB/s")
+    dev, gen, timer, copy = bench_start(args.toy)
+    scratch, linear = gemm.Scratch(), ops_for(dev, "triton").linear
     real_cols = gemv.shared_cols
 
     def alone_op(x, w13, w2, limit):
