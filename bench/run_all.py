@@ -291,12 +291,14 @@ def correctness(run: Run):
                    written=bool(torch.isfinite(y_fused).all()))
         del w13, w2
     # MoE with the shared expert in the same two GEMV launches (mixed formats, as the official checkpoints): one row
-    # block per token (1), the token columns in one row block (4, 8) and in two (12, 16; over expert blocks)
+    # block per token (1), the token columns in one row block (4, 8) and in two (12, 16; over expert blocks); on the
+    # side stream beside the routed experts (`moe.Side`: V4-Pro's 66 MB FP8 shared expert from 4 tokens, every
+    # shared expert at 32, where the pair does not carry it)
     for s, fmt, sfmt in ((sh, "mxfp4", "fp8"), (big, "nvfp4", "fp8"), (sh, "nvfp4", "nvfp4")):
         w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight(fmt, (s.E,), s.D, s.I, dev, gen)
         shared = random_qweight(sfmt, (2,), s.I, s.D, dev, gen), random_qweight(sfmt, (), s.D, s.I, dev, gen)
-        for t in ((1, 3) if run.toy else (1, 4, 8, 12, 16)):
+        for t in ((1, 3) if run.toy else (1, 4, 8, 12, 16, 32)):
             x = run.x(t, s.D)
             logits, zero = torch.randn(t, s.E, device=dev, generator=gen), torch.zeros(s.E, device=dev)
             wts, ids = ref.route(logits, zero, s.k, 1.5)

@@ -980,3 +980,39 @@ def test_tile_fp4_decoder_asm_splits_low_and_high_nibbles():
     two = 0x40004000   # bf16 2.0 in both halves: $5 scales outputs 0 and 2, $6 outputs 1 and 3
     out = _run_ptx(asm, [0x22222222, two, _BF16_ONE])
     assert [_bf16_value(t & 0xFFFF) for t in out] == [2 * _nibble_value(2), _nibble_value(2)] * 2
+
+
+def test_large_shared_expert_runs_beside_the_pair_from_four_tokens(monkeypatch, kernel_calls):
+    """With the table's `moe.Side`, a shared expert of at least SIDE_SHARED_BYTES leaves the GEMV pair from
+    SIDE_FROM_TOKENS tokens: the pair streams the routed experts alone and the shared expert runs as its own two
+    launches (on CUDA on the side stream; here one after the other), their outputs added as `ref.moe` adds them.
+    Below four tokens it stays in the pair."""
+    E, k, D, I = 4, 2, 128, 128
+    w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
+    shared = make_weight("fp8", I, D, (2,), 0.1), make_weight("fp8", D, I, (), 0.1)
+    monkeypatch.setattr(tmoe, "SIDE_SHARED_BYTES", sum(w.nbytes() for w in shared))
+    ops = Ops.triton(strict=True)
+    for T, beside in ((3, False), (4, True)):
+        kernel_calls.clear()
+        x = torch.randn(T, D)
+        w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+        y = ops.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
+        assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-5
+        moe_rows = [c for c in kernel_calls if c["ROWS"] != gemv.ROWS_DENSE]
+        dense = [c for c in kernel_calls if c["ROWS"] == gemv.ROWS_DENSE]
+        assert moe_rows and all(c["SHARED"] == (not beside) for c in moe_rows)   # the pair: one launch or two
+        assert len(dense) == (2 if beside else 0)
+
+
+def test_side_rule_keeps_small_shared_experts_in_the_pair_and_takes_every_one_it_cannot_carry():
+    """`moe.beside_pair`: V4-Pro's FP8 shared expert (66 MB) beside the pair from four tokens, V4-Flash's (25 MB) in
+    it; any shared expert the pair does not carry beside it."""
+    def shared(n_bytes):   # only the byte count matters: two FP8 weights of 128 x n columns, one scale each
+        cols = n_bytes // 2 // 128
+        half = QWeight("fp8", torch.empty(128, cols, dtype=torch.float8_e4m3fn),
+                       torch.ones(1, -(-cols // 128)))
+        return half, half
+    pro, flash = shared(66_000_000), shared(25_100_000)
+    assert [tmoe.beside_pair(t, pro, True) for t in (1, 3, 4, 16)] == [False, False, True, True]
+    assert [tmoe.beside_pair(t, flash, True) for t in (1, 4, 16)] == [False] * 3
+    assert tmoe.beside_pair(1, flash, False) and tmoe.beside_pair(32, flash, False)

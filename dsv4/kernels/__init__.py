@@ -40,13 +40,19 @@ class Ops:
         def fb(reference: Callable) -> Callable:
             return refuse_fallback if strict else reference
 
+        def mlp_on(scratch: gemm.Scratch) -> Callable:
+            linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
+            return partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch)
+
         scratch = gemm.Scratch()  # split-K semaphores, owned by this table
         linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
-        mlp = partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch)
+        mlp = mlp_on(scratch)
+        # the MoE's shared expert on a second stream: with semaphores of its own (`moe.Side`)
+        side = moe.Side(mlp_on(gemm.Scratch()))
         return cls("triton-strict" if strict else "triton", linear,
                    partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch), mlp,
                    partial(moe.route, fallback=fb(ref.route)),
-                   partial(moe.moe, fallback=fb(ref.moe), mlp_op=mlp, scratch=scratch),
+                   partial(moe.moe, fallback=fb(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
                    partial(gemm.grouped_linear, fallback=fb(ref.grouped_linear), scratch=scratch))
 
 

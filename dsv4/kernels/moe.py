@@ -68,6 +68,16 @@ WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
 # 4.4 -> 3.8 us, the MoE layer at 1 token 90.3 -> 89.5 us with 4 warps; V4-Flash (256 experts) level; 8 and 16 warps
 # no faster (bench/RESULTS.md, round fifteen, runs 116-121)
 ROUTE_WARPS = 4
+# the shared expert on a side CUDA stream (`Side`), beside the routed experts instead of inside the GEMV pair's
+# launches: from SIDE_FROM_TOKENS tokens for shared experts of at least SIDE_SHARED_BYTES (weights and scales), and
+# wherever the pair does not carry it (over expert blocks above `gemv.SHARED_COLS_MAX` tokens, round one's tiles, the
+# sorted path), where it ran after the routed experts. MoE layer as the model runs it (routing kernel, then `moe`),
+# NVFP4 experts, FP8 shared expert, time against the shared expert in the pair (H200, bench/RESULTS.md run 151):
+# V4-Pro (66 MB) 1.046 / 0.976 / 0.957 / 0.998 / 0.958 at 2 / 4 / 8 / 12 / 16 tokens; V4-Flash (25 MB) 1.072 / 1.022 /
+# 1.014 / 1.001 at 4 / 8 / 12 / 16 (so it stays in the pair); beside instead of after the routed experts at 32 / 64
+# tokens V4-Flash 0.973 / 0.978, V4-Pro 0.994 / 0.993
+SIDE_FROM_TOKENS = 4
+SIDE_SHARED_BYTES = 50e6
 
 
 # --------------------------------------------------------------------------------------------- routing
@@ -328,6 +338,44 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
     return linear(h, w2)
 
 
+class Side:
+    """A second CUDA stream on which `moe` runs the shared expert beside the routed experts (`SIDE_FROM_TOKENS`).
+    `mlp(x, w13, w2, limit)` is the shared-expert op it runs there; it must own its split-K semaphores (a
+    `gemm.Scratch` of its own): kernels running at the same time on two streams must not share them. Owned by the
+    `Ops` table, one stream per device, created on first use."""
+
+    def __init__(self, mlp):
+        self.mlp = mlp
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def beside(self, x: torch.Tensor, shared: tuple[QWeight, QWeight], limit: float, routed) -> torch.Tensor:
+        """routed() on the current stream while the shared expert of x runs on the side stream; their sum
+        (`ref.moe`'s order: each output rounded, then added). Works inside a CUDA graph capture (fork and join
+        are event waits). Off CUDA (the interpreter) one after the other."""
+        if not x.is_cuda:
+            return routed().add_(self.mlp(x, *shared, limit))
+        main, side = torch.cuda.current_stream(x.device), self.stream(x.device)
+        side.wait_stream(main)   # x and the weights are ready
+        with torch.cuda.stream(side):
+            y_shared = self.mlp(x, *shared, limit)
+        out = routed()
+        main.wait_stream(side)
+        y_shared.record_stream(main)   # allocated on the side stream, read here
+        return out.add_(y_shared)
+
+
+def beside_pair(tokens: int, shared: tuple[QWeight, QWeight], pair_carries: bool) -> bool:
+    """Whether `moe` with a `Side` runs the shared expert on it: where the GEMV pair does not carry it, or from
+    SIDE_FROM_TOKENS tokens when it holds at least SIDE_SHARED_BYTES."""
+    big = sum(w.nbytes() for w in shared) >= SIDE_SHARED_BYTES
+    return not pair_carries or (tokens >= SIDE_FROM_TOKENS and big)
+
+
 def pair_configs(tokens: int, expert_down_bytes: float, overlap: bool):
     """The GEMV pair's plan at `tokens` tokens as (up, down, up_alone, fused) for `moe_pair.launch_pair`:
     `expert_down_bytes` is one expert's w2 with its scales, `overlap` whether gate/up streams the shared expert
@@ -343,7 +391,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         *, fallback=None, decode_tokens: int = DECODE_TOKENS, configs: dict | None = None,
         decode: str = "auto", scratch: gemm.Scratch | None = None, fused_sum: bool = FUSED_TOPK_SUM,
         shared: tuple[QWeight, QWeight] | None = None, mlp_op=None, after_route: bool = False,
-        block_tokens: tuple[int, int] | None | str = "auto") -> torch.Tensor:
+        block_tokens: tuple[int, int] | None | str = "auto", side: Side | None = None) -> torch.Tensor:
     """Same contract as `ref.moe`. Decode (T <= decode_tokens): `decode="auto"` runs the GEMV pair for up to
     `gemv.MOE_TOKENS` tokens (measured faster there) and round one's kernels above; "gemv" forces the GEMV
     pair (all decode sizes), "round1" (or `configs` = {"up": Config, "down": Config}) round one's kernels
@@ -355,6 +403,9 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     pair per token for gate/up, one more slot per token for down, summed in fp32 with the routed slots; from
     4 tokens one row block for all tokens, `gemv.shared_cols`);
     every other path adds `mlp_op(x, *shared, limit)` (the Ops table's shared-expert op; default `ref.mlp`).
+    With `side` the shared expert runs on its stream beside the routed experts instead, where
+    `beside_pair` says: wherever the pair does not carry it, and from SIDE_FROM_TOKENS tokens for large shared
+    experts; the two outputs are then rounded to x's dtype and added, as in `ref.moe`.
 
     `after_route=True` is the caller's promise that the previous kernel on the stream is `route`'s and that x
     was written before it: the GEMV pair's gate/up launch then streams the shared expert first, overlapping
@@ -371,10 +422,16 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     block_tokens = resolve_block_tokens(block_tokens, w13.leading[0] if w13.leading else 0, ids.shape[-1])
     in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
-    if shared is not None and not gemv_pair:
-        routed = moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
-                     configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum, block_tokens=block_tokens)
-        return routed + (mlp_op or ref.mlp)(x, *shared, limit)
+    if shared is not None and (not gemv_pair or side is not None):
+
+        def routed():
+            return moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
+                       configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum,
+                       block_tokens=block_tokens)
+        if side is not None and x.shape[0] and beside_pair(x.shape[0], shared, gemv_pair):
+            return side.beside(x, shared, limit, routed)
+        if not gemv_pair:
+            return routed() + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
     if len(w13.leading) != 2 or w13.leading[1] != 2 or w2.leading != w13.leading[:1]:
