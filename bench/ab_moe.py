@@ -5,7 +5,8 @@
 
 `--layer` times the routing kernel and `kernels.moe.moe` instead of the bare pair, each package twice: as
 `model.moe` runs it (`after_route=True`: gate/up streams the shared expert while routing runs; sides "ref" and
-"new") and without that overlap ("ref plain", "plain"). Compare like with like: new/ref and plain/ref plain. (Until
+"new") and without that overlap ("ref plain", "plain"); both with the package's side stream for the shared expert
+(`moe.Side`), if it has one. Compare like with like: new/ref and plain/ref plain. (Until
 round fourteen the reference ran only without the overlap, so new/ref credited a change with the overlap's 1-2 %.)
 
 Calls on the device tool can land on different H200s (copy bandwidth 4249 vs 4274 GB/s), so a change worth a
@@ -64,6 +65,12 @@ def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
                scratch=scratch)
 
 
+def side_of(moe_module) -> dict:
+    """`moe`'s side-stream keyword for a package's kernels.moe, if it has one (strict: no reference fallbacks)."""
+    side = getattr(moe_module, "Side", None)
+    return {"side": side(refuse_fallback, refuse_fallback)} if side is not None else {}
+
+
 def layer(mod, x, logits, bias, w13, w2, sw13, sw2, k, scratch, **kwargs):
     """The routing kernel, then the MoE with its shared expert, through package `mod`'s kernels.moe."""
     wts, ids = mod.route(logits, bias, k, 1.5, fallback=refuse_fallback)
@@ -90,8 +97,10 @@ def main():
     ref_moe = importlib.import_module("dsv4_ref.kernels.moe")
     # --layer: where the shared expert runs beside the routed experts (above 8 tokens), each package's own kernels,
     # as its model runs them (`Ops.triton`)
-    ref_mlp = {"mlp_op": importlib.import_module("dsv4_ref.kernels").Ops.triton(strict=True).mlp} if args.layer else {}
-    new_mlp = {"mlp_op": Ops.triton(strict=True).mlp} if args.layer else {}
+    # and its shared expert on a second stream where the package has one (`moe.Side`, from round twenty)
+    ref_mlp = {"mlp_op": importlib.import_module("dsv4_ref.kernels").Ops.triton(strict=True).mlp,
+               **side_of(ref_moe)} if args.layer else {}
+    new_mlp = {"mlp_op": Ops.triton(strict=True).mlp, **side_of(moe)} if args.layer else {}
     # name: (gemv module, moe module, moe keyword arguments, scratch)
     overlap = {"after_route": True} if args.layer else {}
     sides = {"ref": (ref_gemv, ref_moe, {**overlap, **ref_mlp}, ref_gemm.Scratch()),

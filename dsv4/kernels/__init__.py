@@ -40,15 +40,10 @@ class Ops:
         def fb(reference: Callable) -> Callable:
             return refuse_fallback if strict else reference
 
-        def mlp_on(scratch: gemm.Scratch) -> Callable:
-            linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
-            return partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch)
-
         scratch = gemm.Scratch()  # split-K semaphores, owned by this table
         linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
-        mlp = mlp_on(scratch)
-        # the MoE's shared expert on a second stream: with semaphores of its own (`moe.Side`)
-        side = moe.Side(mlp_on(gemm.Scratch()))
+        mlp = partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch)
+        side = moe.Side(fb(ref.mlp), fb(ref.linear))  # the MoE's shared expert on a second stream, own semaphores
         return cls("triton-strict" if strict else "triton", linear,
                    partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch), mlp,
                    partial(moe.route, fallback=fb(ref.route)),

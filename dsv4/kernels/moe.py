@@ -11,7 +11,8 @@ stage 1 one program per (token, slot) pair and N tile, stage 2 the routed pairs,
 Over expert blocks (from 9 tokens up to 6 pairs per expert: `auto_block_tokens`): `expert_blocks` (one program)
 lists each distinct expert's pairs in blocks of up to 8, and the same GEMV pair streams each block's expert once, its
 pairs as MMA columns (`gemv.launch(blocks=...)`); the shared expert rides in the same launches as token columns
-(`gemv.shared_cols`) or, from more tokens, runs beside them (`mlp_op`).
+(`gemv.shared_cols`) or, from more tokens, runs beside them: on a second CUDA stream at the same time (`Side`, which
+also takes large shared experts out of the pair from 4 tokens: `beside_pair`), else after them (`mlp_op`).
 
 Larger batches: `_align_kernel` (one program: histogram, padded block offsets, scatter) groups the (token,
 slot) pairs into blocks of BM rows of one expert; stage 1 and stage 2 are the grouped GEMM of `gemm.py`;
@@ -22,6 +23,7 @@ order (with `fused_sum`, stage 2 adds them itself: `gemm._topk_sum`).
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import triton
@@ -339,14 +341,19 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 
 
 class Side:
-    """A second CUDA stream on which `moe` runs the shared expert beside the routed experts (`SIDE_FROM_TOKENS`).
-    `mlp(x, w13, w2, limit)` is the shared-expert op it runs there; it must own its split-K semaphores (a
-    `gemm.Scratch` of its own): kernels running at the same time on two streams must not share them. Owned by the
-    `Ops` table, one stream per device, created on first use."""
+    """A second CUDA stream on which `moe` runs the shared expert beside the routed experts (`SIDE_FROM_TOKENS`),
+    as `mlp` with split-K semaphores of its own (kernels running at the same time on two streams must not share
+    them). `fallback` / `linear_fallback`: `mlp`'s and its down projection's, as the Ops table's. Owned by the `Ops`
+    table, one stream per device, created on first use."""
 
-    def __init__(self, mlp):
-        self.mlp = mlp
+    def __init__(self, fallback=None, linear_fallback=None):
+        self.scratch = gemm.Scratch()
+        self._linear = partial(gemm.linear, fallback=linear_fallback, scratch=self.scratch)
+        self._fallback = fallback
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def mlp(self, x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float) -> torch.Tensor:
+        return mlp(x, w13, w2, limit, fallback=self._fallback, linear=self._linear, scratch=self.scratch)
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
