@@ -11,6 +11,8 @@ token count, `kernels.moe.moe` timed as:
 * per token: the same with the shared expert as one row block per token (`shared_cols` forced off; over expert
   blocks, from `moe.auto_block_tokens`' first count, the pair cannot carry it so, and it runs as "apart");
 * apart: the routed pair, then the shared expert as its own two dense GEMV launches (`moe.mlp`), then the add;
+* side: the routed pair, and at the same time the shared expert's two launches on a second CUDA stream (`moe.Side`,
+  forced at every token count; `moe` takes it where `moe.beside_pair` says), then the add;
 * alone: the shared expert's two dense launches by themselves.
 Outputs of "in pair" and "per token" are compared (`=` when bit-identical).
 """
@@ -42,7 +44,8 @@ def main():
     args = ap.parse_args()
     dev, gen, timer, copy = bench_start(args.toy)
     scratch, linear = gemm.Scratch(), ops_for(dev, "triton").linear
-    real_cols = gemv.shared_cols
+    real_cols, real_beside = gemv.shared_cols, moe.beside_pair
+    side = moe.Side(refuse_fallback, refuse_fallback)
 
     def alone_op(x, w13, w2, limit):
         return moe.mlp(x, w13, w2, limit, fallback=refuse_fallback, linear=linear, scratch=scratch)
@@ -64,6 +67,9 @@ def main():
             def in_pair(i):
                 return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, **kw)
 
+            def beside(i):
+                return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, side=side, **kw)
+
             def alone(i):
                 return alone_op(xs[i], *shared, LIMIT)
 
@@ -80,13 +86,19 @@ def main():
                 per_token = in_pair(0)
             finally:
                 gemv.shared_cols = real_cols
+            moe.beside_pair = lambda *a: True
+            try:
+                rows["side"] = timer.per_call_ms([lambda i=i: beside(i) for i in range(len(xs))]) * 1e3
+            finally:
+                moe.beside_pair = real_beside
             same = "=" if torch.equal(cols, per_token) else \
                 f"{float((cols.double() - per_token.double()).norm() / per_token.double().norm()):.1e}"
-            shared_us = {k: rows[k] - rows["routed"] for k in ("in pair", "per token", "apart")}
+            shared_us = {k: rows[k] - rows["routed"] for k in ("in pair", "per token", "apart", "side")}
             print(f"{s.name:8s} T={T}  routed {rows['routed']:7.1f} us | + shared ({shared_mb:.0f} MB, alone "
                   f"{rows['alone']:5.1f} us): in pair {rows['in pair']:7.1f} (+{shared_us['in pair']:5.1f})  per "
                   f"token {rows['per token']:7.1f} (+{shared_us['per token']:5.1f}) {same}  apart "
-                  f"{rows['apart']:7.1f} (+{shared_us['apart']:5.1f})", flush=True)
+                  f"{rows['apart']:7.1f} (+{shared_us['apart']:5.1f})  side {rows['side']:7.1f} "
+                  f"(+{shared_us['side']:5.1f})", flush=True)
 
 
 if __name__ == "__main__":
