@@ -429,16 +429,14 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
     block_tokens = resolve_block_tokens(block_tokens, w13.leading[0] if w13.leading else 0, ids.shape[-1])
     in_blocks = in_block_range(x.shape[0], block_tokens) and decode in ("auto", "gemv")
     gemv_pair = _gemv_pair(x, ids, w13, w2, shared, decode, decode_tokens, configs, in_blocks)
-    if shared is not None and (not gemv_pair or side is not None):
-
-        def routed():
-            return moe(x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
-                       configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum,
-                       block_tokens=block_tokens)
-        if side is not None and x.shape[0] and beside_pair(x.shape[0], shared, gemv_pair):
+    on_side = shared is not None and side is not None and x.shape[0] > 0 and beside_pair(x.shape[0], shared, gemv_pair)
+    if shared is not None and (on_side or not gemv_pair):   # the routed experts alone, the shared expert beside
+        routed = partial(moe, x, ids, weights, w13, w2, limit, fallback=fallback, decode_tokens=decode_tokens,
+                         configs=configs, decode=decode, scratch=scratch, fused_sum=fused_sum,
+                         block_tokens=block_tokens)
+        if on_side:
             return side.beside(x, shared, limit, routed)
-        if not gemv_pair:
-            return routed() + (mlp_op or ref.mlp)(x, *shared, limit)
+        return routed() + (mlp_op or ref.mlp)(x, *shared, limit)
     T, K = x.shape
     k = ids.shape[1]
     if len(w13.leading) != 2 or w13.leading[1] != 2 or w2.leading != w13.leading[:1]:
