@@ -31,7 +31,8 @@ from dsv4.kernels import gemv, moe_pair  # noqa: E402
 from dsv4.kernels.tiles import FMT_CODES  # noqa: E402
 
 TYPES = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32",
-             ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32", sw_ptr="*u8", ss_ptr="*u8", ss2_ptr="*fp32")
+             ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32", sw_ptr="*u8", ss_ptr="*u8", ss2_ptr="*fp32",
+             trace_ptr="*i64")
 NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stride_s2e", "stride_s2g", "P", "CHUNK_S",
                    "n_steps_s", "stride_ss2g"}
 
@@ -45,8 +46,9 @@ def with_defaults(fn, consts: dict) -> dict:
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
                  pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False, x_ready: bool = False,
-                 cols: bool = False):
-    fn = gemv._gemv_kernel
+                 cols: bool = False, fn=None):
+    """`gemv._gemv_kernel`, or `fn`, a kernel with its arguments (and maybe more: `TYPES`), for sm_90."""
+    fn = fn or gemv._gemv_kernel
     consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp, DOT=tl.bfloat16, ASM=True,
                   W=warps, SHARED=shared is not None, FMT_S=FMT_CODES[shared or fmt], SCALE_F32_S=False, PF=prefetch,
                   TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol, X_READY=x_ready,
