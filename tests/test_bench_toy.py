@@ -1,4 +1,5 @@
-"""The MoE benchmark scripts run end to end at toy shapes on the CPU (`--toy`, Triton's interpreter).
+"""The MoE benchmark scripts and the fused-tile sweep run end to end at toy shapes on the CPU (`--toy`, Triton's
+interpreter).
 
 They run on the GPU only a few times a session, so an API change in `dsv4.kernels` could otherwise break one unseen
 until a device run fails and costs device time. Toy token counts cover both the GEMV pair over (token, slot) pairs
@@ -20,6 +21,7 @@ SCRIPTS = {
     "moe_blocks": ["bench/moe_blocks.py", "--tokens", "12", "--rounds", "1"],
     "profile_shared": ["bench/profile_shared.py", "--tokens", "1,12"],
     "profile_moe": ["bench/profile_moe.py", "--tokens", "1", "--splits", "0"],
+    "profile_tiles": ["bench/profile_tiles.py"],
     "profile_duplicates": ["bench/profile_duplicates.py"],
     "run_all_moe": ["bench/run_all.py", "--sections", "env,moe"],
 }

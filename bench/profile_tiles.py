@@ -1,0 +1,111 @@
+"""Round one's fused tiles (`gemm._qgemm_kernel`: the dense linears from 17 to 64 rows of x) over BM / BN / split-K
+around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
+
+    python bench/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
+    TRITON_INTERPRET=1 python bench/profile_tiles.py --toy      # CPU dry run at a toy shape
+
+Why: at 48-64 rows the fused tiles take 1.3-2.2x cuBLAS bf16's time on V4-Flash's small weights, and dequantize +
+cuBLAS beats them there by 9-30 % (bench/RESULTS.md run 165). Per case and row count it prints pick_config's tiles
+and time, then the fastest variants with their time over pick_config's and the relative difference of their
+output from pick_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
+graph per variant (`common.Timer`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err  # noqa: E402
+
+from dsv4.kernels import gemm, refuse_fallback  # noqa: E402
+from dsv4.kernels.host import num_sms  # noqa: E402
+
+CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvfp4,V4-Pro:wo_b:nvfp4"
+
+
+def variants(base: gemm.Config, m: int, n: int, k: int, sms: int) -> list[gemm.Config]:
+    """BM 16 / 32 / 64 (up to the rows), BN 64 / 128, and per tile shape the split that pick_config's rule gives
+    (programs for ~2 per SM), half and twice it; pick_config's own tiles left out."""
+    out = []
+    chunks = triton.cdiv(k, base.BK)
+    for bm in (16, 32, 64):
+        if bm > max(16, triton.next_power_of_2(m)):
+            continue
+        for bn in (64, 128):
+            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+            rule = 1 if tiles >= 2 * sms else max(1, min(chunks // 2, triton.cdiv(2 * sms, tiles)))
+            for split in sorted({max(1, rule // 2), rule, min(chunks, 2 * rule)}):
+                cfg = replace(base, BM=bm, BN=bn, split_k=split)
+                if cfg != base:
+                    out.append(cfg)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="48,64", help="rows of x")
+    ap.add_argument("--cases", default=CASES, help="MODEL:LINEAR:FORMAT,... (common.Shapes names)")
+    ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")
+    ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
+    args = ap.parse_args()
+    dev = torch.device("cpu" if args.toy else "cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    dtype = torch.float32 if args.toy else torch.bfloat16   # the interpreter's dot takes fp32 operands
+    timer, scratch, sms, start = Timer(dev), gemm.Scratch(), num_sms(dev), time.time()
+    models = {s.name: s for s in (FLASH, PRO, TOY)}
+    cases = [("toy", "expert w1/w3", "nvfp4")] if args.toy else [c.split(":") for c in args.cases.split(",")]
+    ms = [24] if args.toy else [int(m) for m in args.ms.split(",")]
+    for model, name, fmt in cases:
+        if time.time() - start > args.budget:
+            print(f"budget of {args.budget:.0f} s reached: stopped before {model} {name}", flush=True)
+            break
+        s = models[model]
+        n, k = s.linears()[name]
+        w0 = random_qweight(fmt, (), n, k, dev, gen)
+        rot = 2 if args.toy else max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
+        ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
+        dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
+        for m in ms:
+            xs = [torch.randn(m, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
+            base = gemm.pick_config(m, n, k, fmt, dev)
+
+            def fused(cfg):
+                return [lambda x=x, w=w: gemm.linear(x, w, config=cfg, fallback=refuse_fallback, scratch=scratch)
+                        for x, w in zip(xs, ws)]
+
+            ref = fused(base)[0]().float()
+            base_us = timer.per_call_ms(fused(base)) * 1e3
+            deq_us = timer.per_call_ms([lambda x=x, w=w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype))
+                                        for x, w in zip(xs, ws)]) * 1e3
+            bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
+                                         for x, d in zip(xs, dense)]) * 1e3
+            rows = []
+            for cfg in variants(base, m, n, k, sms):
+                try:
+                    diff = rel_err(fused(cfg)[0]().float(), ref)
+                    rows.append((timer.per_call_ms(fused(cfg)) * 1e3, cfg, diff))
+                except Exception as e:   # a tile shape the kernel or the GPU refuses: said, not fatal
+                    print(f"   BM {cfg.BM} BN {cfg.BN} split {cfg.split_k}: FAILED {e!r}"[:200], flush=True)
+            rows.sort(key=lambda r: r[0])
+            print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: pick_config BM {base.BM} BN {base.BN} "
+                  f"split {base.split_k} {base_us:.1f} us; dequantize + cuBLAS {deq_us:.1f}, cuBLAS bf16 "
+                  f"{bf16_us:.1f}", flush=True)
+            for us, cfg, diff in rows[:args.top]:
+                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d}: {us:7.1f} us ({us / base_us:.3f}), "
+                      f"output {diff:.0e} from pick_config's", flush=True)
+        del ws, dense
+
+
+if __name__ == "__main__":
+    main()
