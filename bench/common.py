@@ -129,6 +129,12 @@ def expert_bytes(w13: QWeight, w2: QWeight, experts) -> int:
     return per * len(experts)
 
 
+def rotations(nbytes_one: int, budget: int = 200 * 2**20, cap: int = 48) -> int:
+    """How many rotated copies of an input of `nbytes_one` bytes a timed batch cycles through: enough that together
+    they outgrow the L2 cache (`budget` bytes), so no call reads the previous call's bytes from it; 2 to `cap`."""
+    return max(2, min(cap, -(-budget // max(1, nbytes_one))))
+
+
 def rel_err(y: torch.Tensor, r: torch.Tensor) -> float:
     y, r = y.double(), r.double()
     return float((y - r).norm() / r.norm().clamp_min(1e-30))

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, Timer, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, Timer, nbytes, random_qweight, rotations  # noqa: E402
 
 from dsv4.kernels import gemm, gemv  # noqa: E402
 
@@ -79,7 +79,7 @@ def main():
     for sh, name, fmt in shapes:
         n, k = sh.linears()[name]
         w0 = random_qweight(fmt, (), n, k, dev, gen)
-        rot = max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
+        rot = rotations(nbytes(w0))
         ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
         xs = [torch.randn(args.m, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
         ref = torch.nn.functional.linear(xs[0].float(), w0.dequantize(torch.float32))

@@ -23,7 +23,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight, rotations  # noqa: E402
 
 from dsv4.kernels import gemm, gemv  # noqa: E402
 from dsv4.kernels.tiles import byte_offsets  # noqa: E402
@@ -77,7 +77,7 @@ def main():
     for sh, name, fmt in shapes:
         n, k = sh.linears()[name]
         w0 = random_qweight(fmt, (), n, k, dev, gen).untiled()   # row-major, whatever the bench default
-        rot = max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
+        rot = rotations(nbytes(w0))
         ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen).untiled() for _ in range(rot - 1)]
         wts = [w.tile() for w in ws]
         xs = [torch.randn(1, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]

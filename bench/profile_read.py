@@ -34,7 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Timer, copy_bandwidth  # noqa: E402
+from common import Timer, copy_bandwidth, rotations  # noqa: E402
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def main():
     rows = []
     for mb in (float(m) for m in args.mb.split(",")):
         nbytes = int(mb * 1e6)
-        rot = max(2, min(48, -(-200 * 2**20 // nbytes)))
+        rot = rotations(nbytes)
         best = {}
         src = [torch.empty(nbytes, dtype=torch.uint8, device=dev) for _ in range(rot)]
         dst = [torch.empty_like(s) for s in src]

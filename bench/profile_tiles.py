@@ -25,7 +25,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err  # noqa: E402
+from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err, rotations  # noqa: E402
 
 from dsv4.kernels import gemm, refuse_fallback  # noqa: E402
 from dsv4.kernels.host import num_sms  # noqa: E402
@@ -73,7 +73,7 @@ def main():
         s = models[model]
         n, k = s.linears()[name]
         w0 = random_qweight(fmt, (), n, k, dev, gen)
-        rot = 2 if args.toy else max(2, min(48, -(-200 * 2**20 // nbytes(w0))))
+        rot = 2 if args.toy else rotations(nbytes(w0))
         ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
         dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
         for m in ms:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_layout, copy_bandwidth,  # noqa: E402
-                    nbytes, random_qweight, random_routing, rel_err)
+                    nbytes, random_qweight, random_routing, rel_err, rotations)
 
 from dsv4.kernels import Ops, moe, ref, refuse_fallback as _refuse  # noqa: E402
 
@@ -363,10 +363,6 @@ def correctness(run: Run):
     print(f"correctness: {len(rows) - len(bad)}/{len(rows)} ok", flush=True)
 
 
-def _rotations(nbytes_one: int, budget: int = 200 * 2**20, cap: int = 48) -> int:
-    return max(2, min(cap, -(-budget // max(1, nbytes_one))))
-
-
 def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
     """(ms per call, cfg, bytes of one weight) of gemm.linear on rotated weights (one CUDA graph for m <= 256).
     cfg: a gemm.Config (round one's fused kernel with those tiles), a gemv.GemvConfig (the decode GEMV), or None
@@ -375,7 +371,7 @@ def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
     from dsv4.kernels import gemm
     dev, gen = run.device, run.gen
     w0 = random_qweight(fmt, (), n, k, dev, gen)
-    rot = (2 if run.toy else _rotations(nbytes(w0))) if (rotate and m <= 256) else 1
+    rot = (2 if run.toy else rotations(nbytes(w0))) if (rotate and m <= 256) else 1
     ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
     cfg = cfg or "default"
     conf = None if cfg == "default" else cfg
@@ -393,7 +389,7 @@ def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
 
 def time_cublas(run: Run, n, k, m):
     dev, gen = run.device, run.gen
-    rot = (2 if run.toy else _rotations(n * k * 2)) if m <= 256 else 1
+    rot = (2 if run.toy else rotations(n * k * 2)) if m <= 256 else 1
     ws = [torch.randn(n, k, device=dev, generator=gen, dtype=torch.bfloat16) for _ in range(rot)]
     xs = [run.x(m, k) for _ in range(rot)]
     calls = [(lambda x=x, w=w: torch.nn.functional.linear(x, w)) for x, w in zip(xs, ws)]
