@@ -34,8 +34,8 @@ CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvf
 
 
 def variants(base: gemm.Config, m: int, n: int, k: int, sms: int) -> list[gemm.Config]:
-    """BM 16 / 32 / 64 (up to the rows), BN 64 / 128, and per tile shape the split that pick_config's rule gives
-    (programs for ~2 per SM), half and twice it; pick_config's own tiles left out."""
+    """BM 16 / 32 / 64 (up to the rows), BN 64 / 128, and per tile shape the split pick_config's rule gives
+    (`gemm.decode_split`: programs for ~2 per SM), half and twice it; pick_config's own tiles left out."""
     out = []
     chunks = triton.cdiv(k, base.BK)
     for bm in (16, 32, 64):
@@ -43,7 +43,7 @@ def variants(base: gemm.Config, m: int, n: int, k: int, sms: int) -> list[gemm.C
             continue
         for bn in (64, 128):
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-            rule = 1 if tiles >= 2 * sms else max(1, min(chunks // 2, triton.cdiv(2 * sms, tiles)))
+            rule = gemm.decode_split(tiles, chunks, sms)
             for split in sorted({max(1, rule // 2), rule, min(chunks, 2 * rule)}):
                 cfg = replace(base, BM=bm, BN=bn, split_k=split)
                 if cfg != base:

@@ -242,6 +242,12 @@ DECODE_TILES_FP4 = DecodeTiles(128, 128, 4, 3)
 DECODE_TILES_FP8 = DecodeTiles(128, 128, 8, 3)
 
 
+def decode_split(tiles: int, k_steps: int, sms: int) -> int:
+    """Split-K of the decode tiles: none once `tiles` output tiles give 2 programs per SM, else enough splits for
+    about that many programs, each keeping at least two of the `k_steps` K steps."""
+    return 1 if tiles >= 2 * sms else max(1, min(k_steps // 2, triton.cdiv(2 * sms, tiles)))
+
+
 def pick_config(M: int, N: int, K: int, fmt: str, device: torch.device, *, gated: bool = False,
                 a_fp4: bool = False, tiles: DecodeTiles | None = None, row_blocks: int = 1) -> Config | None:
     """Heuristic tiles. Decode (M <= 64 rows per block; `row_blocks` blocks, e.g. MoE pairs): the measured
@@ -258,8 +264,7 @@ def pick_config(M: int, N: int, K: int, fmt: str, device: torch.device, *, gated
             return None
         BN = min(t.BN, _pow2_at_most(N, 128))
         ntiles = triton.cdiv(N, BN) * row_blocks
-        split = 1 if ntiles >= 2 * sms else max(1, min(chunks_of(BK) // 2, triton.cdiv(2 * sms, ntiles)))
-        return Config(BM, BN, BK, split, 1, t.num_warps, t.num_stages)
+        return Config(BM, BN, BK, decode_split(ntiles, chunks_of(BK), sms), 1, t.num_warps, t.num_stages)
     BK = k_block(fmt, K, 64)
     if BK is None:
         return None
