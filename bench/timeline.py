@@ -4,7 +4,8 @@ on which SM.
     python bench/timeline.py [--models flash,pro] [--tokens 1,2] [--dense wq_b:nvfp4:1] [--out DIR]
 
 Cases: the MoE layer (routing, then `moe.moe(after_route=True)` with NVFP4 experts and an FP8 shared expert, as
-`model.moe` runs it) at each token count, and dense linears (`gemm.linear`, LINEAR:FORMAT:ROWS, `common.Shapes`
+`model.moe` runs it but without the Ops table's side stream, `moe.Side`, which V4-Pro's shared expert would take from
+4 tokens) at each token count, and dense linears (`gemm.linear`, LINEAR:FORMAT:ROWS, `common.Shapes`
 names). Each case runs as a CUDA graph of rotated calls; during one replay every program of every `_gemv_kernel`
 launch records %globaltimer at its entry and exit, and its %smid (`_traced_gemv`, which calls the kernel itself
 between the two reads: the code and the split plan `kernels.gemv` runs, plus three stores). Per launch it prints
@@ -37,7 +38,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, Timer, copy_bandwidth, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
+from common import FLASH, PRO, Timer, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
 from dsv4.kernels import gemm, gemv, moe, refuse_fallback  # noqa: E402
 from dsv4.kernels.gemv import _gemv_kernel  # noqa: E402
@@ -199,11 +200,8 @@ def main():
     ap.add_argument("--dense", default="wq_b:nvfp4:1", help="LINEAR:FORMAT:ROWS,... (\"\" for none)")
     ap.add_argument("--out", default="", help="a folder for the raw records (timeline.json)")
     args = ap.parse_args()
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    copy = copy_bandwidth(dev)
-    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
-    timer, scratch, rot, raw = Timer(dev), gemm.Scratch(), 8, {}
+    dev, gen, timer, copy = bench_start(toy=False)
+    scratch, rot, raw = gemm.Scratch(), 8, {}
     for s in [{"flash": FLASH, "pro": PRO}[m] for m in args.models.split(",")]:
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
