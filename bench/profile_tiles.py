@@ -2,10 +2,12 @@
 around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
 
     python bench/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
+        [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8]
     TRITON_INTERPRET=1 python bench/profile_tiles.py --toy      # CPU dry run at a toy shape
 
 Why: at 48-64 rows the fused tiles take 1.3-2.2x cuBLAS bf16's time on V4-Flash's small weights, and dequantize +
-cuBLAS beats them there by 9-30 % (bench/RESULTS.md run 165). Per case and row count it prints pick_config's tiles
+cuBLAS beats them there by 9-30 % (bench/RESULTS.md run 165). Rows above 64 take pick_config's prefill tiles as the
+base (on CUDA `gemm.linear` runs dequantize + cuBLAS there instead). Per case and row count it prints pick_config's tiles
 and time, then the fastest variants with their time over pick_config's and the relative difference of their
 output from pick_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
 graph per variant (`common.Timer`).
@@ -33,28 +35,40 @@ from dsv4.kernels.host import num_sms  # noqa: E402
 CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvfp4,V4-Pro:wo_b:nvfp4"
 
 
-def variants(base: gemm.Config, m: int, n: int, k: int, sms: int) -> list[gemm.Config]:
-    """BM 16 / 32 / 64 (up to the rows), BN 64 / 128, and per tile shape the split pick_config's rule gives
-    (`gemm.decode_split`: programs for ~2 per SM), half and twice it; pick_config's own tiles left out."""
+def variants(base: gemm.Config, m: int, n: int, k: int, sms: int, bms=(16, 32, 64), bns=(64, 128),
+             splits=None, warps=None) -> list[gemm.Config]:
+    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), and per tile shape the K
+    splits in `splits` (None: the split pick_config's rule gives - `gemm.decode_split`: programs for ~2 per SM -,
+    half and twice it); pick_config's own tiles left out."""
     out = []
     chunks = triton.cdiv(k, base.BK)
-    for bm in (16, 32, 64):
+    for bm in bms:
         if bm > max(16, triton.next_power_of_2(m)):
             continue
-        for bn in (64, 128):
+        for bn in bns:
             tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
             rule = gemm.decode_split(tiles, chunks, sms)
-            for split in sorted({max(1, rule // 2), rule, min(chunks, 2 * rule)}):
-                cfg = replace(base, BM=bm, BN=bn, split_k=split)
-                if cfg != base:
-                    out.append(cfg)
+            chosen = splits or (max(1, rule // 2), rule, 2 * rule)
+            for split in sorted({min(chunks, s) for s in chosen}):
+                for nw in warps or (base.num_warps,):
+                    cfg = replace(base, BM=bm, BN=bn, split_k=split, num_warps=nw)
+                    if cfg != base:
+                        out.append(cfg)
     return out
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="48,64", help="rows of x")
     ap.add_argument("--cases", default=CASES, help="MODEL:LINEAR:FORMAT,... (common.Shapes names)")
+    ap.add_argument("--bms", default="16,32,64", help="BM values swept (those above the rows are skipped)")
+    ap.add_argument("--bns", default="64,128", help="BN values swept")
+    ap.add_argument("--splits", default="", help="K splits swept (default: pick_config's rule, half and twice it)")
+    ap.add_argument("--warps", default="", help="num_warps swept (default: pick_config's)")
     ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
@@ -91,7 +105,8 @@ def main():
             bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
                                          for x, d in zip(xs, dense)]) * 1e3
             rows = []
-            for cfg in variants(base, m, n, k, sms):
+            for cfg in variants(base, m, n, k, sms, ints(args.bms), ints(args.bns), ints(args.splits) or None,
+                                ints(args.warps) or None):
                 try:
                     diff = rel_err(fused(cfg)[0]().float(), ref)
                     rows.append((timer.per_call_ms(fused(cfg)) * 1e3, cfg, diff))
