@@ -16,6 +16,7 @@ graph per variant (`common.Timer`).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import replace
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err, rotations  # noqa: E402
 
 from dsv4.kernels import gemm, refuse_fallback  # noqa: E402
+from dsv4.kernels.gemv import resident_ctas  # noqa: E402
 from dsv4.kernels.host import num_sms  # noqa: E402
 
 CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvfp4,V4-Pro:wo_b:nvfp4"
@@ -72,6 +74,7 @@ def main():
     ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
+    ap.add_argument("--json", default="", help="write every measured row (all variants) to this file")
     args = ap.parse_args()
     dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -80,6 +83,14 @@ def main():
     models = {s.name: s for s in (FLASH, PRO, TOY)}
     cases = [("toy", "expert w1/w3", "nvfp4")] if args.toy else [c.split(":") for c in args.cases.split(",")]
     ms = [24] if args.toy else [int(m) for m in args.ms.split(",")]
+    records = []
+
+    def resident(x, w, cfg):
+        """CTAs of this configuration's compiled kernel that fit on one SM (0 under the interpreter)."""
+        if args.toy:
+            return 0
+        y = torch.empty(x.shape[0], w.out_features, dtype=x.dtype, device=dev)
+        return resident_ctas(gemm.launch(x, w, y, cfg, M=x.shape[0], scratch=scratch), cfg.num_warps, dev)
     for model, name, fmt in cases:
         if time.time() - start > args.budget:
             print(f"budget of {args.budget:.0f} s reached: stopped before {model} {name}", flush=True)
@@ -104,7 +115,7 @@ def main():
                                         for x, w in zip(xs, ws)]) * 1e3
             bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
                                          for x, d in zip(xs, dense)]) * 1e3
-            rows = []
+            rows = [(base_us, base, 0.0)]
             for cfg in variants(base, m, n, k, sms, ints(args.bms), ints(args.bns), ints(args.splits) or None,
                                 ints(args.warps) or None):
                 try:
@@ -113,13 +124,20 @@ def main():
                 except Exception as e:   # a tile shape the kernel or the GPU refuses: said, not fatal
                     print(f"   BM {cfg.BM} BN {cfg.BN} split {cfg.split_k}: FAILED {e!r}"[:200], flush=True)
             rows.sort(key=lambda r: r[0])
+            for us, cfg, diff in rows:
+                records.append(dict(model=model, linear=name, fmt=fmt, M=m, N=n, K=k, MB=nbytes(w0) / 1e6,
+                                    BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, split=cfg.split_k, warps=cfg.num_warps,
+                                    stages=cfg.num_stages, us=us, base=cfg == base, diff=diff,
+                                    resident=resident(xs[0], w0, cfg), deq_us=deq_us, bf16_us=bf16_us))
             print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: pick_config BM {base.BM} BN {base.BN} "
                   f"split {base.split_k} {base_us:.1f} us; dequantize + cuBLAS {deq_us:.1f}, cuBLAS bf16 "
                   f"{bf16_us:.1f}", flush=True)
-            for us, cfg, diff in rows[:args.top]:
-                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d}: {us:7.1f} us ({us / base_us:.3f}), "
-                      f"output {diff:.0e} from pick_config's", flush=True)
+            for us, cfg, diff in [r for r in rows if r[1] != base][:args.top]:
+                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps}: {us:7.1f} us "
+                      f"({us / base_us:.3f}), output {diff:.0e} from pick_config's", flush=True)
         del ws, dense
+    if args.json:
+        Path(args.json).write_text(json.dumps(records, indent=1))
 
 
 if __name__ == "__main__":

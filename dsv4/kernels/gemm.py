@@ -303,7 +303,7 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
 
     `sum_out` [M / topk, N] (EPI_ROUTED only): the top-k sum in the same launch - y holds the routed fp32 row of
     every (token, slot) pair p = token * topk + slot, and sum_out[token] gets the sum of its topk rows in slot
-    order (`_topk_sum`; the bits of `sum_rows`)."""
+    order (`_topk_sum`; the bits of `sum_rows`). Returns the compiled kernel (its registers and shared memory)."""
     N, K = w.out_features, w.in_features
     fmt = FMT_CODES[w.fmt]
     scale, scale_f32, s2 = scale_views(w)
@@ -334,7 +334,7 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
     if cfg.split_k > 1:  # fp32 partials [split, (gate, up), rows, N]; rows are output rows (M, or pairs)
         ws = torch.empty(cfg.split_k, 2 if gated else 1, M, N, dtype=torch.float32, device=x.device)
     out = y
-    _qgemm_kernel[grid](
+    return _qgemm_kernel[grid](
         x, x_sf if x_sf is not None else dummy, wt, scale if scale is not None else dummy,
         s2 if s2 is not None else dummy, input_scale if input_scale is not None else dummy,
         out, rw if rw is not None else dummy, rows_idx if rows_idx is not None else dummy,
