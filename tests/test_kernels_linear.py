@@ -79,6 +79,62 @@ def test_split_k_and_prefill_tiles(fmt):
     assert rel_err(gemm.linear(xp, w, config=prefill, fallback=refuse), ref.linear(xp, w)) < 1e-6
 
 
+# (model linear, fmt, M, N, K) -> the tiles bench/profile_tiles.py measured fastest or within 3 % of it on an H200
+# (bench/RESULTS.md round twenty-two), which `dense_tiles` must keep choosing
+MEASURED_TILES = [
+    ("V4-Flash wq_b", "nvfp4", 64, 32768, 1024, (64, 128, 1)),
+    ("V4-Flash wq_b", "nvfp4", 256, 32768, 1024, (128, 128, 1)),
+    ("V4-Pro wo_b", "nvfp4", 32, 7168, 16384, (32, 128, 4)),
+    ("V4-Pro wo_b", "nvfp4", 64, 7168, 16384, (64, 128, 4)),
+    ("V4-Pro wo_b", "nvfp4", 128, 7168, 16384, (128, 128, 4)),
+    ("V4-Pro wo_b", "fp8", 64, 7168, 16384, (64, 128, 4)),
+    ("V4-Flash indexer wq_b", "fp8", 64, 8192, 1024, (64, 64, 1)),
+]
+
+
+@pytest.mark.parametrize("name,fmt,m,n,k,tiles", MEASURED_TILES)
+def test_dense_tiles_keep_the_measured_winners(name, fmt, m, n, k, tiles):
+    cfg = gemm.dense_tiles(m, n, k, fmt, 132)
+    assert (cfg.BM, cfg.BN, cfg.split_k) == tiles, name
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
+def test_dense_tiles_one_wave_of_long_enough_programs(fmt):
+    """Every split leaves each program MID_MIN_STEPS K steps and keeps the launch to one wave of 2 CTAs per SM;
+    without a split the K loop is whole. Over the benchmark linears' sizes and every row count up to MID_ROWS."""
+    seen_split = seen_plain = 0
+    for n, k in ((2048, 4096), (4096, 2048), (32768, 1024), (7168, 16384), (3072, 7168), (8192, 1536), (40, 256)):
+        for m in range(1, gemm.MID_ROWS + 1, 7):
+            cfg = gemm.dense_tiles(m, n, k, fmt, 132)   # an H200's SMs
+            chunks = -(-k // cfg.BK)
+            programs = -(-m // cfg.BM) * -(-n // cfg.BN) * cfg.split_k
+            assert cfg.BM >= min(m, 64) and cfg.BN in (64, 128) or n < 64
+            if cfg.split_k > 1:
+                seen_split += 1
+                assert chunks // cfg.split_k >= gemm.MID_MIN_STEPS and programs <= gemm.MID_CTAS_PER_SM * 132
+            else:
+                seen_plain += 1
+    assert seen_split and seen_plain
+
+
+def test_fused_beats_cublas_only_for_large_weights_and_mid_rows():
+    assert gemm.fused_beats_cublas("nvfp4", 56.6e6, 256) and gemm.fused_beats_cublas("mxfp4", 18.9e6, 65)
+    assert not gemm.fused_beats_cublas("nvfp4", 4.7e6, 128)          # small: dequantize + cuBLAS
+    assert not gemm.fused_beats_cublas("nvfp4", 56.6e6, gemm.MID_ROWS + 1)   # prefill
+    assert gemm.fused_beats_cublas("fp8", 117e6, 128) and not gemm.fused_beats_cublas("fp8", 117e6, 129)
+    assert not gemm.fused_beats_cublas("fp8", 22e6, 100) and not gemm.fused_beats_cublas("dense", 1e9, 100)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("m", [20, 100])
+def test_dense_tiles_with_split_k_match_the_reference(fmt, m):
+    w = make_weight(fmt, 40, 2048)   # 16 K steps of 128 / 32 of 64: dense_tiles splits K on the interpreter's 4 SMs
+    x = torch.randn(m, 2048)
+    cfg = gemm.pick_config(m, 40, 2048, fmt, x.device)
+    assert cfg.split_k > 1
+    assert rel_err(gemm.linear(x, w, fallback=refuse, scratch=gemm.Scratch()), ref.linear(x, w)) < 1e-6
+
+
 def test_every_output_is_written(ops):
     w = make_weight("nvfp4", 50, 64)
     x = torch.randn(5, 64)

@@ -18,6 +18,7 @@ tile (a self-resetting semaphore from `Scratch`) sums them in split order and ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import triton
@@ -243,19 +244,62 @@ DECODE_TILES_FP8 = DecodeTiles(128, 128, 8, 3)
 
 
 def decode_split(tiles: int, k_steps: int, sms: int) -> int:
-    """Split-K of the decode tiles: none once `tiles` output tiles give 2 programs per SM, else enough splits for
-    about that many programs, each keeping at least two of the `k_steps` K steps."""
+    """Split-K of the decode tiles for row-block launches (the MoE's `row_blocks`): none once `tiles` output tiles
+    give 2 programs per SM, else enough splits for about that many programs, each keeping at least two of the
+    `k_steps` K steps."""
     return 1 if tiles >= 2 * sms else max(1, min(k_steps // 2, triton.cdiv(2 * sms, tiles)))
+
+
+# Dense linears of 17..MID_ROWS rows (`dense_tiles`). Measured on an H200 (bench/RESULTS.md round twenty-two,
+# bench/profile_tiles.py over 12 V4 linears at 32-256 rows): a launch of more programs than fit at once (2 CTAs
+# per SM for these tiles) ends on a second, mostly idle wave, and a program of fewer than ~6 K steps spends its
+# time in its pipeline fill and split-K partial; `decode_split`'s ~2 programs per SM with 2 steps each took up to
+# 1.9x the best tiles (V4-Flash expert w1/w3 NVFP4 at 64 rows: 22.2 against 11.6 us).
+MID_ROWS = 256
+MID_MIN_STEPS = 6        # K steps per program at least, where the split allows
+MID_CTAS_PER_SM = 2      # programs that fit on an SM at once, taken for every candidate tile
+MID_UNIT_OVERHEAD = 3    # fixed cost per program in K steps (prologue, epilogue, split-K partial)
+
+
+def dense_tiles(M: int, N: int, K: int, fmt: str, sms: int) -> Config | None:
+    """Fused tiles for a dense linear of 17..MID_ROWS rows of x (also taken at 9..16 rows where the GEMV is not
+    preferred): BM the rows' power of two (64 at most up to 64 rows, then 64 / 128), BN 64 or 128 and split-K
+    chosen by `waves x (K steps per program + MID_UNIT_OVERHEAD)`, each candidate splitting K as far as one wave
+    of programs and MID_MIN_STEPS steps per program allow; ties go to BN 64 (more programs)."""
+    small = M <= 64
+    BM = _pow2_at_most(M, 64) if small else (128 if M >= 128 else 64)
+    tiles_of = DECODE_TILES_FP4 if fmt in FP4_FORMATS else DECODE_TILES_FP8
+    BK = k_block(fmt, K, tiles_of.BK if small else 64)
+    if BK is None:
+        return None
+    slots = MID_CTAS_PER_SM * sms
+    chunks = triton.cdiv(K, BK)
+    best = None
+    for BN in (64, 128):
+        if BN > _pow2_at_most(N, 128):
+            continue
+        tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+        split = max(1, min(chunks // MID_MIN_STEPS, slots // tiles))
+        cost = triton.cdiv(tiles * split, slots) * (triton.cdiv(chunks, split) + MID_UNIT_OVERHEAD)
+        if best is None or cost < best[0]:
+            best = (cost, BN, split)
+    _, BN, split = best
+    if small:
+        return Config(BM, BN, BK, split, 1, tiles_of.num_warps, tiles_of.num_stages)
+    return Config(BM, BN, BK, split, 8, 4, 4)
 
 
 def pick_config(M: int, N: int, K: int, fmt: str, device: torch.device, *, gated: bool = False,
                 a_fp4: bool = False, tiles: DecodeTiles | None = None, row_blocks: int = 1) -> Config | None:
-    """Heuristic tiles. Decode (M <= 64 rows per block; `row_blocks` blocks, e.g. MoE pairs): the measured
+    """Heuristic tiles. Dense linears of up to MID_ROWS rows (one weight, not gated, bf16 / fp32 activations):
+    `dense_tiles`. Other decode calls (M <= 64 rows per block; `row_blocks` blocks, e.g. MoE pairs): the measured
     `DecodeTiles`, then split-K (reduced in the same launch, SwiGLU included) until ~2 programs per SM.
     Prefill (fused path): 128x128 output tiles grouped for L2 reuse, split-K only when the grid would leave
     SMs idle (M ~ 256)."""
     sms = num_sms(device)
     chunks_of = lambda bk: triton.cdiv(K, bk)  # noqa: E731
+    if M <= MID_ROWS and not gated and not a_fp4 and tiles is None and row_blocks == 1:
+        return dense_tiles(M, N, K, fmt, sms)
     if M <= 64:
         BM = _pow2_at_most(M, 64)
         t = tiles or (DECODE_TILES_FP4 if fmt in FP4_FORMATS else DECODE_TILES_FP8)
@@ -433,12 +477,30 @@ def dequantize(w: QWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return y
 
 
+# Weights that the fused tiles stream faster than Triton dequantize + cuBLAS at 65..MID_ROWS rows (H200, bench/RESULTS.md
+# round twenty-two): FP4 from ~15 MB (V4-Flash wq_b NVFP4 at 128 / 256 rows: 24 / 44 against 48 / 52 us; V4-Pro wo_b 93
+# / 160 against 155 / 168), FP8 from ~30 MB up to 128 rows (V4-Pro wo_b: 112 against 168 us; at 256 rows 198 against
+# 179). Below these the dequantize pass is cheap and cuBLAS's MMA loop wins (V4-Flash expert w1/w3 at 128 rows: 16.2
+# against 17.8 us for the best fused tiles).
+FUSED_MID_BYTES = MappingProxyType({"nvfp4": 15e6, "mxfp4": 15e6, "fp8": 30e6})
+FUSED_MID_FP8_ROWS = 128
+
+
+def fused_beats_cublas(fmt: str, nbytes: int, M: int) -> bool:
+    """At M > 64 rows: whether the fused tiles (`dense_tiles`) beat Triton dequantize + cuBLAS for this weight."""
+    if M > MID_ROWS or fmt not in FUSED_MID_BYTES or nbytes < FUSED_MID_BYTES[fmt]:
+        return False
+    return fmt != "fp8" or M <= FUSED_MID_FP8_ROWS
+
+
 def prefers_cublas(x: torch.Tensor, w: QWeight, M: int) -> bool:
     """Prefill (M > 64) on CUDA in bf16: dequantize once (2.5 B/element of traffic) and run cuBLAS, which beats
-    the fused tiles there. NVFP4 weights then carry weight_scale_2 rounded into bf16 (one rounding per weight,
-    far below the bf16 output rounding); FP8 with fp32 scales keeps the fused kernel's exact promotion."""
+    the fused tiles there - but for large weights at up to MID_ROWS rows (`fused_beats_cublas`). NVFP4 weights
+    then carry weight_scale_2 rounded into bf16 (one rounding per weight, far below the bf16 output rounding);
+    FP8 with fp32 scales keeps the fused kernel's exact promotion."""
     return (M > 64 and x.device.type == "cuda" and x.dtype == torch.bfloat16 and not interpreting()
-            and not (w.fmt == "fp8" and w.scale.dtype == torch.float32))
+            and not (w.fmt == "fp8" and w.scale.dtype == torch.float32)
+            and not fused_beats_cublas(w.fmt, w.nbytes(), M))
 
 
 def linear(x: torch.Tensor, w: QWeight, *, config: Config | None = None, out: torch.Tensor | None = None,
