@@ -251,6 +251,22 @@ def test_grouped_linear(launches, fmt):
     assert rel_err(y, ref.grouped_linear(x, w, groups)) < 1e-6
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+@pytest.mark.parametrize("T", [20, 70])
+def test_grouped_linear_fused_tiles(fmt, T):
+    """Above the GEMV's rows, up to gemm.MID_ROWS: the fused tiles, each N tile reading its group's x columns."""
+    groups, R, c = 3, 128, 256
+    w = make_weight(fmt, groups * R, c)
+    x = torch.randn(T, groups, c)
+    y = gemm.grouped_linear(x, w, groups, fallback=refuse, scratch=gemm.Scratch())
+    wd = w.dequantize(torch.float32)
+    r = torch.stack([F.linear(x[:, g], wd[g * R:(g + 1) * R]) for g in range(groups)], dim=1)
+    assert y.shape == (T, groups, R) and rel_err(y, r) < 1e-6
+    with pytest.raises(ValueError, match="multiple of BN"):
+        gemm.launch(x.reshape(T, -1), w, torch.empty(T, groups * R), gemm.Config(16, 128, 128), M=T, group_r=64,
+                    x_gstride=c)
+
+
 def test_grouped_linear_reference_and_dispatch():
     w = QWeight("dense", torch.randn(3 * 8, 16))
     x = torch.randn(2, 5, 3, 16)

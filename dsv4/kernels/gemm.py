@@ -39,7 +39,7 @@ EPI_ROUTED_SUM = 3   # EPI_ROUTED, then the top-k sum in the same launch (`launc
 def _qgemm_kernel(
     x_ptr, xs_ptr, w_ptr, s_ptr, s2_ptr, a_ptr, y_ptr, rw_ptr, rows_ptr, ids_ptr, nblk_ptr, ws_ptr, cnt_ptr,
     sum_ptr, sum_cnt_ptr, stride_sum, TOPK,
-    M, N, K, NUM_M, X_DIV, SPLIT_K, GROUP_M, limit,
+    M, N, K, NUM_M, X_DIV, SPLIT_K, GROUP_M, limit, GROUP_R, X_GSTRIDE,
     stride_xm, stride_xsm,
     stride_we, stride_wg, stride_wn,
     stride_se, stride_sg, stride_sn,
@@ -86,6 +86,9 @@ def _qgemm_kernel(
 
     offs_n = pid_n * BN + tl.arange(0, BN)
     nmask = offs_n < N
+    # block-diagonal weights (wo_a): output columns [g*GROUP_R, (g+1)*GROUP_R) read x columns from g*X_GSTRIDE on
+    # (the launcher keeps each N tile inside one group); X_GSTRIDE 0: one dense weight
+    x_ptr += ((pid_n * BN) // GROUP_R).to(tl.int64) * X_GSTRIDE
     n_chunks = tl.cdiv(K, BK)
     per_split = tl.cdiv(n_chunks, SPLIT_K)
     c0 = pid_k * per_split
@@ -259,13 +262,17 @@ MID_ROWS = 256
 MID_MIN_STEPS = 6        # K steps per program at least, where the split allows
 MID_CTAS_PER_SM = 2      # programs that fit on an SM at once, taken for every candidate tile
 MID_UNIT_OVERHEAD = 3    # fixed cost per program in K steps (prologue, epilogue, split-K partial)
+MID_MAX_SPLIT_ROWS_64 = 4   # above 64 rows: 64-128 row tiles park 32-64 KB fp32 partials each, which the last program
+                            # sums alone; splits of 10-11 measured 1.5x split 4 (V4-Flash expert w1/w3 NVFP4, 128 rows:
+                            # 36.3 against 25.0 us), and only splits up to 4 were measured there
 
 
 def dense_tiles(M: int, N: int, K: int, fmt: str, sms: int) -> Config | None:
     """Fused tiles for a dense linear of 17..MID_ROWS rows of x (also taken at 9..16 rows where the GEMV is not
     preferred): BM the rows' power of two (64 at most up to 64 rows, then 64 / 128), BN 64 or 128 and split-K
     chosen by `waves x (K steps per program + MID_UNIT_OVERHEAD)`, each candidate splitting K as far as one wave
-    of programs and MID_MIN_STEPS steps per program allow; ties go to BN 64 (more programs)."""
+    of programs and MID_MIN_STEPS steps per program allow (above 64 rows at most MID_MAX_SPLIT_ROWS_64); ties go to
+    BN 64 (more programs)."""
     small = M <= 64
     BM = _pow2_at_most(M, 64) if small else (128 if M >= 128 else 64)
     tiles_of = DECODE_TILES_FP4 if fmt in FP4_FORMATS else DECODE_TILES_FP8
@@ -275,11 +282,9 @@ def dense_tiles(M: int, N: int, K: int, fmt: str, sms: int) -> Config | None:
     slots = MID_CTAS_PER_SM * sms
     chunks = triton.cdiv(K, BK)
     best = None
-    for BN in (64, 128):
-        if BN > _pow2_at_most(N, 128):
-            continue
+    for BN in sorted({min(bn, _pow2_at_most(N, 128)) for bn in (64, 128)}):   # narrow weights: one N tile
         tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-        split = max(1, min(chunks // MID_MIN_STEPS, slots // tiles))
+        split = max(1, min(chunks // MID_MIN_STEPS, slots // tiles, 64 if small else MID_MAX_SPLIT_ROWS_64))
         cost = triton.cdiv(tiles * split, slots) * (triton.cdiv(chunks, split) + MID_UNIT_OVERHEAD)
         if best is None or cost < best[0]:
             best = (cost, BN, split)
@@ -341,14 +346,21 @@ def supported(x: torch.Tensor, w: QWeight) -> bool:
 def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gated: bool = False,
            epi: int = EPI_STORE, x_div: int = 1, num_m: int | None = None, limit: float = 0.0,
            ids=None, rows_idx=None, nblk=None, rw=None, x_sf=None, input_scale=None, scratch=None,
-           sum_out=None, topk: int = 1):
+           sum_out=None, topk: int = 1, group_r: int = 0, x_gstride: int = 0):
     """Launch `_qgemm_kernel` for one (possibly stacked) QWeight into `y`. cfg.split_k > 1 (any row mode)
     reduces in-kernel through an fp32 workspace and semaphores from `scratch` (a fresh zeroed set without one).
 
     `sum_out` [M / topk, N] (EPI_ROUTED only): the top-k sum in the same launch - y holds the routed fp32 row of
     every (token, slot) pair p = token * topk + slot, and sum_out[token] gets the sum of its topk rows in slot
-    order (`_topk_sum`; the bits of `sum_rows`). Returns the compiled kernel (its registers and shared memory)."""
+    order (`_topk_sum`; the bits of `sum_rows`).
+
+    `group_r` > 0 (ROWS_DENSE, a multiple of cfg.BN): block-diagonal, as `grouped_linear` - output columns
+    [g*group_r, (g+1)*group_r) read x columns [g*x_gstride, g*x_gstride + K). Returns the compiled kernel (its
+    registers and shared memory)."""
     N, K = w.out_features, w.in_features
+    if group_r and (rows != ROWS_DENSE or group_r % cfg.BN or N % group_r or x_sf is not None):
+        raise ValueError(f"grouped columns need dense rows, no NVFP4 activations and group_r ({group_r}) a multiple "
+                         f"of BN ({cfg.BN}) dividing N ({N})")
     fmt = FMT_CODES[w.fmt]
     scale, scale_f32, s2 = scale_views(w)
     wt = w.weight.view(torch.uint8) if w.fmt != "dense" else w.weight
@@ -386,7 +398,8 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
         ws if ws is not None else dummy, cnt if cnt is not None else dummy,
         sum_out if sum_out is not None else dummy, sum_cnt if sum_cnt is not None else dummy,
         sum_out.stride(0) if sum_out is not None else 0, topk,
-        M, N, K, num_m, x_div, cfg.split_k, min(cfg.group_m, num_m), float(limit),
+        M, N, K, num_m, x_div, cfg.split_k, min(cfg.group_m, num_m), float(limit), group_r or N,
+        x_gstride if group_r else 0,
         x.stride(0), x_sf.stride(0) if x_sf is not None else 0,
         swe, swg, wt.stride(-2),
         sse, ssg, scale.stride(-2) if scale is not None else 0,
@@ -545,7 +558,8 @@ def linear(x: torch.Tensor, w: QWeight, *, config: Config | None = None, out: to
 def grouped_linear(x: torch.Tensor, w: QWeight, groups: int, *, fallback=None,
                    scratch: Scratch | None = None) -> torch.Tensor:
     """Same contract as `ref.grouped_linear`. Decode (<= gemv.MAX_ROWS tokens): one GEMV launch over all groups
-    (each N tile reads its group's x columns); otherwise, bf16 on CUDA: Triton dequantize + one cuBLAS bmm."""
+    (each N tile reads its group's x columns); up to MID_ROWS tokens the fused tiles the same way (`dense_tiles`,
+    where `fused_beats_cublas` on CUDA); otherwise, bf16 on CUDA: Triton dequantize + one cuBLAS bmm."""
     from .ref import check_grouped
     check_grouped(x, w, groups)
     c = x.shape[-1]
@@ -558,6 +572,13 @@ def grouped_linear(x: torch.Tensor, w: QWeight, groups: int, *, fallback=None,
         y = torch.empty(T, groups * R, dtype=x.dtype, device=x.device)
         if T:
             gemv.launch(x2, w, y, cfg, M=T, group_r=R, x_gstride=c, scratch=scratch)
+        return y.reshape(*x.shape[:-1], R)
+    tiles = pick_config(T, w.out_features, c, w.fmt, x.device) if T <= MID_ROWS else None
+    if (tiles is not None and R % tiles.BN == 0 and T and supported(x2[:, :c], w)
+            and not prefers_cublas(x2, w, T)):
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        y = torch.empty(T, groups * R, dtype=x.dtype, device=x.device)
+        launch(x2, w, y, tiles, M=T, group_r=R, x_gstride=c, scratch=scratch)
         return y.reshape(*x.shape[:-1], R)
     if weight_supported(w, x.device) and x.device.type == "cuda" and x.dtype == torch.bfloat16 and not interpreting():
         wt = dequantize(w, x.dtype).view(groups, R, c).transpose(1, 2)
