@@ -1,13 +1,14 @@
-"""Round one's fused tiles (`gemm._qgemm_kernel`: the dense linears from 17 to 64 rows of x) over BM / BN / split-K
+"""Round one's fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x) over BM / BN / split-K
 around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
 
     python bench/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
         [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8]
     TRITON_INTERPRET=1 python bench/profile_tiles.py --toy      # CPU dry run at a toy shape
 
-Why: at 48-64 rows the fused tiles take 1.3-2.2x cuBLAS bf16's time on V4-Flash's small weights, and dequantize +
-cuBLAS beats them there by 9-30 % (bench/RESULTS.md run 165). Rows above 64 take pick_config's prefill tiles as the
-base (on CUDA `gemm.linear` runs dequantize + cuBLAS there instead). Per case and row count it prints pick_config's tiles
+Why: `gemm.dense_tiles` chooses these tiles by a rule fitted to this sweep (bench/RESULTS.md round twenty-two); the
+sweep shows how far each shape's choice is from the fastest tiles measured, and where dequantize + cuBLAS or cuBLAS
+bf16 stand. Rows above 64 take pick_config's tiles for them as the base (on CUDA `gemm.linear` runs them only where
+`gemm.fused_beats_cublas`, else dequantize + cuBLAS). Per case and row count it prints pick_config's tiles
 and time, then the fastest variants with their time over pick_config's and the relative difference of their
 output from pick_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
 graph per variant (`common.Timer`).
@@ -32,25 +33,21 @@ from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err, rota
 
 from dsv4.kernels import gemm, refuse_fallback  # noqa: E402
 from dsv4.kernels.gemv import resident_ctas  # noqa: E402
-from dsv4.kernels.host import num_sms  # noqa: E402
 
 CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvfp4,V4-Pro:wo_b:nvfp4"
 
 
-def variants(base: gemm.Config, m: int, n: int, k: int, sms: int, bms=(16, 32, 64), bns=(64, 128),
+def variants(base: gemm.Config, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
              splits=None, warps=None) -> list[gemm.Config]:
-    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), and per tile shape the K
-    splits in `splits` (None: the split pick_config's rule gives - `gemm.decode_split`: programs for ~2 per SM -,
-    half and twice it); pick_config's own tiles left out."""
+    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), and the K splits in
+    `splits` (None: pick_config's split, half and twice it); pick_config's own tiles left out."""
     out = []
     chunks = triton.cdiv(k, base.BK)
     for bm in bms:
         if bm > max(16, triton.next_power_of_2(m)):
             continue
         for bn in bns:
-            tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-            rule = gemm.decode_split(tiles, chunks, sms)
-            chosen = splits or (max(1, rule // 2), rule, 2 * rule)
+            chosen = splits or (max(1, base.split_k // 2), base.split_k, 2 * base.split_k)
             for split in sorted({min(chunks, s) for s in chosen}):
                 for nw in warps or (base.num_warps,):
                     cfg = replace(base, BM=bm, BN=bn, split_k=split, num_warps=nw)
@@ -79,7 +76,7 @@ def main():
     dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.float32 if args.toy else torch.bfloat16   # the interpreter's dot takes fp32 operands
-    timer, scratch, sms, start = Timer(dev), gemm.Scratch(), num_sms(dev), time.time()
+    timer, scratch, start = Timer(dev), gemm.Scratch(), time.time()
     models = {s.name: s for s in (FLASH, PRO, TOY)}
     cases = [("toy", "expert w1/w3", "nvfp4")] if args.toy else [c.split(":") for c in args.cases.split(",")]
     ms = [24] if args.toy else [int(m) for m in args.ms.split(",")]
@@ -116,7 +113,7 @@ def main():
             bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
                                          for x, d in zip(xs, dense)]) * 1e3
             rows = [(base_us, base, 0.0)]
-            for cfg in variants(base, m, n, k, sms, ints(args.bms), ints(args.bns), ints(args.splits) or None,
+            for cfg in variants(base, m, k, ints(args.bms), ints(args.bns), ints(args.splits) or None,
                                 ints(args.warps) or None):
                 try:
                     diff = rel_err(fused(cfg)[0]().float(), ref)

@@ -1,9 +1,10 @@
 """One Triton GEMM family for every weight-streaming product: y = x @ W^T with W in its stored format.
 
 The same kernel serves
-* dense linears: decode (M <= 64: rows padded to a 16-row MMA) and the fused prefill tiles (bf16 wgmma after
-  in-register dequantization), used on CUDA only for fp32 activations and FP8 with fp32 scales: for bf16
-  prefill (M > 64) `linear` dequantizes once (`_dequant_kernel`) and calls cuBLAS, which measured ~1.8x faster;
+* dense linears (bf16 MMA after in-register dequantization) of 9..256 rows where the GEMV does not take them
+  (`dense_tiles`; with `group_r` block-diagonal, as wo_a); above 64 rows in bf16 on CUDA only for weights it
+  streams faster than Triton dequantize (`_dequant_kernel`) + cuBLAS (`fused_beats_cublas`), and at prefill sizes
+  (M > 256) only for fp32 activations and FP8 with fp32 scales: there dequantize + cuBLAS measured ~1.8x faster;
 * the shared expert and MoE gate/up (GATED: two shards, clamped SwiGLU in the epilogue);
 * the MoE down projection (EPI_ROUTED: routing weight in the epilogue, fp32 rows per (token, slot); with
   `launch(sum_out=...)` the same launch also adds each token's top-k rows into its output row);
@@ -519,8 +520,8 @@ def prefers_cublas(x: torch.Tensor, w: QWeight, M: int) -> bool:
 def linear(x: torch.Tensor, w: QWeight, *, config: Config | None = None, out: torch.Tensor | None = None,
            fallback=None, scratch: Scratch | None = None) -> torch.Tensor:
     """y = x @ W^T: x [..., K] -> [..., N] in x.dtype. Decode (M <= gemv.MAX_ROWS) runs the register-streaming
-    GEMV of `gemv.py` where it is preferred (`gemv.preferred`: large weights), other decode calls (M <= 64)
-    this module's fused tiles; prefill dequantizes + cuBLAS (`prefers_cublas`) or runs the fused tiles here.
+    GEMV of `gemv.py` where it is preferred (`gemv.preferred`: large weights), other calls of up to 64 rows
+    this module's fused tiles (`dense_tiles`); above, dequantize + cuBLAS (`prefers_cublas`) or the fused tiles.
     Shapes and formats no kernel takes go to `fallback` (the reference). `config` forces this module's fused
     kernel with those tiles (a `gemv.GemvConfig` forces the GEMV)."""
     if w.leading:
