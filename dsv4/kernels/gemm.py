@@ -269,8 +269,8 @@ MID_MAX_SPLIT_ROWS_64 = 4   # above 64 rows: 64-128 row tiles park 32-64 KB fp32
 
 
 def dense_tiles(M: int, N: int, K: int, fmt: str, sms: int) -> Config | None:
-    """Fused tiles for a dense linear of 17..MID_ROWS rows of x (also taken at 9..16 rows where the GEMV is not
-    preferred): BM the rows' power of two (64 at most up to 64 rows, then 64 / 128), BN 64 or 128 and split-K
+    """Fused tiles for a dense linear of 17..MID_ROWS rows of x (and of fewer rows where the GEMV does not take the
+    call, e.g. 9..16 rows on weights of a few MB): BM the rows' power of two (64 at most up to 64 rows, then 64 / 128), BN 64 or 128 and split-K
     chosen by `waves x (K steps per program + MID_UNIT_OVERHEAD)`, each candidate splitting K as far as one wave
     of programs and MID_MIN_STEPS steps per program allow (above 64 rows at most MID_MAX_SPLIT_ROWS_64); ties go to
     BN 64 (more programs)."""
