@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--cases", default=CASES, help="MODEL:LINEAR:FORMAT,... (common.Shapes names)")
     ap.add_argument("--bms", default="16,32,64", help="BM values swept (those above the rows are skipped)")
     ap.add_argument("--bns", default="64,128", help="BN values swept")
-    ap.add_argument("--splits", default="", help="K splits swept (default: pick_config's rule, half and twice it)")
+    ap.add_argument("--splits", default="", help="K splits swept (default: pick_config's split, half and twice it)")
     ap.add_argument("--warps", default="", help="num_warps swept (default: pick_config's)")
     ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")

@@ -276,8 +276,8 @@ def dense_tiles(M: int, N: int, K: int, fmt: str, sms: int) -> Config | None:
     BN 64 (more programs)."""
     small = M <= 64
     BM = _pow2_at_most(M, 64) if small else (128 if M >= 128 else 64)
-    tiles_of = DECODE_TILES_FP4 if fmt in FP4_FORMATS else DECODE_TILES_FP8
-    BK = k_block(fmt, K, tiles_of.BK if small else 64)
+    decode = DECODE_TILES_FP4 if fmt in FP4_FORMATS else DECODE_TILES_FP8
+    BK = k_block(fmt, K, decode.BK if small else 64)
     if BK is None:
         return None
     slots = MID_CTAS_PER_SM * sms
@@ -291,7 +291,7 @@ def dense_tiles(M: int, N: int, K: int, fmt: str, sms: int) -> Config | None:
             best = (cost, BN, split)
     _, BN, split = best
     if small:
-        return Config(BM, BN, BK, split, 1, tiles_of.num_warps, tiles_of.num_stages)
+        return Config(BM, BN, BK, split, 1, decode.num_warps, decode.num_stages)
     return Config(BM, BN, BK, split, 8, 4, 4)
 
 
@@ -575,6 +575,7 @@ def grouped_linear(x: torch.Tensor, w: QWeight, groups: int, *, fallback=None,
             gemv.launch(x2, w, y, cfg, M=T, group_r=R, x_gstride=c, scratch=scratch)
         return y.reshape(*x.shape[:-1], R)
     tiles = pick_config(T, w.out_features, c, w.fmt, x.device) if T <= MID_ROWS else None
+    # `supported` on one group's columns: its width check is the weight's in_features, c
     if (tiles is not None and R % tiles.BN == 0 and T and supported(x2[:, :c], w)
             and not prefers_cublas(x2, w, T)):
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
