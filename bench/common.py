@@ -148,9 +148,7 @@ class Timer:
         self.device = device
 
     def per_call_ms(self, calls, graph: bool = True, rep: int = 60) -> float:
-        if self.device.type != "cuda":
-            for c in calls:
-                c()
+        if self.device.type != "cuda":   # CPU dry runs (toy shapes, the interpreter): each call once, no warm-up
             t = time.perf_counter()
             for c in calls:
                 c()

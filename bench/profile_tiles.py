@@ -2,7 +2,7 @@
 around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
 
     python bench/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
-        [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8]
+        [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8] [--asms 0,1] [--base-only]
     TRITON_INTERPRET=1 python bench/profile_tiles.py --toy      # CPU dry run at a toy shape
 
 Why: `gemm.dense_tiles` chooses these tiles by a rule fitted to this sweep (bench/RESULTS.md round twenty-two); the
@@ -38,9 +38,10 @@ CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvf
 
 
 def variants(base: gemm.Config, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
-             splits=None, warps=None) -> list[gemm.Config]:
-    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), and the K splits in
-    `splits` (None: pick_config's split, half and twice it); pick_config's own tiles left out."""
+             splits=None, warps=None, asms=(None,)) -> list[gemm.Config]:
+    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), the K splits in
+    `splits` (None: pick_config's split, half and twice it) and `Config.asm` in `asms`; pick_config's own tiles
+    left out."""
     out = []
     chunks = triton.cdiv(k, base.BK)
     for bm in bms:
@@ -50,10 +51,15 @@ def variants(base: gemm.Config, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
             chosen = splits or (max(1, base.split_k // 2), base.split_k, 2 * base.split_k)
             for split in sorted({min(chunks, s) for s in chosen}):
                 for nw in warps or (base.num_warps,):
-                    cfg = replace(base, BM=bm, BN=bn, split_k=split, num_warps=nw)
-                    if cfg != base:
-                        out.append(cfg)
+                    for asm in asms:
+                        cfg = replace(base, BM=bm, BN=bn, split_k=split, num_warps=nw, asm=asm)
+                        if cfg != base:
+                            out.append(cfg)
     return out
+
+
+def flags(text: str) -> tuple[bool, ...]:
+    return tuple(bool(int(v)) for v in text.split(",") if v)
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -68,6 +74,9 @@ def main():
     ap.add_argument("--bns", default="64,128", help="BN values swept")
     ap.add_argument("--splits", default="", help="K splits swept (default: pick_config's split, half and twice it)")
     ap.add_argument("--warps", default="", help="num_warps swept (default: pick_config's)")
+    ap.add_argument("--asms", default="", help="Config.asm values swept, 0 / 1 (default: pick_config's, None: the "
+                    "PTX decoders wherever the dot runs in bf16 on a GPU)")
+    ap.add_argument("--base-only", action="store_true", help="sweep only --asms, on pick_config's tiles")
     ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
@@ -110,11 +119,18 @@ def main():
             base_us = timer.per_call_ms(fused(base)) * 1e3
             deq_us = timer.per_call_ms([lambda x=x, w=w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype))
                                         for x, w in zip(xs, ws)]) * 1e3
+            default_us = timer.per_call_ms([lambda x=x, w=w: gemm.linear(x, w, fallback=refuse_fallback,
+                                                                         scratch=scratch)
+                                            for x, w in zip(xs, ws)]) * 1e3
             bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
                                          for x, d in zip(xs, dense)]) * 1e3
             rows = [(base_us, base, 0.0)]
-            for cfg in variants(base, m, k, ints(args.bms), ints(args.bns), ints(args.splits) or None,
-                                ints(args.warps) or None):
+            if args.base_only:
+                axes = dict(bms=(base.BM,), bns=(base.BN,), splits=(base.split_k,), warps=(base.num_warps,))
+            else:
+                axes = dict(bms=ints(args.bms), bns=ints(args.bns), splits=ints(args.splits) or None,
+                            warps=ints(args.warps) or None)
+            for cfg in variants(base, m, k, **axes, asms=flags(args.asms) or (None,)):
                 try:
                     diff = rel_err(fused(cfg)[0]().float(), ref)
                     rows.append((timer.per_call_ms(fused(cfg)) * 1e3, cfg, diff))
@@ -124,13 +140,15 @@ def main():
             for us, cfg, diff in rows:
                 records.append(dict(model=model, linear=name, fmt=fmt, M=m, N=n, K=k, MB=nbytes(w0) / 1e6,
                                     BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, split=cfg.split_k, warps=cfg.num_warps,
+                                    asm=cfg.asm, default_us=default_us,
                                     stages=cfg.num_stages, us=us, base=cfg == base, diff=diff,
                                     resident=resident(xs[0], w0, cfg), deq_us=deq_us, bf16_us=bf16_us))
             print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: pick_config BM {base.BM} BN {base.BN} "
-                  f"split {base.split_k} {base_us:.1f} us; dequantize + cuBLAS {deq_us:.1f}, cuBLAS bf16 "
-                  f"{bf16_us:.1f}", flush=True)
+                  f"split {base.split_k} {base_us:.1f} us; default path {default_us:.1f}, dequantize + cuBLAS "
+                  f"{deq_us:.1f}, cuBLAS bf16 {bf16_us:.1f}", flush=True)
             for us, cfg, diff in [r for r in rows if r[1] != base][:args.top]:
-                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps}: {us:7.1f} us "
+                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps} asm {cfg.asm}: "
+                      f"{us:7.1f} us "
                       f"({us / base_us:.3f}), output {diff:.0e} from pick_config's", flush=True)
         del ws, dense
     if args.json:

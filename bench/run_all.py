@@ -203,6 +203,10 @@ def correctness(run: Run):
             codes = torch.arange(n * (k // 16), device=dev).view(n, k // 16) % 254
             codes = (codes + (codes >= 0x7F).long()).to(torch.uint8).view(torch.float8_e4m3fn)
             w = QWeight("nvfp4", w.weight, codes, w.scale_2)
+        if fmt == "fp8":  # every finite E4M3 weight byte (subnormals, zeros, negatives), cycled, stored tile-major
+            codes = torch.arange(n * k, device=dev).view(n, k) % 254
+            codes = (codes + (codes >= 0x7F).long()).to(torch.uint8).view(torch.float8_e4m3fn)
+            w = QWeight("fp8", codes, w.scale).tile()
         wt = w.dequantize(torch.float32).T
         for m, fused in ((16, False), (k, False), (k, True)):  # decode tiles; dequant + cuBLAS; fused prefill
             x = torch.eye(m, k, device=dev, dtype=torch.bfloat16)
@@ -210,10 +214,13 @@ def correctness(run: Run):
             y = gemm.linear(x, w, config=cfg, fallback=_refuse, scratch=run.scratch)
             record(f"exact dequant {fmt} M={m}{' fused' if fused else ''}", 0.0, 0.0,
                    exact=bool(torch.equal(y.float(), wt[:m])))
-        if fmt == "nvfp4":  # the portable (non-asm) path must give the same bits
-            cfg = replace(gemm.pick_config(16, n, k, fmt, dev), asm=False)
-            y = gemm.linear(torch.eye(16, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse)
-            record("exact dequant nvfp4 portable path", 0.0, 0.0, exact=bool(torch.equal(y.float(), wt[:16])))
+        # the fused tiles' portable (non-asm) decoders give the same bits, at decode rows and at 128 rows
+        for m in (16, 128):
+            cfg = replace(gemm.pick_config(m, n, k, fmt, dev), asm=False)
+            y = gemm.linear(torch.eye(m, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,
+                            scratch=run.scratch)
+            record(f"exact dequant {fmt} tiles M={m} portable decode", 0.0, 0.0,
+                   exact=bool(torch.equal(y.float(), wt[:m])))
         # the decode GEMV without its asm decoders (plain Triton), and a split-K GEMV: the same bits
         for cfg in (gemv.GemvConfig(asm=False), gemv.GemvConfig(BN=64, split=4)):
             y = gemm.linear(torch.eye(16, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,

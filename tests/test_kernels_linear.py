@@ -121,7 +121,7 @@ def test_fused_beats_cublas_only_for_large_weights_and_mid_rows():
     assert gemm.fused_beats_cublas("nvfp4", 56.6e6, 256) and gemm.fused_beats_cublas("mxfp4", 18.9e6, 65)
     assert not gemm.fused_beats_cublas("nvfp4", 4.7e6, 128)          # small: dequantize + cuBLAS
     assert not gemm.fused_beats_cublas("nvfp4", 56.6e6, gemm.MID_ROWS + 1)   # prefill
-    assert gemm.fused_beats_cublas("fp8", 117e6, 128) and not gemm.fused_beats_cublas("fp8", 117e6, 129)
+    assert gemm.fused_beats_cublas("fp8", 117e6, 256) and not gemm.fused_beats_cublas("fp8", 117e6, gemm.MID_ROWS + 1)
     assert not gemm.fused_beats_cublas("fp8", 22e6, 100) and not gemm.fused_beats_cublas("dense", 1e9, 100)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import _e2m1_values
+from .tiles import FP8_BF16X2_ASM, _e2m1_values
 
 
 @triton.jit
@@ -102,30 +102,10 @@ def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constex
 @triton.jit
 def _fp8_decode(b, BN: tl.constexpr, ASM: tl.constexpr):
     """E4M3 weights [BN, 16] uint32 (four adjacent bytes each) -> exact values [BN, 64] (bf16 with ASM, else
-    fp32). ASM: [S(b1) b1 S(b0) b0] << 4, masked to sign + 7 bits, is e4m3 * 2^-120 as bf16 (subnormals
-    included); one mul.bf16x2 by 2^120 restores it."""
+    fp32). ASM: `tiles.FP8_BF16X2_ASM` per word."""
     if ASM:
-        p01, p23 = tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b32 t, c;
-            mov.b32 c, 0x7B807B80;
-            prmt.b32 t, $2, 0, 0x9180;
-            shl.b32 t, t, 4;
-            and.b32 t, t, 0x87F087F0;
-            mul.rn.bf16x2 $0, t, c;
-            prmt.b32 t, $2, 0, 0xB3A2;
-            shl.b32 t, t, 4;
-            and.b32 t, t, 0x87F087F0;
-            mul.rn.bf16x2 $1, t, c;
-            }
-            """,
-            "=r,=r,r",
-            [b],
-            dtype=(tl.uint32, tl.uint32),
-            is_pure=True,
-            pack=1,
-        )
+        p01, p23 = tl.inline_asm_elementwise(FP8_BF16X2_ASM, "=r,=r,r", [b], dtype=(tl.uint32, tl.uint32),
+                                             is_pure=True, pack=1)
         w0, w1 = _bf16_pair(p01)
         w2, w3 = _bf16_pair(p23)
     else:

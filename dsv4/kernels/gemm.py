@@ -113,10 +113,11 @@ def _qgemm_kernel(
         else:
             xt = _load_x_tile(x_ptr, xrow, rmask, k0, K, stride_xm, BK, EVEN_K, DOT)
             acc = _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
-                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED)
+                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED, ASM)
             if GATED:
                 acc_u = _accumulate_8(acc_u, xt, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0, K,
-                                      stride_wn, stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED)
+                                      stride_wn, stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED,
+                                      ASM)
 
     offs_y = yrow.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     omask = rmask[:, None] & nmask[None, :]
@@ -492,19 +493,16 @@ def dequantize(w: QWeight, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 # Weights that the fused tiles stream faster than Triton dequantize + cuBLAS at 65..MID_ROWS rows (H200, bench/RESULTS.md
-# round twenty-two): FP4 from ~15 MB (V4-Flash wq_b NVFP4 at 128 / 256 rows: 24 / 44 against 48 / 52 us; V4-Pro wo_b 93
-# / 160 against 155 / 168), FP8 from ~30 MB up to 128 rows (V4-Pro wo_b: 112 against 168 us; at 256 rows 198 against
-# 179). Below these the dequantize pass is cheap and cuBLAS's MMA loop wins (V4-Flash expert w1/w3 at 128 rows: 16.2
-# against 17.8 us for the best fused tiles).
+# rounds twenty-two and twenty-three): FP4 from ~15 MB (V4-Flash wq_b NVFP4 at 128 / 256 rows: 24 / 44 against 48 / 52
+# us; V4-Pro wo_b 93 / 160 against 155 / 168), FP8 from ~30 MB (with the integer e4m3 decoder, at 256 rows: V4-Pro wq_b
+# 133 against 158 us, wo_b 170 against 178, V4-Flash wo_b 60 against 61). Below these the dequantize pass is cheap and
+# cuBLAS's MMA loop wins (V4-Flash expert w1/w3 at 128 rows: 16.2 against 17.8 us for the best fused tiles).
 FUSED_MID_BYTES = MappingProxyType({"nvfp4": 15e6, "mxfp4": 15e6, "fp8": 30e6})
-FUSED_MID_FP8_ROWS = 128
 
 
 def fused_beats_cublas(fmt: str, nbytes: int, M: int) -> bool:
     """At M > 64 rows: whether the fused tiles (`dense_tiles`) beat Triton dequantize + cuBLAS for this weight."""
-    if M > MID_ROWS or fmt not in FUSED_MID_BYTES or nbytes < FUSED_MID_BYTES[fmt]:
-        return False
-    return fmt != "fp8" or M <= FUSED_MID_FP8_ROWS
+    return M <= MID_ROWS and fmt in FUSED_MID_BYTES and nbytes >= FUSED_MID_BYTES[fmt]
 
 
 def prefers_cublas(x: torch.Tensor, w: QWeight, M: int) -> bool:

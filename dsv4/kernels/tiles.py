@@ -135,6 +135,40 @@ def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT
     return lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)
 
 
+# Four E4M3 bytes ($2) -> their exact values as two bf16x2 ($0: bytes 0 and 1, $1: bytes 2 and 3), with integer
+# ops instead of the cvt chain e4m3 -> f16 -> f32 -> bf16 (whose f16 -> f32 step issues at a quarter of the ALU
+# rate). `prmt` mode 8 makes each byte a sign-extended 16-bit lane [S(b) b]; << 4 puts its exponent and mantissa
+# at bf16 bits 10..4 and its sign at bit 15; the mask clears the sign copies at bits 14..11 (and, in the high
+# lane, the low lane's bits shifted in at 3..0). That is the e4m3 value times 2^-120 (an e4m3 subnormal becomes a
+# bf16 subnormal), and one mul.bf16x2 by 2^120 restores it exactly. An e4m3 NaN byte (0x7F / 0xFF; never in a
+# quantized weight) gives a finite value.
+FP8_BF16X2_ASM = tl.constexpr("""
+            {
+            .reg .b32 t, c;
+            mov.b32 c, 0x7B807B80;
+            prmt.b32 t, $2, 0, 0x9180;
+            shl.b32 t, t, 4;
+            and.b32 t, t, 0x87F087F0;
+            mul.rn.bf16x2 $0, t, c;
+            prmt.b32 t, $2, 0, 0xB3A2;
+            shl.b32 t, t, 4;
+            and.b32 t, t, 0x87F087F0;
+            mul.rn.bf16x2 $1, t, c;
+            }
+            """)
+
+
+@triton.jit
+def _fp8_tile(raw, DOT: tl.constexpr, ASM: tl.constexpr):
+    """E4M3 bytes (uint8, any shape) -> their exact values in the dot dtype; ASM (bf16 on a GPU): four bytes per
+    `FP8_BF16X2_ASM` instance."""
+    if ASM:
+        w = tl.inline_asm_elementwise(FP8_BF16X2_ASM, "=r,=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        w = raw.to(tl.float8e4nv, bitcast=True)
+    return w.to(DOT)
+
+
 @triton.jit
 def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
@@ -165,9 +199,9 @@ def _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, str
 def _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
                   FMT: tl.constexpr, SCALE_F32: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PROMOTE: tl.constexpr,
-                  TILED: tl.constexpr):
+                  TILED: tl.constexpr, ASM: tl.constexpr):
     """acc [BM, BN] += xt [BM, BK] @ W[offs_n, k0:k0+BK]^T for FP8 (times each column's block scale, applied
-    to the fp32 partial product) or dense W."""
+    to the fp32 partial product; ASM: decoded by `FP8_BF16X2_ASM`) or dense W."""
     rows = offs_n.to(tl.int64)[:, None]
     offs_k = k0 + tl.arange(0, BK)
     if EVEN_K:
@@ -176,7 +210,7 @@ def _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride
         wmask = nmask[:, None] & (offs_k[None, :] < K)
     raw = tl.load(wbase + byte_offsets(rows, offs_k[None, :], stride_wn, TILE_BYTES_C, TILED), mask=wmask, other=0)
     if FMT == 1:
-        w = raw.to(tl.float8e4nv, bitcast=True).to(DOT)
+        w = _fp8_tile(raw, DOT, ASM)
         srow = sbase + (offs_n // 128).to(tl.int64) * stride_sn + k0 // 128
         if SCALE_F32:
             sv = tl.load(srow, mask=nmask, other=0.0)
