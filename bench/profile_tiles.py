@@ -9,7 +9,7 @@ Why: `gemm.dense_tiles` chooses these tiles by a rule fitted to this sweep (benc
 sweep shows how far each shape's choice is from the fastest tiles measured, and where dequantize + cuBLAS or cuBLAS
 bf16 stand. Rows above 64 take pick_config's tiles for them as the base (on CUDA `gemm.linear` runs them only where
 `gemm.fused_beats_cublas`, else dequantize + cuBLAS). Per case and row count it prints pick_config's tiles
-and time, then the fastest variants with their time over pick_config's and the relative difference of their
+and time, the default path's time (`gemm.linear` as the model calls it: the GEMV where it is preferred), then the fastest variants with their time over pick_config's and the relative difference of their
 output from pick_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
 graph per variant (`common.Timer`).
 """
