@@ -10,7 +10,8 @@ import torch
 from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
 from dsv4.kernels import Ops, ops_for, ref
 from dsv4.kernels import gemm
-from kernel_util import refuse, rel_err, strict_ops
+from dsv4.kernels import moe as tmoe
+from kernel_util import refuse, rel_err, stacked_weight, strict_ops
 
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
@@ -60,6 +61,28 @@ def test_dequantization_is_exact(ops, fmt):
     w = make_weight(fmt, 33, 64)
     y = ops.linear(torch.eye(64), w)
     assert torch.equal(y, w.dequantize(torch.float32).T)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fused_tiles_decode_fp4_exactly_in_both_k_orders(fmt):
+    """The fused tiles decode FP4 as even / odd K halves below BM 128 and in natural K order from it
+    (`tiles._accumulate_fp4`); x = identity makes every output one weight element, so each order must put every
+    nibble, scale and the prescale where QWeight.dequantize does, bit for bit. Then both with split K, plain and
+    gated (the clamped SwiGLU pair of the shared expert, large enough weights to reach the clamp)."""
+    w = make_weight(fmt, 40, 64)
+    want = w.dequantize(torch.float32).T
+    for bm in (16, 64, 128):
+        y = gemm.linear(torch.eye(64), w, config=gemm.Config(bm, 32, 64), fallback=refuse)
+        assert torch.equal(y, want), bm
+    x = torch.randn(3, 64)
+    r = ref.linear(x, w)
+    w13, w2 = stacked_weight(fmt, 32, 64, (2,), 0.5), stacked_weight(fmt, 64, 32, (), 0.1)
+    want_mlp = ref.mlp(x, w13, w2, 3.0)
+    for bm in (16, 128):
+        cfg = gemm.Config(bm, 16, 32, split_k=2)
+        assert rel_err(gemm.linear(x, w, config=cfg, fallback=refuse), r) < 1e-6
+        y = tmoe.mlp(x, w13, w2, 3.0, fallback=refuse, linear=ops_for("cpu", "triton").linear, config=cfg)
+        assert rel_err(y, want_mlp) < 1e-6, bm
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import FP8_BF16X2_ASM, _e2m1_values
+from .tiles import FP4_PTX, FP4_PTX_RAW, FP8_BF16X2_ASM, _e2m1_values
 
 
 @triton.jit
@@ -42,21 +42,6 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr):
     """Eight [BN, 16] tensors (elements 0..7 of every group of 8) -> [BN, 128] in natural order."""
     q = tl.join(tl.join(tl.join(e0, e1), tl.join(e2, e3)), tl.join(tl.join(e4, e5), tl.join(e6, e7)))
     return tl.permute(q, (0, 1, 4, 3, 2)).reshape(BN, 128)      # [BN, 16, e, pair, half] -> natural
-
-
-def _fp4_ptx(scaled: bool) -> str:
-    """The PTX of `_fp4_decode` (operands: $0..$3 out, $4 the word, $5 the multiplier when `scaled`): per byte i,
-    `prmt` (selector 0xC480 + 0x1111 i), << 2, the sign + magnitude mask, then the multiply or not."""
-    lines = ["{", ".reg .b32 u, t;", "shl.b32 u, $4, 4;"]
-    for i in range(4):
-        lines += [f"prmt.b32 t, u, $4, 0x{0xC480 + 0x1111 * i:04X};", "shl.b32 t, t, 2;"]
-        lines += ["and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 ${i}, t, $5;"] if scaled else \
-            [f"and.b32 ${i}, t, 0x81C081C0;"]
-    return "\n".join(lines + ["}"])
-
-
-FP4_PTX = tl.constexpr(_fp4_ptx(True))
-FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False))   # no multiply: the group columns (module docstring)
 
 
 @triton.jit

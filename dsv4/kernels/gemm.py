@@ -28,8 +28,8 @@ import triton.language as tl
 from ..formats import FP4_FORMATS, QWeight
 from . import gemv
 from .host import interpreting, lead_strides, num_sms, scale_views
-from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _load_fp4, _load_x_halves,
-                    _load_x_tile, _load_xfp4_halves, _sum_split_partials, byte_offsets, epilogue_factor)
+from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _fp4_natural, _load_fp4,
+                    _load_x_tile, _load_xfp4, _sum_split_partials, byte_offsets, epilogue_factor)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_SORTED = 0, 1, 2
 EPI_STORE, EPI_ROUTED = 0, 2
@@ -100,16 +100,16 @@ def _qgemm_kernel(
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for c in range(c0, c1):
         k0 = c * BK
-        if FMT >= 2:  # packed FP4 weights: x as even / odd K columns
+        if FMT >= 2:  # packed FP4 weights
             if A_FP4:
-                xe, xo = _load_xfp4_halves(x_ptr, xs_ptr, xrow, rmask, k0, stride_xm, stride_xsm, BM, BK, DOT, ASM)
+                xt = _load_xfp4(x_ptr, xs_ptr, xrow, rmask, k0, stride_xm, stride_xsm, BM, BK, DOT, ASM)
             else:
-                xe, xo = _load_x_halves(x_ptr, xrow, rmask, k0, stride_xm, BM, BK, DOT)
-            acc = _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
-                                  FMT, BN, BK, DOT, PREC, ASM, TILED)
+                xt = _load_x_tile(x_ptr, xrow, rmask, k0, 0, stride_xm, BK, True, DOT)
+            acc = _accumulate_fp4(acc, xt, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
+                                  FMT, BM, BN, BK, DOT, PREC, ASM, TILED)
             if GATED:
-                acc_u = _accumulate_fp4(acc_u, xe, xo, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0,
-                                        stride_wn, stride_sn, FMT, BN, BK, DOT, PREC, ASM, TILED)
+                acc_u = _accumulate_fp4(acc_u, xt, wbase + stride_wg, sbase + stride_sg, offs_n, nmask, k0,
+                                        stride_wn, stride_sn, FMT, BM, BN, BK, DOT, PREC, ASM, TILED)
         else:
             xt = _load_x_tile(x_ptr, xrow, rmask, k0, K, stride_xm, BK, EVEN_K, DOT)
             acc = _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
@@ -455,12 +455,12 @@ def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, str
     offs_k = k0 + tl.arange(0, BK)
     if FMT >= 2:
         if FMT == 2:
-            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, tl.bfloat16, ASM,
-                               TILED)
+            b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 32, ASM, TILED)
+            w = _fp4_natural(b, m, BN, BK, 32, tl.bfloat16, ASM)
         else:
-            lo, hi = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, tl.bfloat16, ASM,
-                               TILED)
-        w = tl.join(lo, hi).reshape(BN, BK).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
+            b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 16, ASM, TILED)
+            w = _fp4_natural(b, m, BN, BK, 16, tl.bfloat16, ASM)
+        w = w.to(tl.float32) * epilogue_factor(s2_ptr, FMT)
         mask = nmask[:, None]
     else:
         mask = nmask[:, None] & (offs_k[None, :] < K)

@@ -84,6 +84,25 @@ def _scale_multiplier(s, FMT: tl.constexpr, ASM: tl.constexpr):
     return m
 
 
+def _fp4_ptx(scaled: bool) -> str:
+    """PTX decoding one 32-bit word of packed FP4 (operands: $0..$3 out, $4 the word, $5 the multiplier when
+    `scaled`, a bf16x2 of equal halves): output i is byte i's (low nibble, high nibble) as a bf16x2, elements 2i
+    and 2i + 1 in natural K order. Per byte: `prmt` (selector 0xC480 + 0x1111 i) builds [S(w_i) w_i S(u_i) u_i]
+    from the word w and u = w << 4 (mode 8 replicates a byte's sign bit), so after << 2 and the mask the low
+    nibble sits in the low half and the high nibble in the high half as bf16 subnormals (sign at bit 15 / 31,
+    magnitude bits at 8..6 / 24..22: the value e2m1 * 2^-126); then the multiply, or not."""
+    lines = ["{", ".reg .b32 u, t;", "shl.b32 u, $4, 4;"]
+    for i in range(4):
+        lines += [f"prmt.b32 t, u, $4, 0x{0xC480 + 0x1111 * i:04X};", "shl.b32 t, t, 2;"]
+        lines += ["and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 ${i}, t, $5;"] if scaled else \
+            [f"and.b32 ${i}, t, 0x81C081C0;"]
+    return "\n".join(lines + ["}"])
+
+
+FP4_PTX = tl.constexpr(_fp4_ptx(True))
+FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False))   # no multiply (the GEMV's group columns)
+
+
 @triton.jit
 def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr,
               ASM: tl.constexpr):
@@ -135,6 +154,26 @@ def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT
     return lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)
 
 
+@triton.jit
+def _fp4_natural(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr,
+                 ASM: tl.constexpr):
+    """`_fp4_tile`'s values in natural K order: [BN, BK], element 2j / 2j + 1 the low / high nibble of byte j."""
+    b3 = b.reshape(BN, BK // GS, GS // 8, 4)
+    m3 = tl.broadcast_to(mult[:, :, None, None], (BN, BK // GS, GS // 8, 4))
+    if ASM:
+        # One `FP4_PTX` instance per 4 bytes (one b32 in one scale group: a thread's bytes of a group are
+        # contiguous); its multiplier is the first of the two bf16x2 Triton packs from the 4 equal multipliers.
+        # Its four bf16x2 outputs are natural elements 0..7 of those bytes; Triton files the first two as output
+        # a's four elements and the last two as c's, so a holds natural elements 0..3 and c 4..7 of every word,
+        # and the join puts them in order (register renaming, no instruction).
+        a, c = tl.inline_asm_elementwise(FP4_PTX, "=r,=r,=r,=r,r,r,r", [b3, m3], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=4)
+        w = tl.permute(tl.join(a, c), (0, 1, 2, 4, 3))          # [BN, groups, words, a|c, 4]
+    else:
+        w = tl.join(_e2m1_values(b3 & 15) * m3, _e2m1_values(b3 >> 4) * m3)   # [BN, groups, words, byte, lo|hi]
+    return w.reshape(BN, BK).to(DOT)
+
+
 # Four E4M3 bytes ($2) -> their exact values as two bf16x2 ($0: bytes 0 and 1, $1: bytes 2 and 3), with integer
 # ops instead of the cvt chain e4m3 -> f16 -> f32 -> bf16 (whose f16 -> f32 step issues at a quarter of the ALU
 # rate). `prmt` mode 8 makes each byte a sign-extended 16-bit lane [S(b) b]; << 4 puts its exponent and mantissa
@@ -170,29 +209,50 @@ def _fp8_tile(raw, DOT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
+def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.constexpr, BK: tl.constexpr,
+              GS: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
+    """Packed FP4 bytes [BN, BK/2] of K columns k0 .. k0 + BK and their multipliers [BN, BK/GS]
+    (`_scale_multiplier`), for `_fp4_tile` / `_fp4_natural`."""
     offs_j = k0 // 2 + tl.arange(0, BK // 2)
     b = tl.load(wbase + byte_offsets(rows, offs_j[None, :], stride_wn, TILE_BYTES_C, TILED), mask=nmask[:, None],
                 other=0)
     offs_g = k0 // GS + tl.arange(0, BK // GS)
     s = tl.load(sbase + byte_offsets(rows, offs_g[None, :], stride_sn, scale_chunk_c(FMT), TILED),
                 mask=nmask[:, None], other=0)
-    return _fp4_tile(b, _scale_multiplier(s, FMT, ASM), BN, BK, GS, DOT, ASM)
+    return b, _scale_multiplier(s, FMT, ASM)
 
 
 @triton.jit
-def _accumulate_fp4(acc, xe, xo, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
-                    FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
+                    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                     PREC: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
-    """acc [BM, BN] += x[:, k0:k0+BK] @ W^T for packed FP4 W, with x given as its even / odd K columns."""
+    """acc [BM, BN] += x [BM, BK] @ W[offs_n, k0:k0+BK]^T for packed FP4 W: decoded in natural K order from
+    BM 128, as even / odd K halves (x split the same way, two dots) below.
+
+    Why both (sm_90, Triton 3.6, NVFP4, BN 128): per K step natural order takes 476 SASS instructions at BM 64
+    against 512 for halves (BK 128; no prmt splitting x) and 162 registers against 229, but 603 against 513 at
+    BM 16, where mma.sync takes the weight straight from registers in the halves' layout. Timed on an H200
+    (bench/RESULTS.md round twenty-four): natural order 2-14 % faster at BM 128, up to 10 % slower at BM 64."""
     rows = offs_n.to(tl.int64)[:, None]
     if FMT == 2:
-        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 32, DOT, ASM, TILED)
+        b, m = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 32, ASM, TILED)
     else:
-        lo, hi = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BN, BK, 16, DOT, ASM, TILED)
-    acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
-    return tl.dot(xo, tl.trans(hi), acc, input_precision=PREC)
+        b, m = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 16, ASM, TILED)
+    if BM >= 128:
+        if FMT == 2:
+            w = _fp4_natural(b, m, BN, BK, 32, DOT, ASM)
+        else:
+            w = _fp4_natural(b, m, BN, BK, 16, DOT, ASM)
+        out = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+    else:
+        if FMT == 2:
+            lo, hi = _fp4_tile(b, m, BN, BK, 32, DOT, ASM)
+        else:
+            lo, hi = _fp4_tile(b, m, BN, BK, 16, DOT, ASM)
+        xe, xo = tl.split(x.reshape(BM, BK // 2, 2))
+        out = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
+        out = tl.dot(xo, tl.trans(hi), out, input_precision=PREC)
+    return out
 
 
 @triton.jit
@@ -238,18 +298,12 @@ def _load_x_tile(x_ptr, xrow, rmask, k0, K, stride_xm, BK: tl.constexpr, EVEN_K:
 
 
 @triton.jit
-def _load_x_halves(x_ptr, xrow, rmask, k0, stride_xm, BM: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
-    """x[:, k0:k0+BK] as its even and odd columns [BM, BK/2] (the K order of `_fp4_tile`)."""
-    x = _load_x_tile(x_ptr, xrow, rmask, k0, 0, stride_xm, BK, True, DOT)
-    return tl.split(x.reshape(BM, BK // 2, 2))
-
-
-@triton.jit
-def _load_xfp4_halves(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, BM: tl.constexpr,
-                      BK: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr):
-    """A W4A4 activation tile, packed NVFP4 [BM, BK/2] + e4m3 [BM, BK/16] -> even / odd values * 2^-9."""
+def _load_xfp4(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, BM: tl.constexpr, BK: tl.constexpr,
+               DOT: tl.constexpr, ASM: tl.constexpr):
+    """A W4A4 activation tile, packed NVFP4 [BM, BK/2] + e4m3 [BM, BK/16] -> values * 2^-9 [BM, BK]."""
     rows = xrow.to(tl.int64)[:, None]
-    return _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, 3, BM, BK, 16, DOT, ASM, False)
+    b, m = _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, 3, BK, 16, ASM, False)
+    return _fp4_natural(b, m, BM, BK, 16, DOT, ASM)
 
 
 @triton.jit
