@@ -1,8 +1,8 @@
 """Triton building blocks shared by every weight-streaming kernel: load a weight tile in its stored format,
 dequantize it in registers, and feed it to one `tl.dot`.
 
-Prescaled tiles. An FP4 tile leaves `_fp4_tile` multiplied by a power of two (2^-9 for NVFP4, 2^-16 for
-MXFP4) so that one bf16 multiply per element pair is exact and never overflows; `epilogue_factor`
+Prescaled tiles. An FP4 tile leaves `_fp4_tile` (or `_fp4_natural`) multiplied by a power of two (2^-9 for
+NVFP4, 2^-16 for MXFP4) so that one bf16 multiply per element pair is exact and never overflows; `epilogue_factor`
 multiplies it back, together with NVFP4's fp32 `weight_scale_2`, once per output. Every value that reaches
 the dot is exact in the operand dtype: e2m1 (2 significant bits) times an E4M3 scale (4 bits) needs 6 of
 bf16's 8, and a UE8M0 scale is a power of two. FP8 tiles are converted exactly and their 128x128 scale is
@@ -107,8 +107,9 @@ FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False))   # no multiply (the GEMV's group co
 def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr,
               ASM: tl.constexpr):
     """Packed bytes [BN, BK/2] and per-group multipliers [BN, BK/GS] -> prescaled values of the even
-    (low-nibble) and odd (high-nibble) K elements, [BN, BK/2] each, in the dot dtype. Keeping the halves
-    apart (and splitting x the same way) saves the register shuffles an interleave would cost."""
+    (low-nibble) and odd (high-nibble) K elements, [BN, BK/2] each, in the dot dtype. For mma.sync (BM < 128 in
+    `_accumulate_fp4`), keeping the halves apart (and splitting x the same way) saves the register shuffles an
+    interleave costs there; `_fp4_natural` gives the same values in natural K order."""
     b3 = b.reshape(BN, BK // GS, GS // 2)
     m3 = tl.broadcast_to(mult[:, :, None], (BN, BK // GS, GS // 2))
     if ASM:
@@ -162,7 +163,8 @@ def _fp4_natural(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, 
     m3 = tl.broadcast_to(mult[:, :, None, None], (BN, BK // GS, GS // 8, 4))
     if ASM:
         # One `FP4_PTX` instance per 4 bytes (one b32 in one scale group: a thread's bytes of a group are
-        # contiguous); its multiplier is the first of the two bf16x2 Triton packs from the 4 equal multipliers.
+        # contiguous); its multiplier $5 is the first of the two bf16x2 that Triton packs from the word's 4
+        # multipliers, all equal.
         # Its four bf16x2 outputs are natural elements 0..7 of those bytes; Triton files the first two as output
         # a's four elements and the last two as c's, so a holds natural elements 0..3 and c 4..7 of every word,
         # and the join puts them in order (register renaming, no instruction).
