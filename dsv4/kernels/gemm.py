@@ -454,13 +454,9 @@ def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, str
     rows = offs_n.to(tl.int64)[:, None]
     offs_k = k0 + tl.arange(0, BK)
     if FMT >= 2:
-        if FMT == 2:
-            b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 32, ASM, TILED)
-            w = _fp4_natural(b, m, BN, BK, 32, tl.bfloat16, ASM)
-        else:
-            b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 16, ASM, TILED)
-            w = _fp4_natural(b, m, BN, BK, 16, tl.bfloat16, ASM)
-        w = w.to(tl.float32) * epilogue_factor(s2_ptr, FMT)
+        GS: tl.constexpr = 32 if FMT == 2 else 16   # K elements per block scale
+        b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, GS, ASM, TILED)
+        w = _fp4_natural(b, m, BN, BK, GS, tl.bfloat16, ASM).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
         mask = nmask[:, None]
     else:
         mask = nmask[:, None] & (offs_k[None, :] < K)

@@ -235,22 +235,13 @@ def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_s
     against 512 for halves (BK 128; no prmt splitting x) and 162 registers against 229, but 603 against 513 at
     BM 16, where mma.sync takes the weight straight from registers in the halves' layout. Timed on an H200
     (bench/RESULTS.md round twenty-four): natural order 2-14 % faster at BM 128, up to 10 % slower at BM 64."""
-    rows = offs_n.to(tl.int64)[:, None]
-    if FMT == 2:
-        b, m = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 32, ASM, TILED)
-    else:
-        b, m = _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, 16, ASM, TILED)
+    GS: tl.constexpr = 32 if FMT == 2 else 16   # K elements per block scale
+    b, m = _load_fp4(wbase, sbase, offs_n.to(tl.int64)[:, None], nmask, k0, stride_wn, stride_sn, FMT, BK, GS, ASM,
+                     TILED)
     if BM >= 128:
-        if FMT == 2:
-            w = _fp4_natural(b, m, BN, BK, 32, DOT, ASM)
-        else:
-            w = _fp4_natural(b, m, BN, BK, 16, DOT, ASM)
-        out = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        out = tl.dot(x, tl.trans(_fp4_natural(b, m, BN, BK, GS, DOT, ASM)), acc, input_precision=PREC)
     else:
-        if FMT == 2:
-            lo, hi = _fp4_tile(b, m, BN, BK, 32, DOT, ASM)
-        else:
-            lo, hi = _fp4_tile(b, m, BN, BK, 16, DOT, ASM)
+        lo, hi = _fp4_tile(b, m, BN, BK, GS, DOT, ASM)
         xe, xo = tl.split(x.reshape(BM, BK // 2, 2))
         out = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
         out = tl.dot(xo, tl.trans(hi), out, input_precision=PREC)
