@@ -7,6 +7,10 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", module="modelopt")
 
+from interpreter_speedup import install as _skip_nested_repatching  # noqa: E402  (after TRITON_INTERPRET is set)
+
+_skip_nested_repatching()
+
 
 @pytest.fixture(autouse=True)
 def _deterministic():

@@ -26,6 +26,17 @@ SCRIPTS = {
     "run_all_moe": ["bench/run_all.py", "--sections", "env,moe"],
 }
 
+# `python SCRIPT ARGS` with the interpreter speed-up the suite has (tests/interpreter_speedup.py)
+RUN_SCRIPT = """
+import os, runpy, sys
+sys.path[0] = "tests"   # `python -c` puts the working directory (the repository root) first
+import interpreter_speedup
+interpreter_speedup.install()
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))   # as `python SCRIPT` has it
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_bench_script_runs_at_toy_shapes(name, tmp_path):
@@ -33,6 +44,7 @@ def test_bench_script_runs_at_toy_shapes(name, tmp_path):
     if name in ("moe_blocks", "run_all_moe"):
         args += ["--out", str(tmp_path)]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", RUN_SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(args)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert any(line.startswith("toy") for line in proc.stdout.splitlines()), proc.stdout[-2000:]

@@ -1,0 +1,34 @@
+"""tests/interpreter_speedup.py: nested `@triton.jit` calls skip re-patching the language and compute the same."""
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+import interpreter_speedup
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _quadruple_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(y_ptr + offs, _twice(_twice(tl.load(x_ptr + offs))))
+
+
+def test_nested_calls_skip_the_patch_and_compute_the_same(monkeypatch):
+    assert interpreter_speedup.install()   # installed by conftest; a second call keeps it
+    assert getattr(interpreter.InterpretedFunction.__call__, "skips_repatching", False)
+    patches = []
+    real = interpreter._patch_lang
+    monkeypatch.setattr(interpreter, "_patch_lang", lambda fn: patches.append(fn.__name__) or real(fn))
+    x = torch.randn(3 * 8)
+    y = torch.empty_like(x)
+    _quadruple_kernel[(3,)](x, y, N=8)
+    assert torch.equal(y, x * 4)
+    assert interpreter_speedup.install()   # the launch patches once; Triton's own nested path would add two per program (3 x 2 _twice calls)
+    assert patches == ["_quadruple_kernel"]
+    assert tl.core.is_builtin(tl.load)   # the launch restored the language afterwards
