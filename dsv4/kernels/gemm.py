@@ -29,7 +29,7 @@ from ..formats import FP4_FORMATS, QWeight
 from . import gemv
 from .host import interpreting, lead_strides, num_sms, scale_views
 from .tiles import (TILE_BYTES_C, FMT_CODES, _accumulate_8, _accumulate_fp4, _fp4_natural, _load_fp4,
-                    _load_x_tile, _load_xfp4, _sum_split_partials, byte_offsets, epilogue_factor)
+                    _load_x_tile, _load_xfp4, _sum_split_partials, byte_offsets, epilogue_factor, group_size_c)
 
 ROWS_DENSE, ROWS_PAIR, ROWS_SORTED = 0, 1, 2
 EPI_STORE, EPI_ROUTED = 0, 2
@@ -454,8 +454,8 @@ def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, str
     rows = offs_n.to(tl.int64)[:, None]
     offs_k = k0 + tl.arange(0, BK)
     if FMT >= 2:
-        GS: tl.constexpr = 32 if FMT == 2 else 16   # K elements per block scale
-        b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, GS, ASM, TILED)
+        GS: tl.constexpr = group_size_c(FMT)
+        b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, ASM, TILED)
         w = _fp4_natural(b, m, BN, BK, GS, tl.bfloat16, ASM).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
         mask = nmask[:, None]
     else:

@@ -21,7 +21,7 @@ from types import MappingProxyType
 import triton
 import triton.language as tl
 
-from ..formats import TILE_BYTES, TILE_ROWS, scale_chunk
+from ..formats import MXFP4_BLOCK, NVFP4_BLOCK, TILE_BYTES, TILE_ROWS, scale_chunk
 
 FMT_DENSE, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
 FMT_CODES = MappingProxyType({"dense": FMT_DENSE, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4, "nvfp4": FMT_NVFP4})
@@ -30,6 +30,7 @@ _TWO_M9 = tl.constexpr(2.0 ** -9)
 _TWO_P117 = tl.constexpr(2.0 ** 117)
 TILE_ROWS_C = tl.constexpr(TILE_ROWS)
 TILE_BYTES_C = tl.constexpr(TILE_BYTES)
+FMT_NVFP4_C = tl.constexpr(FMT_NVFP4)   # W4A4 activations are NVFP4
 
 
 # `formats.scale_chunk` indexed by kernel format code (Triton's dependency hashing takes constexprs, not calls)
@@ -41,6 +42,12 @@ def scale_chunk_c(fmt: int) -> int:
     """`formats.scale_chunk` for a kernel format code (`FMT_CODES`), at compile time: the block-scale bytes per
     row stored with one TILE_BYTES weight chunk (NVFP4 8, MXFP4 4; 0 where scales are not tiled)."""
     return _SCALE_CHUNKS_C.value[fmt]
+
+
+@triton.constexpr_function
+def group_size_c(fmt: int) -> int:
+    """K elements per block scale of an FP4 kernel format code, at compile time (MXFP4 32, NVFP4 16)."""
+    return MXFP4_BLOCK if fmt == FMT_MXFP4 else NVFP4_BLOCK
 
 
 @triton.jit
@@ -212,12 +219,13 @@ def _fp8_tile(raw, DOT: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.constexpr, BK: tl.constexpr,
-              GS: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
+              ASM: tl.constexpr, TILED: tl.constexpr):
     """Packed FP4 bytes [BN, BK/2] of K columns k0 .. k0 + BK and their multipliers [BN, BK/GS]
     (`_scale_multiplier`), for `_fp4_tile` / `_fp4_natural`."""
     offs_j = k0 // 2 + tl.arange(0, BK // 2)
     b = tl.load(wbase + byte_offsets(rows, offs_j[None, :], stride_wn, TILE_BYTES_C, TILED), mask=nmask[:, None],
                 other=0)
+    GS: tl.constexpr = group_size_c(FMT)
     offs_g = k0 // GS + tl.arange(0, BK // GS)
     s = tl.load(sbase + byte_offsets(rows, offs_g[None, :], stride_sn, scale_chunk_c(FMT), TILED),
                 mask=nmask[:, None], other=0)
@@ -235,9 +243,8 @@ def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_s
     against 512 for halves (BK 128; no prmt splitting x) and 162 registers against 229, but 603 against 513 at
     BM 16, where mma.sync takes the weight straight from registers in the halves' layout. Timed on an H200
     (bench/RESULTS.md round twenty-four): natural order 2-14 % faster at BM 128, up to 10 % slower at BM 64."""
-    GS: tl.constexpr = 32 if FMT == 2 else 16   # K elements per block scale
-    b, m = _load_fp4(wbase, sbase, offs_n.to(tl.int64)[:, None], nmask, k0, stride_wn, stride_sn, FMT, BK, GS, ASM,
-                     TILED)
+    GS: tl.constexpr = group_size_c(FMT)
+    b, m = _load_fp4(wbase, sbase, offs_n.to(tl.int64)[:, None], nmask, k0, stride_wn, stride_sn, FMT, BK, ASM, TILED)
     if BM >= 128:
         out = tl.dot(x, tl.trans(_fp4_natural(b, m, BN, BK, GS, DOT, ASM)), acc, input_precision=PREC)
     else:
@@ -295,8 +302,9 @@ def _load_xfp4(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, BM: tl.c
                DOT: tl.constexpr, ASM: tl.constexpr):
     """A W4A4 activation tile, packed NVFP4 [BM, BK/2] + e4m3 [BM, BK/16] -> values * 2^-9 [BM, BK]."""
     rows = xrow.to(tl.int64)[:, None]
-    b, m = _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, 3, BK, 16, ASM, False)
-    return _fp4_natural(b, m, BM, BK, 16, DOT, ASM)
+    GS: tl.constexpr = group_size_c(FMT_NVFP4_C)
+    b, m = _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, FMT_NVFP4_C, BK, ASM, False)
+    return _fp4_natural(b, m, BM, BK, GS, DOT, ASM)
 
 
 @triton.jit
