@@ -218,3 +218,35 @@ def test_fused_topk_sum_refuses_what_it_cannot_sum():
                     sum_out=torch.empty(1, 64), topk=4)
     with pytest.raises(ValueError, match="epi 0"):
         gemm.launch(h, w2, y, cfg, M=6, rows=gemm.ROWS_PAIR, num_m=6, ids=ids, sum_out=torch.empty(2, 64), topk=3)
+
+
+def test_sorted_path_caps_the_fp4_gate_up_registers_at_16_rows(monkeypatch):
+    """`sorted_configs`: FP4 gate/up tiles of 16 rows carry SORTED_UP_MAXNREG_FP4 (4 CTAs per SM instead of 2 on
+    an H200), FP8 gate/up, 32-row tiles and the down tiles none; `gemm.launch` hands the cap to the compiler on a
+    GPU (not to the interpreter, which has no registers) and the path still matches the reference."""
+    cap = tmoe.SORTED_UP_MAXNREG_FP4
+    E, k, D, I = 8, 2, 256, 128
+    for fmt, pairs, want in (("nvfp4", 12 * E, cap), ("mxfp4", 16 * E, cap), ("fp8", 12 * E, 0),
+                             ("nvfp4", 17 * E, 0)):
+        up, down = tmoe.sorted_configs(pairs, E, I, D, D, fmt, fmt)
+        assert (up.BM, up.maxnreg, down.maxnreg) == (16 if pairs <= 16 * E else 32, want, 0), (fmt, pairs)
+    w13, w2 = stacked("nvfp4", (E, 2), I, D), stacked("mxfp4", (E,), D, I)
+    T = 40
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 2.5)
+    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
+    assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
+
+    from dsv4.kernels import gemm
+    launched = []
+
+    class Recording:   # the launch's keyword arguments, nothing run
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append(kw)
+
+    monkeypatch.setattr(gemm, "_qgemm_kernel", Recording())
+    monkeypatch.setattr(gemm, "interpreting", lambda: False)   # as on a GPU; these tensors stay on the CPU
+    monkeypatch.setattr(gemm, "supported", lambda x, w: True)
+    monkeypatch.setattr(gemm, "weight_supported", lambda w, device: True)
+    tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
+    assert [kw.get("maxnreg") for kw in launched] == [cap, None]   # gate/up, then down

@@ -210,6 +210,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 4
     asm: bool | None = None  # None: ASM wherever the dot runs in bf16 on a GPU
+    maxnreg: int = 0         # register cap per thread (0: the compiler's own count), e.g. to fit one more CTA per SM
 
 
 def dot_dtype(x: torch.Tensor):
@@ -412,6 +413,7 @@ def launch(x, w: QWeight, y, cfg: Config, *, M: int, rows: int = ROWS_DENSE, gat
         DOT=dot, PREC=prec, ASM=asm, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK,
         EVEN_K=K % cfg.BK == 0, PROMOTE=scale_f32 or cfg.BM < 64, SPLIT=cfg.split_k > 1, TILED=w.tiled,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}),
     )
 
 

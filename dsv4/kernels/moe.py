@@ -57,6 +57,12 @@ THREE_STAGE_UP_TOKENS = 2
 # pairs per expert and 1.23-1.26x slower than the sorted path at 8-12 (run 139), so blocks hold 8.
 BLOCK_FROM_TOKENS = 9
 BLOCK_PAIRS_PER_EXPERT = 6
+# register cap of the sorted path's FP4 gate/up tiles at BM 16 (above the expert blocks: V4-Flash > 256 tokens,
+# V4-Pro > 384). Uncapped they take 188 registers, so 2 CTAs (8 warps) per SM; at 128 (10 spilled) 4 fit, and the
+# routed experts took 0.932-0.994 of the uncapped time at 384-512 tokens (V4-Flash NVFP4 / MXFP4, V4-Pro NVFP4;
+# bench/RESULTS.md, runs 176-177); caps of 96-120 (more spills) were slower, the down tiles (125 registers, 4 CTAs)
+# gained nothing from one
+SORTED_UP_MAXNREG_FP4 = 128
 # up to this many tokens, experts whose down projection holds at least this many bytes each (w2 and its scales;
 # V4-Pro 12.4 MB NVFP4, 11.7 MB MXFP4; V4-Flash 4.7 / 4.5 MB) stream it in units of 128 rows, the pair as two
 # launches. MoE layer as the model runs it, V4-Pro NVFP4: 1 token 92.8 -> 90.3 us, 2 tokens 165.3 -> 152.9; MXFP4
@@ -304,7 +310,8 @@ def sorted_configs(P: int, E: int, I: int, K: int, D: int, fmt_up: str, fmt_down
         bk_up, bk_down = gemm.k_block(fmt_up, K, t_up.BK), gemm.k_block(fmt_down, I, t_dn.BK)
         if bk_up is None or bk_down is None:
             return None, None
-        up = Config(BM, min(t_up.BN, gemm._pow2_at_most(I, 128)), bk_up, 1, 1, t_up.num_warps, t_up.num_stages)
+        up = Config(BM, min(t_up.BN, gemm._pow2_at_most(I, 128)), bk_up, 1, 1, t_up.num_warps, t_up.num_stages,
+                    maxnreg=SORTED_UP_MAXNREG_FP4 if BM == 16 and _fp4(fmt_up) else 0)
         down = Config(BM, min(t_dn.BN, gemm._pow2_at_most(D, 128)), bk_down, 1, 1, t_dn.num_warps, t_dn.num_stages)
         return up, down
     bk_up, bk_down = gemm.k_block(fmt_up, K, 64), gemm.k_block(fmt_down, I, 64)
