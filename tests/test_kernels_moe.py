@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv4.formats import QWeight
-from dsv4.kernels import ops_for, ref
+from dsv4.kernels import gemm, ops_for, ref
 from dsv4.kernels import moe as tmoe
 from kernel_util import refuse, rel_err, stacked_weight, strict_ops
 
@@ -124,7 +124,6 @@ def test_moe_round_one_decode_path():
 def test_split_k_in_every_row_mode():
     """Split-K (one launch, semaphores) for the gated pair rows, the routed pair rows, the sorted rows and the
     shared expert's dense gated rows; the same Scratch twice, so the semaphores must re-arm."""
-    from dsv4.kernels import gemm
 
     E, k, D, I = 5, 2, 128, 64
     w13 = stacked("nvfp4", (E, 2), I, D)
@@ -154,7 +153,6 @@ def test_fused_topk_sum_gives_the_sum_kernels_bits(T, fmt13, fmt2, split):
     of them, for each N tile) - the same bits as the separate sum kernel, with split-K too (only the last split's
     program counts its rows), and the semaphores re-armed (the same Scratch three times, one of them plain).
     K = 64 keeps decode on round one's tiles (the GEMV pair takes K a multiple of 128)."""
-    from dsv4.kernels import gemm
 
     E, k, D, I = 6, 3, 64, 96
     w13 = stacked(fmt13, (E, 2), I, D)
@@ -179,7 +177,6 @@ def test_fused_topk_sum_waits_for_every_row(mode):
     carry a NaN. The rows and sums must equal the unfused launch's, summed by `gemm.sum_rows`. (The interpreter
     runs programs one after another; that the last arrival sees the other programs' rows on a GPU - release /
     acquire on the semaphore, as split-K's - is bench/run_all.py's check.)"""
-    from dsv4.kernels import gemm
 
     E, k, D, I, T = 6, 3, 64, 96, 9
     w2 = stacked("nvfp4", (E,), D, I)
@@ -207,7 +204,6 @@ def test_fused_topk_sum_waits_for_every_row(mode):
 def test_fused_topk_sum_refuses_what_it_cannot_sum():
     """`gemm.launch(sum_out=...)` sums routed rows only, tokens x topk of them: anything else is an error that
     says what it got."""
-    from dsv4.kernels import gemm
 
     w2 = stacked("nvfp4", (4,), 64, 64)
     h, y = torch.randn(6, 64), torch.empty(6, 64)
@@ -237,7 +233,6 @@ def test_sorted_path_caps_the_fp4_gate_up_registers_at_16_rows(monkeypatch):
     got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
     assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
-    from dsv4.kernels import gemm
     launched = []
 
     class Recording:   # the launch's keyword arguments, nothing run
