@@ -5,7 +5,6 @@ for bit there) and fp32 dot operands, so fp32 checks are near-exact. Every test 
 ran (a call counter on `gemv.launch`), so a silent fallback to another kernel or the reference fails.
 """
 
-import inspect
 import re
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.formats import QWeight
+from dsv4.formats.wordcode import code_words
 from dsv4.kernels import Ops, decode, gemm, gemv, moe_pair, ops_for, ref
 from dsv4.kernels import moe as tmoe
 from dsv4.kernels import tiles
@@ -909,8 +909,8 @@ _BF16_ONE = 0x3F803F80
 
 
 def _run_ptx(asm: str, args: list[int]) -> list[int]:
-    """Runs the PTX subset of the decoders (mov, shl, and, prmt, mul.rn.bf16x2 on .b32 registers) on Python
-    ints; operands $0.. are outputs then `args`, as in tl.inline_asm_elementwise."""
+    """Runs the PTX subset of the decoders (mov, shl, shr, xor, and, shf.l.wrap, prmt, mul.rn.bf16x2 on .b32
+    registers) on Python ints; operands $0.. are outputs then `args`, as in tl.inline_asm_elementwise."""
     regs, outs = {}, {}
     nout = len(set(re.findall(r"[a-z0-9.]+\s+\$(\d+),", asm)))   # operands an instruction writes
     for i, v in enumerate(args):
@@ -928,6 +928,12 @@ def _run_ptx(asm: str, args: list[int]) -> list[int]:
             r = val(src[0])
         elif op == "shl.b32":
             r = (val(src[0]) << val(src[1])) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            r = val(src[0]) >> val(src[1])
+        elif op == "xor.b32":
+            r = val(src[0]) ^ val(src[1])
+        elif op == "shf.l.wrap.b32":   # the high word of {b, a} << n
+            r = ((((val(src[1]) << 32) | val(src[0])) << (val(src[2]) & 31)) >> 32) & 0xFFFFFFFF
         elif op == "and.b32":
             r = val(src[0]) & val(src[1])
         elif op == "prmt.b32":
@@ -941,10 +947,10 @@ def _run_ptx(asm: str, args: list[int]) -> list[int]:
     return [outs[f"${i}"] for i in range(nout)]
 
 
-def _decoder_asm(fn) -> str:
-    """The PTX text of the (single) inline-asm decoder in a jitted function's source."""
-    src = inspect.getsource(fn.fn)
-    return re.search(r'"""(.*?)"""', src[src.index("inline_asm_elementwise"):], re.S).group(1)
+def _coded(word: int) -> int:
+    """A plain FP4 word as tiled weights store it (`formats.wordcode`)."""
+    signed = torch.tensor([word - (1 << 32) if word >> 31 else word], dtype=torch.int32)
+    return int(code_words(signed)) & 0xFFFFFFFF
 
 
 def _bf16_value(half: int) -> float:   # a bf16 bit pattern, exactly
@@ -956,45 +962,52 @@ def _nibble_value(n: int) -> float:
     return (-1.0 if n & 8 else 1.0) * _E2M1[n & 7] * 2.0 ** -126
 
 
-def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair():
-    """The PTX of `decode._fp4_decode` (`decode.FP4_PTX`), run by `_run_ptx` on every byte value in
-    every byte position of a word (other bytes hold garbage), multiplier 1: output i holds byte i's low nibble in
-    its low half and the high nibble in its high half, each e2m1 * 2^-126 as bf16."""
-    asm = decode.FP4_PTX.value
+@pytest.mark.parametrize("coded", [False, True])
+def test_fp4_decoder_asm_gives_each_byte_as_a_natural_order_pair(coded):
+    """The PTX of `decode._fp4_decode` (`tiles.FP4_PTX`, or `FP4_CODED_PTX` on the coded words of tiled weights),
+    run by `_run_ptx` on every byte value in every byte position of a word (other bytes hold garbage), multiplier
+    1: output i holds byte i's low nibble in its low half and the high nibble in its high half, each
+    e2m1 * 2^-126 as bf16."""
+    asm = (tiles.FP4_CODED_PTX if coded else decode.FP4_PTX).value
+    assert coded == ("prmt" not in asm)   # a coded pair is a shift and a LOP3
     for v in range(256):
         want = [_nibble_value(v & 15), _nibble_value(v >> 4)]
         for i in range(4):
             word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
-            t = _run_ptx(asm, [word, _BF16_ONE])[i]
+            t = _run_ptx(asm, [_coded(word) if coded else word, _BF16_ONE])[i]
             assert [_bf16_value(t & 0xFFFF), _bf16_value(t >> 16)] == want, (v, i)
 
 
-def test_raw_fp4_decoder_asm_is_the_decoder_without_its_multiply():
-    """`decode.FP4_PTX_RAW` (the group-column path) gives `FP4_PTX`'s pairs with multiplier 1: e2m1 * 2^-126 as
-    bf16, natural order, on every byte value in every byte position."""
-    asm = decode.FP4_PTX_RAW.value
+@pytest.mark.parametrize("coded", [False, True])
+def test_raw_fp4_decoder_asm_is_the_decoder_without_its_multiply(coded):
+    """`FP4_PTX_RAW` / `FP4_CODED_PTX_RAW` (the group-column path) give the decoder's pairs with multiplier 1:
+    e2m1 * 2^-126 as bf16, natural order, on every byte value in every byte position."""
+    asm = (tiles.FP4_CODED_PTX_RAW if coded else decode.FP4_PTX_RAW).value
     assert "mul" not in asm
     for v in range(256):
         want = [_nibble_value(v & 15), _nibble_value(v >> 4)]
         for i in range(4):
             word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
-            t = _run_ptx(asm, [word])[i]
+            t = _run_ptx(asm, [_coded(word) if coded else word])[i]
             assert [_bf16_value(t & 0xFFFF), _bf16_value(t >> 16)] == want, (v, i)
 
 
-def test_tile_fp4_decoder_asm_splits_low_and_high_nibbles():
-    """The PTX of round one's `tiles._fp4_tile`, run the same way: outputs 0 / 1 hold the low nibbles of bytes
-    (0, 1) / (2, 3), outputs 2 / 3 their high nibbles; each output pair takes its own multiplier operand."""
-    asm = _decoder_asm(tiles._fp4_tile)
+@pytest.mark.parametrize("coded", [False, True])
+def test_tile_fp4_decoder_asm_splits_low_and_high_nibbles(coded):
+    """The PTX of round one's `tiles._fp4_tile` (`FP4_HALVES_PTX` / `FP4_CODED_HALVES_PTX`), run the same way:
+    outputs 0 / 1 hold the low nibbles of bytes (0, 1) / (2, 3), outputs 2 / 3 their high nibbles; each output
+    pair takes its own multiplier operand."""
+    asm = (tiles.FP4_CODED_HALVES_PTX if coded else tiles.FP4_HALVES_PTX).value
     for v in range(256):
         for i in range(4):
             word = (v << (8 * i)) | (0xA5C3A5C3 & ~(0xFF << (8 * i)))
-            out = _run_ptx(asm, [word, _BF16_ONE, _BF16_ONE])
+            out = _run_ptx(asm, [_coded(word) if coded else word, _BF16_ONE, _BF16_ONE])
             nibbles = [(word >> (8 * j)) & 15 for j in range(4)] + [(word >> (8 * j + 4)) & 15 for j in range(4)]
             got = [_bf16_value(h) for t in out for h in (t & 0xFFFF, t >> 16)]
             assert got == [_nibble_value(n) for n in nibbles], (v, i)
     two = 0x40004000   # bf16 2.0 in both halves: $5 scales outputs 0 and 2, $6 outputs 1 and 3
-    out = _run_ptx(asm, [0x22222222, two, _BF16_ONE])
+    word = _coded(0x22222222) if coded else 0x22222222
+    out = _run_ptx(asm, [word, two, _BF16_ONE])
     assert [_bf16_value(t & 0xFFFF) for t in out] == [2 * _nibble_value(2), _nibble_value(2)] * 2
 
 

@@ -65,7 +65,7 @@ def test_dequantization_is_exact(ops, fmt):
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_fused_tiles_decode_fp4_exactly_in_both_k_orders(fmt):
-    """The fused tiles decode FP4 as even / odd K halves below BM 128 and in natural K order from it
+    """The fused tiles decode FP4 as even / odd K halves at BM 32-64 and in natural K order at BM 16 and from BM 128
     (`tiles._accumulate_fp4`); x = identity makes every output one weight element, so each order must put every
     nibble, scale and the prescale where QWeight.dequantize does, bit for bit. Then both with split K, plain and
     gated (the clamped SwiGLU pair of the shared expert, large enough weights to reach the clamp)."""
@@ -78,7 +78,7 @@ def test_fused_tiles_decode_fp4_exactly_in_both_k_orders(fmt):
     r = ref.linear(x, w)
     w13, w2 = stacked_weight(fmt, 32, 64, (2,), 0.5), stacked_weight(fmt, 64, 32, (), 0.1)
     want_mlp = ref.mlp(x, w13, w2, 3.0)
-    for bm in (16, 128):
+    for bm in (32, 128):
         cfg = gemm.Config(bm, 16, 32, split_k=2)
         assert rel_err(gemm.linear(x, w, config=cfg, fallback=refuse), r) < 1e-6
         y = tmoe.mlp(x, w13, w2, 3.0, fallback=refuse, linear=ops_for("cpu", "triton").linear, config=cfg)

@@ -12,7 +12,8 @@ w1/w3 experts where index 0 is w1 = gate and 1 is w3 = up, (2,) for the shared e
 
 Packed FP4 bytes hold element 2j in the low nibble. Each leading index keeps its own scales: two shards
 stacked together never share one weight_scale_2. `tiled`: the weight bytes (and FP4 block scales) are stored
-tile-major (`formats.tiling`), shapes unchanged; `dequantize` and `untiled` give back row-major.
+tile-major (`formats.tiling`), shapes unchanged, and FP4 words are XOR-coded for the GPU decoders
+(`formats.wordcode`); `dequantize` and `untiled` give back plain row-major bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .mxfp4 import MXFP4_BLOCK, dequantize_mxfp4
 from .nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
 from .scales import UE8M0_DTYPE
 from .tiling import TILE_BYTES, TILE_ROWS, scale_chunk, tile_bytes, tile_bytes_, untile_bytes, why_untileable
+from .wordcode import code_fp4_
 
 FORMATS = ("dense", "fp8", "mxfp4", "nvfp4")
 FP4_FORMATS = ("mxfp4", "nvfp4")   # packed two codes per byte, block scales per 16 / 32
@@ -86,7 +88,12 @@ class QWeight:
             raise ValueError(f"cannot tile a {self.fmt} weight {tuple(self.weight.shape)}: {why}")
         move = tile_bytes_ if in_place else tile_bytes
         chunk = scale_chunk(self.fmt)
-        return QWeight(self.fmt, move(self.weight, TILE_BYTES), move(self.scale, chunk) if chunk else self.scale,
+        weight = move(self.weight, TILE_BYTES)
+        if self.fmt in FP4_FORMATS:
+            if not in_place and weight.data_ptr() == self.weight.data_ptr():
+                weight = weight.clone()   # one tile per matrix tiles to a view of itself: never code self's bytes
+            code_fp4_(weight)
+        return QWeight(self.fmt, weight, move(self.scale, chunk) if chunk else self.scale,
                        self.scale_2, self.input_scale, tiled=True)
 
     def untiled(self) -> "QWeight":
@@ -94,8 +101,13 @@ class QWeight:
         if not self.tiled:
             return self
         chunk = scale_chunk(self.fmt)
-        return QWeight(self.fmt, untile_bytes(self.weight, TILE_BYTES), untile_bytes(self.scale, chunk) if chunk else
-                       self.scale, self.scale_2, self.input_scale)
+        weight = untile_bytes(self.weight, TILE_BYTES)
+        if self.fmt in FP4_FORMATS:
+            if weight.data_ptr() == self.weight.data_ptr():
+                weight = weight.clone()
+            code_fp4_(weight, uncode=True)
+        return QWeight(self.fmt, weight, untile_bytes(self.scale, chunk) if chunk else self.scale, self.scale_2,
+                       self.input_scale)
 
     def index(self, *index: int) -> "QWeight":
         """The unstacked weight at one leading index (views, no copy; tiling is per matrix, so it stays)."""

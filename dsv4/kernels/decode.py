@@ -1,7 +1,9 @@
 """Register decoders of the decode GEMV (`gemv.py`): packed FP4 / FP8 weight words -> exact bf16 operands.
 
-Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 1 shift + 4 x (prmt, shift, and, bf16x2 mul);
-FP8 4 values = 2 x (prmt, shift, and, bf16x2 mul). FP4 block-scale multipliers are formed once per scale
+Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 4 x (shift, LOP3, bf16x2 mul) on the coded words of
+tiled weights (`formats.wordcode`; 631 instead of 791 instructions per NVFP4 loop iteration, bench/RESULTS.md round
+twenty-six), 1 shift + 4 x (prmt, shift, and, bf16x2 mul) on plain words; FP8 4 values = 2 x (prmt, shift, and,
+bf16x2 mul). FP4 block-scale multipliers are formed once per scale
 group. NVFP4: e2m1 as a bf16 subnormal (value * 2^-126) times bf16(scale * 2^117); MXFP4: times
 bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m3 as bf16 value * 2^-120 times
 2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
@@ -18,7 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import FP4_PTX, FP4_PTX_RAW, FP8_BF16X2_ASM, _e2m1_values
+from .tiles import (FP4_CODED_PTX, FP4_CODED_PTX_RAW, FP4_PTX, FP4_PTX_RAW, FP8_BF16X2_ASM, _e2m1_values,
+                    _uncode_words)
 
 
 @triton.jit
@@ -45,34 +48,38 @@ def _join8(e0, e1, e2, e3, e4, e5, e6, e7, BN: tl.constexpr):
 
 
 @triton.jit
-def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr = True):
+def _fp4_decode(b, mult, BN: tl.constexpr, ASM: tl.constexpr, SCALED: tl.constexpr = True,
+                CODED: tl.constexpr = False):
     """Packed FP4 weights [BN, 16] uint32 (four adjacent bytes of one row each) and their block multipliers ->
     [BN, 128] in natural order (bf16 with ASM, else fp32): element 2j / 2j + 1 is the low / high nibble of
     byte j times its multiplier. Not SCALED (the group columns, module docstring): E2M1 value * 2^-126 (with ASM
     no multiply at all, a bf16 subnormal for +-0.5; else times `mult`, which the caller sets to 2^-126).
 
     ASM, one 32-bit word per instance, one bf16x2 per byte i (elements 2i, 2i + 1, adjacent in x too, so x
-    fragments are plain words): `prmt` builds [S(w_i) w_i S(u_i) u_i] from the word w and u = w << 4 (mode 8
-    replicates a byte's sign bit), so after << 2 and the mask the low nibble sits in the low half and the high
-    nibble in the high half as bf16 subnormals (sign at bit 15 / 31, magnitude bits at 8..6 / 24..22). One
+    fragments are plain words), the low nibble in the low half and the high nibble in the high half as bf16
+    subnormals (sign at bit 15 / 31, magnitude bits at 8..6 / 24..22): from a CODED word (tiled weights,
+    `formats.wordcode`) by a shift, XOR and mask; from a plain one `prmt` builds [S(w_i) w_i S(u_i) u_i] from the
+    word w and u = w << 4 (mode 8 replicates a byte's sign bit), then << 2 and the mask (`tiles._fp4_ptx`). One
     mul.bf16x2 applies the multiplier (a word never straddles a scale group). Element positions come from
     memory (a uint32 is four bytes of one row), never from Triton's register order, on which `pack > 1`
-    would depend (`FP4_PTX`, `FP4_PTX_RAW`).
+    would depend. Without ASM a CODED word is first uncoded (`tiles._uncode_words`).
     """
     if ASM:
         if SCALED:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_PTX, "=r,=r,=r,=r,r,r", [b, mult],
-                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_CODED_PTX if CODED else FP4_PTX, "=r,=r,=r,=r,r,r",
+                                                       [b, mult], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
                                                        is_pure=True, pack=1)
         else:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_PTX_RAW, "=r,=r,=r,=r,r", [b],
-                                                       dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(FP4_CODED_PTX_RAW if CODED else FP4_PTX_RAW, "=r,=r,=r,=r,r",
+                                                       [b], dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
                                                        is_pure=True, pack=1)
         e0, e1 = _bf16_pair(p0)
         e2, e3 = _bf16_pair(p1)
         e4, e5 = _bf16_pair(p2)
         e6, e7 = _bf16_pair(p3)
     else:
+        if CODED:
+            b = _uncode_words(b)
         e0 = _e2m1_values(b & 15) * mult
         e1 = _e2m1_values((b >> 4) & 15) * mult
         e2 = _e2m1_values((b >> 8) & 15) * mult

@@ -458,7 +458,7 @@ def _dequant_kernel(w_ptr, s_ptr, s2_ptr, y_ptr, N, K, stride_wn, stride_sn, str
     if FMT >= 2:
         GS: tl.constexpr = group_size_c(FMT)
         b, m = _load_fp4(w_ptr, s_ptr, rows, nmask, k0, stride_wn, stride_sn, FMT, BK, ASM, TILED)
-        w = _fp4_natural(b, m, BN, BK, GS, tl.bfloat16, ASM).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
+        w = _fp4_natural(b, m, BN, BK, GS, tl.bfloat16, ASM, TILED).to(tl.float32) * epilogue_factor(s2_ptr, FMT)
         mask = nmask[:, None]
     else:
         mask = nmask[:, None] & (offs_k[None, :] < K)

@@ -8,9 +8,10 @@ threads.
 
 Weights row-major or tile-major (`QWeight.tiled`, `formats.tiling`: on CUDA the loader stores them tiled, so
 that one sub-step of a 64-row tile is one contiguous 4 KB run instead of 64 runs of 64 bytes;
-`tiles.byte_offsets`).
+`tiles.byte_offsets`). Tiled FP4 weights also store each 32-bit word XOR-coded (`formats.wordcode`), so that a
+pair of values decodes in a shift and one LOP3.
 
-Layout trick (no repack within a row's bytes). A K step ("sub-step") covers 64 bytes of every weight row
+Layout trick (no byte moves within a row). A K step ("sub-step") covers 64 bytes of every weight row
 (128 FP4 or 64 FP8 elements). Triton loads a [BN, 64] byte tile with 4 threads per row (16 bytes each) and
 8 rows per warp; each thread decodes its 16 bytes into elements in natural order (FP4: the low then the high
 nibble of every byte, so each bf16x2 register holds two elements that are adjacent in x as well). The MMA A
@@ -31,10 +32,10 @@ undone once in the epilogue.
 Group columns (`GemvConfig.group_cols`; by default in the MoE launches, whose units each read one x row): with FP4
 weights, column m of the MMA's x operand holds only the 16 x values of the sub-step's scale group m (times 2^64), so
 the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weights enter unscaled (E2M1 * 2^-126:
-`prmt`, shift and AND per pair, no multiply: `decode.FP4_PTX_RAW`) and one FFMA per group applies the block scales
+no multiply: `tiles.FP4_CODED_PTX_RAW` / `FP4_PTX_RAW`) and one FFMA per group applies the block scales
 to D (`decode._group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal
 range for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
-3.6); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the pipeliner
+3.6, plain words; coded words, tiled: 561 instead of 631); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the pipeliner
 would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense V4-Pro wq_b / wo_b
 at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in time (ncu: 17 % of stall
 samples on them); staging them with the weights, loading them through inline PTX or prefetching them into L2
@@ -186,13 +187,14 @@ def _load_scales(sbase, srow, step, sk, FMT: tl.constexpr):
 
 @triton.jit
 def _mma_sub(acc, b, s, xs, FMT: tl.constexpr, BN: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
-             ASM: tl.constexpr, GCOL: tl.constexpr):
-    """acc [BN, MP] += decoded sub-step tile @ xs (the sub-step's x, from `_x_subtile`)."""
+             ASM: tl.constexpr, GCOL: tl.constexpr, CODED: tl.constexpr):
+    """acc [BN, MP] += decoded sub-step tile @ xs (the sub-step's x, from `_x_subtile`); CODED: FP4 words as tiled
+    weights store them (`formats.wordcode`)."""
     if GCOL:
-        d = tl.dot(_to_mma(_fp4_decode(b, 2.0 ** -126, BN, ASM, False).to(DOT), BN, W, 128), xs)
+        d = tl.dot(_to_mma(_fp4_decode(b, 2.0 ** -126, BN, ASM, False, CODED).to(DOT), BN, W, 128), xs)
         acc += d * _group_scales(s, FMT, BN, W)
     elif FMT >= 2:
-        w = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM)
+        w = _fp4_decode(b, _group_multipliers(s, FMT, BN, ASM), BN, ASM, True, CODED)
         acc = tl.dot(_to_mma(w.to(DOT), BN, W, 128), xs, acc)
     else:
         w = _fp8_decode(b, BN, ASM)
@@ -279,13 +281,13 @@ def _unit_acc(x_ptr, xrow, rmask, xcol, wbase, sbase, rows, rows_mma, nmask_mma,
             x1 = _x_subtile(x_ptr, xrow, rmask & (xrow * 0 + step + 1 < s1), xcol + step1 * KS, stride_xm, MP,
                             KS, DOT, XG)
         blk = _mma_sub(acc if FMT >= 2 else tl.zeros((BN, MP), dtype=tl.float32), b0, c0, x0, FMT, BN, W,
-                       DOT, ASM, GC)
+                       DOT, ASM, GC, TILED)
         if PREFETCH:
             b0, c0 = _load_sub(wbase, sbase, wrow, srow, tl.minimum(step + STEP, s1 - 1), wk, sk, FMT)
         if PAIRED:
-            acc2 = _mma_sub(acc2, b1, c1, x1, FMT, BN, W, DOT, ASM, GC)
+            acc2 = _mma_sub(acc2, b1, c1, x1, FMT, BN, W, DOT, ASM, GC, TILED)
         else:
-            blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM, GC)
+            blk = _mma_sub(blk, b1, c1, x1, FMT, BN, W, DOT, ASM, GC, TILED)
         if PREFETCH:
             b1, c1 = _load_sub(wbase1, sbase1, wrow, srow, tl.minimum(step1 + STEP, s1 - 1), wk, sk, FMT)
         if FMT >= 2:

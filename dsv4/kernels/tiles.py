@@ -11,7 +11,8 @@ not rounded through bf16 either.
 
 ASM=True (CUDA) decodes four packed bytes per instruction group with PTX bit tricks and bf16x2 multiplies;
 ASM=False is plain Triton (the path `TRITON_INTERPRET=1` runs, and a fallback on GPUs). Both compute the
-same values.
+same values. Tiled FP4 weights hold XOR-coded words (`formats.wordcode`): their readers pass CODED = TILED, the
+PTX decodes them directly, and the plain-Triton path uncodes them first (`_uncode_words`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..formats import MXFP4_BLOCK, NVFP4_BLOCK, TILE_BYTES, TILE_ROWS, scale_chunk
+from ..formats.wordcode import DECODE_OPS, PAIR_MASK
 
 FMT_DENSE, FMT_FP8, FMT_MXFP4, FMT_NVFP4 = 0, 1, 2, 3
 FMT_CODES = MappingProxyType({"dense": FMT_DENSE, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4, "nvfp4": FMT_NVFP4})
@@ -31,6 +33,7 @@ _TWO_P117 = tl.constexpr(2.0 ** 117)
 TILE_ROWS_C = tl.constexpr(TILE_ROWS)
 TILE_BYTES_C = tl.constexpr(TILE_BYTES)
 FMT_NVFP4_C = tl.constexpr(FMT_NVFP4)   # W4A4 activations are NVFP4
+PAIR_MASK_C = tl.constexpr(PAIR_MASK)
 
 
 # `formats.scale_chunk` indexed by kernel format code (Triton's dependency hashing takes constexprs, not calls)
@@ -91,72 +94,110 @@ def _scale_multiplier(s, FMT: tl.constexpr, ASM: tl.constexpr):
     return m
 
 
-def _fp4_ptx(scaled: bool) -> str:
+def _coded_pair_ptx(i: int, dst: str) -> list[str]:
+    """PTX leaving pair i of the coded word $4 in `dst` (`formats.wordcode`: a shift and, once ptxas folds the XOR
+    into the AND, one LOP3)."""
+    op, s = DECODE_OPS[i]
+    if op == "rotl":
+        return [f"shf.l.wrap.b32 {dst}, $4, $4, {s};", f"and.b32 {dst}, {dst}, 0x{PAIR_MASK:08X};"]
+    return [f"{'shl' if op == 'xor_shl' else 'shr'}.b32 {dst}, $4, {s};", f"xor.b32 {dst}, {dst}, $4;",
+            f"and.b32 {dst}, {dst}, 0x{PAIR_MASK:08X};"]
+
+
+def _fp4_ptx(scaled: bool, coded: bool) -> str:
     """PTX decoding one 32-bit word of packed FP4 (operands: $0..$3 out, $4 the word, $5 the multiplier when
     `scaled`, a bf16x2 of equal halves): output i is byte i's (low nibble, high nibble) as a bf16x2, elements 2i
-    and 2i + 1 in natural K order. Per byte: `prmt` (selector 0xC480 + 0x1111 i) builds [S(w_i) w_i S(u_i) u_i]
-    from the word w and u = w << 4 (mode 8 replicates a byte's sign bit), so after << 2 and the mask the low
-    nibble sits in the low half and the high nibble in the high half as bf16 subnormals (sign at bit 15 / 31,
-    magnitude bits at 8..6 / 24..22: the value e2m1 * 2^-126); then the multiply, or not."""
-    lines = ["{", ".reg .b32 u, t;", "shl.b32 u, $4, 4;"]
+    and 2i + 1 in natural K order, as bf16 subnormals (sign at bit 15 / 31, magnitude bits at 8..6 / 24..22: the
+    value e2m1 * 2^-126); then the multiply, or not. A plain word, per byte: `prmt` (selector 0xC480 + 0x1111 i)
+    builds [S(w_i) w_i S(u_i) u_i] from the word w and u = w << 4 (mode 8 replicates a byte's sign bit), then
+    << 2 and the mask. A `coded` word (tiled weights): a shift, XOR and mask per pair (`_coded_pair_ptx`)."""
+    lines = ["{", ".reg .b32 u, t;"] + ([] if coded else ["shl.b32 u, $4, 4;"])
     for i in range(4):
-        lines += [f"prmt.b32 t, u, $4, 0x{0xC480 + 0x1111 * i:04X};", "shl.b32 t, t, 2;"]
-        lines += ["and.b32 t, t, 0x81C081C0;", f"mul.rn.bf16x2 ${i}, t, $5;"] if scaled else \
-            [f"and.b32 ${i}, t, 0x81C081C0;"]
+        if coded:
+            lines += _coded_pair_ptx(i, "t")
+        else:
+            lines += [f"prmt.b32 t, u, $4, 0x{0xC480 + 0x1111 * i:04X};", "shl.b32 t, t, 2;",
+                      f"and.b32 t, t, 0x{PAIR_MASK:08X};"]
+        lines += [f"mul.rn.bf16x2 ${i}, t, $5;" if scaled else f"mov.b32 ${i}, t;"]
     return "\n".join(lines + ["}"])
 
 
-FP4_PTX = tl.constexpr(_fp4_ptx(True))
-FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False))   # no multiply (the GEMV's group columns)
+def _fp4_halves_ptx(coded: bool) -> str:
+    """PTX for `_fp4_tile`: 4 bytes ($4, one b32) and their 4 multipliers ($5, $6: two bf16x2) -> the 4 low nibbles
+    ($0, $1: elements 0 2 / 4 6) and the 4 high nibbles ($2, $3: 1 3 / 5 7) as bf16 pairs. A plain word: `prmt`
+    mode 8 replicates a byte's sign bit, so [S(b1) b1 S(b0) b0] << 2, masked, holds the high nibbles of b0 and b1
+    as bf16 subnormals; the low nibbles come the same way from the word shifted left by 4. A coded word: its four
+    natural pairs (`_coded_pair_ptx`), regrouped by `prmt` (low halves 0x5410, high halves 0x7632). Then one
+    mul.bf16x2 per output applies the multipliers."""
+    if coded:   # pairs 0, 1 -> outputs 0 (low halves) and 2 (high halves); pairs 2, 3 -> outputs 1 and 3
+        lines = ["{", ".reg .b32 t, a, b;"]
+        for half, m in ((0, 5), (1, 6)):
+            lines += _coded_pair_ptx(2 * half, "a") + _coded_pair_ptx(2 * half + 1, "b")
+            lines += ["prmt.b32 t, a, b, 0x5410;", f"mul.rn.bf16x2 ${half}, t, ${m};",
+                      "prmt.b32 t, a, b, 0x7632;", f"mul.rn.bf16x2 ${half + 2}, t, ${m};"]
+        return "\n".join(lines + ["}"])
+    lines = ["{", ".reg .b32 u, t;", "shl.b32 u, $4, 4;"]
+    for out, (src, sel, m) in enumerate((("u", "0x9180", 5), ("u", "0xB3A2", 6), ("$4", "0x9180", 5),
+                                         ("$4", "0xB3A2", 6))):
+        lines += [f"prmt.b32 t, {src}, 0, {sel};", "shl.b32 t, t, 2;", f"and.b32 t, t, 0x{PAIR_MASK:08X};",
+                  f"mul.rn.bf16x2 ${out}, t, ${m};"]
+    return "\n".join(lines + ["}"])
+
+
+FP4_PTX = tl.constexpr(_fp4_ptx(True, False))
+FP4_PTX_RAW = tl.constexpr(_fp4_ptx(False, False))   # no multiply (the GEMV's group columns)
+FP4_CODED_PTX = tl.constexpr(_fp4_ptx(True, True))
+FP4_CODED_PTX_RAW = tl.constexpr(_fp4_ptx(False, True))
+FP4_HALVES_PTX = tl.constexpr(_fp4_halves_ptx(False))
+FP4_CODED_HALVES_PTX = tl.constexpr(_fp4_halves_ptx(True))
+
+
+@triton.jit
+def _pair_codes(t):
+    """A decoded pair register (uint32) -> the byte of its two 4-bit codes (low half -> low nibble)."""
+    lo = ((t >> 12) & 8) | ((t >> 6) & 7)
+    hi = ((t >> 28) & 8) | ((t >> 22) & 7)
+    return lo | (hi << 4)
+
+
+@triton.jit
+def _uncode_words(q):
+    """Coded FP4 words (uint32, `formats.wordcode`) -> plain words, in plain Triton (the interpreter's path; the
+    GPU decodes coded words directly). The ops are `DECODE_OPS`'s (tests/test_wordcode.py checks both)."""
+    t0 = (q ^ (q << 2)) & PAIR_MASK_C
+    t1 = (q ^ (q << 6)) & PAIR_MASK_C
+    t2 = (q ^ (q >> 6)) & PAIR_MASK_C
+    t3 = ((q << 12) | (q >> 20)) & PAIR_MASK_C
+    return _pair_codes(t0) | (_pair_codes(t1) << 8) | (_pair_codes(t2) << 16) | (_pair_codes(t3) << 24)
+
+
+@triton.jit
+def _uncode_bytes(b4):
+    """Coded FP4 bytes [A, B, C, 4] (a little-endian word per last row) -> plain bytes, same shape."""
+    shifts = (tl.arange(0, 4).to(tl.uint32) * 8)[None, None, None, :]
+    w = tl.sum(b4.to(tl.uint32) << shifts, axis=3)   # disjoint bit fields: the sum is the OR
+    return ((_uncode_words(w)[:, :, :, None] >> shifts) & 0xFF).to(tl.uint8)
 
 
 @triton.jit
 def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr,
-              ASM: tl.constexpr):
-    """Packed bytes [BN, BK/2] and per-group multipliers [BN, BK/GS] -> prescaled values of the even
-    (low-nibble) and odd (high-nibble) K elements, [BN, BK/2] each, in the dot dtype. For mma.sync (BM < 128 in
-    `_accumulate_fp4`), keeping the halves apart (and splitting x the same way) saves the register shuffles an
-    interleave costs there; `_fp4_natural` gives the same values in natural K order."""
+              ASM: tl.constexpr, CODED: tl.constexpr):
+    """Packed bytes [BN, BK/2] (CODED: words coded as tiled weights store them, `formats.wordcode`) and per-group
+    multipliers [BN, BK/GS] -> prescaled values of the even (low-nibble) and odd (high-nibble) K elements,
+    [BN, BK/2] each, in the dot dtype. For mma.sync (BM < 128 in `_accumulate_fp4`), keeping the halves apart (and
+    splitting x the same way) saves the register shuffles an interleave costs there; `_fp4_natural` gives the
+    same values in natural K order."""
     b3 = b.reshape(BN, BK // GS, GS // 2)
     m3 = tl.broadcast_to(mult[:, :, None], (BN, BK // GS, GS // 2))
     if ASM:
-        # One asm instance takes 4 bytes (one b32) and their 4 multipliers (two bf16x2) and returns the 4 low
-        # nibbles and the 4 high nibbles as bf16 pairs. `prmt` mode 8 replicates a byte's sign bit, so
-        # [S(b1) b1 S(b0) b0] << 2, masked, holds the high nibbles of b0 and b1 as bf16 subnormals (sign at bit
-        # 15 / 31, magnitude bits at 8..6 / 24..22: the value e2m1 * 2^-126); the low nibbles come the same way
-        # from the word shifted left by 4. Then one mul.bf16x2 applies the multipliers.
-        lo, hi = tl.inline_asm_elementwise(
-            """
-            {
-            .reg .b32 u, t;
-            shl.b32 u, $4, 4;
-            prmt.b32 t, u, 0, 0x9180;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $0, t, $5;
-            prmt.b32 t, u, 0, 0xB3A2;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $1, t, $6;
-            prmt.b32 t, $4, 0, 0x9180;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $2, t, $5;
-            prmt.b32 t, $4, 0, 0xB3A2;
-            shl.b32 t, t, 2;
-            and.b32 t, t, 0x81C081C0;
-            mul.rn.bf16x2 $3, t, $6;
-            }
-            """,
-            "=r,=r,=r,=r,r,r,r",
-            [b3, m3],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
+        # one asm instance per 4 bytes (one b32) and their 4 multipliers (two bf16x2): `_fp4_halves_ptx`
+        lo, hi = tl.inline_asm_elementwise(FP4_CODED_HALVES_PTX if CODED else FP4_HALVES_PTX, "=r,=r,=r,=r,r,r,r",
+                                           [b3, m3], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         lo = lo.to(DOT)
         hi = hi.to(DOT)
     else:
+        if CODED:
+            b3 = _uncode_bytes(b3.reshape(BN, BK // GS, GS // 8, 4)).reshape(BN, BK // GS, GS // 2)
         lo = (_e2m1_values(b3 & 15) * m3).to(DOT)
         hi = (_e2m1_values(b3 >> 4) * m3).to(DOT)
     return lo.reshape(BN, BK // 2), hi.reshape(BN, BK // 2)
@@ -164,10 +205,12 @@ def _fp4_tile(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT
 
 @triton.jit
 def _fp4_natural(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, DOT: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, CODED: tl.constexpr):
     """`_fp4_tile`'s values in natural K order: [BN, BK], element 2j / 2j + 1 the low / high nibble of byte j."""
     b3 = b.reshape(BN, BK // GS, GS // 8, 4)
     m3 = tl.broadcast_to(mult[:, :, None, None], (BN, BK // GS, GS // 8, 4))
+    if CODED and not ASM:
+        b3 = _uncode_bytes(b3)
     if ASM:
         # One `FP4_PTX` instance per 4 bytes (one b32 in one scale group: a thread's bytes of a group are
         # contiguous); its multiplier $5 is the first of the two bf16x2 that Triton packs from the word's 4
@@ -175,8 +218,8 @@ def _fp4_natural(b, mult, BN: tl.constexpr, BK: tl.constexpr, GS: tl.constexpr, 
         # Its four bf16x2 outputs are natural elements 0..7 of those bytes; Triton files the first two as output
         # a's four elements and the last two as c's, so a holds natural elements 0..3 and c 4..7 of every word,
         # and the join puts them in order (register renaming, no instruction).
-        a, c = tl.inline_asm_elementwise(FP4_PTX, "=r,=r,=r,=r,r,r,r", [b3, m3], dtype=(tl.bfloat16, tl.bfloat16),
-                                         is_pure=True, pack=4)
+        a, c = tl.inline_asm_elementwise(FP4_CODED_PTX if CODED else FP4_PTX, "=r,=r,=r,=r,r,r,r", [b3, m3],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         w = tl.permute(tl.join(a, c), (0, 1, 2, 4, 3))          # [BN, groups, words, a|c, 4]
     else:
         w = tl.join(_e2m1_values(b3 & 15) * m3, _e2m1_values(b3 >> 4) * m3)   # [BN, groups, words, byte, lo|hi]
@@ -236,19 +279,24 @@ def _load_fp4(wbase, sbase, rows, nmask, k0, stride_wn, stride_sn, FMT: tl.const
 def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_sn,
                     FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
                     PREC: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
-    """acc [BM, BN] += x [BM, BK] @ W[offs_n, k0:k0+BK]^T for packed FP4 W: decoded in natural K order from
-    BM 128, as even / odd K halves (x split the same way, two dots) below.
+    """acc [BM, BN] += x [BM, BK] @ W[offs_n, k0:k0+BK]^T for packed FP4 W: decoded in natural K order at BM 16
+    and from BM 128, as even / odd K halves (x split the same way, two dots) at BM 32-64. Plain and coded words
+    take the same order, so row-major and tiled weights give the same bits.
 
-    Why both (sm_90, Triton 3.6, NVFP4, BN 128): per K step natural order takes 476 SASS instructions at BM 64
-    against 512 for halves (BK 128; no prmt splitting x) and 162 registers against 229, but 603 against 513 at
-    BM 16, where mma.sync takes the weight straight from registers in the halves' layout. Timed on an H200
-    (bench/RESULTS.md round twenty-four): natural order 2-14 % faster at BM 128, up to 10 % slower at BM 64."""
+    Why both (sm_90, Triton 3.6, NVFP4, BN 128; bench/RESULTS.md rounds twenty-four and twenty-six): plain words,
+    natural order takes 476 SASS instructions per K step at BM 64 against 512 for halves (BK 128; no prmt
+    splitting x) and 162 registers against 229, but 603 against 513 at BM 16, where mma.sync takes the weight
+    straight from registers in the halves' layout; timed, natural order was 2-14 % faster at BM 128 and up to 10 %
+    slower at BM 64. Coded words decode to natural pairs, which halves regroup by `prmt`: at BM 16 natural order
+    takes 489 instructions and 110 registers against 481 and 140 (the sorted MoE path's gate/up holds 128), and
+    timed 4-14 % faster on the large weights; at BM 32 and 64 halves stay faster (1-8 %). (Plain FP4 words reach
+    the GPU kernels only where a weight cannot be tiled.)"""
     GS: tl.constexpr = group_size_c(FMT)
     b, m = _load_fp4(wbase, sbase, offs_n.to(tl.int64)[:, None], nmask, k0, stride_wn, stride_sn, FMT, BK, ASM, TILED)
-    if BM >= 128:
-        out = tl.dot(x, tl.trans(_fp4_natural(b, m, BN, BK, GS, DOT, ASM)), acc, input_precision=PREC)
+    if BM >= 128 or BM <= 16:
+        out = tl.dot(x, tl.trans(_fp4_natural(b, m, BN, BK, GS, DOT, ASM, TILED)), acc, input_precision=PREC)
     else:
-        lo, hi = _fp4_tile(b, m, BN, BK, GS, DOT, ASM)
+        lo, hi = _fp4_tile(b, m, BN, BK, GS, DOT, ASM, TILED)
         xe, xo = tl.split(x.reshape(BM, BK // 2, 2))
         out = tl.dot(xe, tl.trans(lo), acc, input_precision=PREC)
         out = tl.dot(xo, tl.trans(hi), out, input_precision=PREC)
@@ -304,7 +352,7 @@ def _load_xfp4(xq_ptr, xs_ptr, xrow, rmask, k0, stride_xqm, stride_xsm, BM: tl.c
     rows = xrow.to(tl.int64)[:, None]
     GS: tl.constexpr = group_size_c(FMT_NVFP4_C)
     b, m = _load_fp4(xq_ptr, xs_ptr, rows, rmask, k0, stride_xqm, stride_xsm, FMT_NVFP4_C, BK, ASM, False)
-    return _fp4_natural(b, m, BM, BK, GS, DOT, ASM)
+    return _fp4_natural(b, m, BM, BK, GS, DOT, ASM, False)   # activations are plain words
 
 
 @triton.jit
