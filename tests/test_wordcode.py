@@ -107,3 +107,13 @@ def test_one_tile_weight_is_not_coded_in_place():
     assert torch.equal(w.weight, packed)
     assert torch.equal(t.untiled().weight, packed) and torch.equal(t.untiled().weight, w.weight)
     assert torch.equal(t.weight, code_fp4_(packed.clone()))
+
+
+def test_coding_in_chunks_is_the_same():
+    """`code_fp4_` walks a tensor a chunk of words at a time; a chunk that ends mid-row changes nothing."""
+    packed = torch.randint(0, 256, (5, 36), dtype=torch.uint8, generator=GEN)
+    whole = code_fp4_(packed.clone())
+    assert torch.equal(code_fp4_(packed.clone(), chunk=7), whole)
+    assert torch.equal(code_fp4_(whole.clone(), uncode=True, chunk=7), packed)
+    with pytest.raises(ValueError, match="whole 32-bit words"):
+        code_fp4_(torch.zeros(3, 6, dtype=torch.uint8))

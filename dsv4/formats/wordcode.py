@@ -117,9 +117,10 @@ def uncode_words(words: torch.Tensor) -> torch.Tensor:
     return _apply(_UNCODE_TABLES, words)
 
 
-def code_fp4_(packed: torch.Tensor, uncode: bool = False, chunk: int = 1 << 26) -> torch.Tensor:
+def code_fp4_(packed: torch.Tensor, uncode: bool = False, chunk: int = 1 << 22) -> torch.Tensor:
     """Code (or uncode) packed FP4 bytes [..., R] (one byte per element, R a multiple of 4, contiguous) in place,
-    `chunk` words at a time (bounding the int64 index temporaries)."""
+    `chunk` words at a time: the temporaries (int64 indices among them) stay near 100 MB however large the stacked
+    tensor, which matters while the device placement fills a GPU."""
     if packed.element_size() != 1 or not packed.is_contiguous() or packed.shape[-1] % 4:
         raise ValueError(f"FP4 word coding needs contiguous byte rows of whole 32-bit words, got "
                          f"{tuple(packed.shape)} {packed.dtype}")
