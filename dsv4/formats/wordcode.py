@@ -21,6 +21,7 @@ format function see plain words.
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 
 import torch
@@ -89,18 +90,17 @@ def _uncode_int(q: int) -> int:
                for i, t in enumerate(_pairs_int(q)) for p, (e, bit) in _CODE_BIT.items())
 
 
-def _byte_tables(fn) -> tuple[tuple[int, ...], ...]:
-    """Both maps are linear over GF(2), so a word's image is the XOR of its four bytes' images: 4 x 256 int32s."""
+@functools.cache
+def _byte_tables(uncode: bool) -> tuple[tuple[int, ...], ...]:
+    """Both maps are linear over GF(2), so a word's image is the XOR of its four bytes' images: 4 x 256 int32s
+    (built on first use, not at import: about 60 ms)."""
+    fn = _uncode_int if uncode else _code_int
     return tuple(tuple(v - (1 << 32) if v >= 1 << 31 else v for v in (fn(b << (8 * k)) for b in range(256)))
                  for k in range(4))
 
 
-_CODE_TABLES = _byte_tables(_code_int)
-_UNCODE_TABLES = _byte_tables(_uncode_int)
-
-
-def _apply(tables: tuple[tuple[int, ...], ...], words: torch.Tensor) -> torch.Tensor:
-    tables = torch.tensor(tables, dtype=torch.int32, device=words.device)
+def _apply(uncode: bool, words: torch.Tensor) -> torch.Tensor:
+    tables = torch.tensor(_byte_tables(uncode), dtype=torch.int32, device=words.device)
     out = tables[0][(words & 0xFF).long()]
     for k in range(1, 4):
         out ^= tables[k][((words >> (8 * k)) & 0xFF).long()]
@@ -109,12 +109,12 @@ def _apply(tables: tuple[tuple[int, ...], ...], words: torch.Tensor) -> torch.Te
 
 def code_words(words: torch.Tensor) -> torch.Tensor:
     """Plain FP4 words (int32, any shape) -> coded words."""
-    return _apply(_CODE_TABLES, words)
+    return _apply(False, words)
 
 
 def uncode_words(words: torch.Tensor) -> torch.Tensor:
     """Coded words (int32, any shape) -> plain words."""
-    return _apply(_UNCODE_TABLES, words)
+    return _apply(True, words)
 
 
 def code_fp4_(packed: torch.Tensor, uncode: bool = False, chunk: int = 1 << 22) -> torch.Tensor:
