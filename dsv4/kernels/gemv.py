@@ -35,11 +35,12 @@ the 8 columns of D = decoded tile @ x are the 8 groups' partial sums; the weight
 no multiply: `tiles.FP4_CODED_PTX_RAW` / `FP4_PTX_RAW`) and one FFMA per group applies the block scales
 to D (`decode._group_scales`); the unit's partial is the column sum. All products stay exact and in fp32's normal
 range for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
-3.6, plain words; coded words, tiled: 561 instead of 631); the scale words are loaded a loop iteration ahead into registers (they feed no dot operand, so the pipeliner
-would not stage them). Measured (bench/RESULTS.md runs 55-62): MoE pair up to 5 % faster, dense V4-Pro wq_b / wo_b
-at M = 1 7-13 % slower, hence off for dense calls. There the scale words are not back in time (ncu: 17 % of stall
-samples on them); staging them with the weights, loading them through inline PTX or prefetching them into L2
-measured slower still.
+3.6, plain words; coded words, tiled: 561 instead of 631); the scale words are loaded a loop iteration ahead into
+registers (they feed no dot operand, so the pipeliner would not stage them). Measured (bench/RESULTS.md runs 55-62,
+186): MoE pair up to 5 % faster, dense V4-Pro wq_b / wo_b at M = 1 up to 14 % slower, hence off for dense calls.
+Staging the scale words with the weights (carried through the decoder's asm into the dot's operand chain, run 186)
+measured level, loading them through inline PTX or prefetching them into L2 slower; ncu (run 187) puts the dense
+loss outside the K loops, in the prologue and the column sum of units only 6 iterations long (V4-Pro wq_b).
 
 Launch: with programmatic dependent launch (`GemvConfig.pdl`, sm_90+) the kernel lets the next one launch at
 its start and waits (`griddepcontrol.wait`) for the previous one before it touches anything another kernel
