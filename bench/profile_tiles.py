@@ -2,7 +2,8 @@
 around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
 
     python bench/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
-        [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8] [--asms 0,1] [--base-only]
+        [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8] [--asms 0,1] [--maxnregs 0,168]
+        [--base-only]
     TRITON_INTERPRET=1 python bench/profile_tiles.py --toy      # CPU dry run at a toy shape
 
 Why: `gemm.dense_tiles` chooses these tiles by a rule fitted to this sweep (bench/RESULTS.md round twenty-two); the
@@ -38,10 +39,10 @@ CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvf
 
 
 def variants(base: gemm.Config, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
-             splits=None, warps=None, asms=(None,)) -> list[gemm.Config]:
+             splits=None, warps=None, asms=(None,), maxnregs=None) -> list[gemm.Config]:
     """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), the K splits in
-    `splits` (None: pick_config's split, half and twice it) and `Config.asm` in `asms`; pick_config's own tiles
-    left out."""
+    `splits` (None: pick_config's split, half and twice it), `Config.asm` in `asms` and `Config.maxnreg` in
+    `maxnregs` (None: pick_config's); pick_config's own tiles left out."""
     out = []
     chunks = triton.cdiv(k, base.BK)
     for bm in bms:
@@ -52,9 +53,10 @@ def variants(base: gemm.Config, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
             for split in sorted({min(chunks, s) for s in chosen}):
                 for nw in warps or (base.num_warps,):
                     for asm in asms:
-                        cfg = replace(base, BM=bm, BN=bn, split_k=split, num_warps=nw, asm=asm)
-                        if cfg != base:
-                            out.append(cfg)
+                        for cap in maxnregs or (base.maxnreg,):
+                            cfg = replace(base, BM=bm, BN=bn, split_k=split, num_warps=nw, asm=asm, maxnreg=cap)
+                            if cfg != base:
+                                out.append(cfg)
     return out
 
 
@@ -76,7 +78,10 @@ def main():
     ap.add_argument("--warps", default="", help="num_warps swept (default: pick_config's)")
     ap.add_argument("--asms", default="", help="Config.asm values swept, 0 / 1 (default: pick_config's, None: the "
                     "PTX decoders wherever the dot runs in bf16 on a GPU)")
-    ap.add_argument("--base-only", action="store_true", help="sweep only --asms, on pick_config's tiles")
+    ap.add_argument("--maxnregs", default="", help="Config.maxnreg values swept, registers per thread, 0 = the "
+                    "compiler's own count (default: pick_config's)")
+    ap.add_argument("--base-only", action="store_true", help="sweep only --asms and --maxnregs, on pick_config's "
+                    "tiles")
     ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
@@ -130,7 +135,8 @@ def main():
             else:
                 axes = dict(bms=ints(args.bms), bns=ints(args.bns), splits=ints(args.splits) or None,
                             warps=ints(args.warps) or None)
-            for cfg in variants(base, m, k, **axes, asms=flags(args.asms) or (None,)):
+            for cfg in variants(base, m, k, **axes, asms=flags(args.asms) or (None,),
+                                maxnregs=ints(args.maxnregs) or None):
                 try:
                     diff = rel_err(fused(cfg)[0]().float(), ref)
                     rows.append((timer.per_call_ms(fused(cfg)) * 1e3, cfg, diff))
@@ -140,14 +146,16 @@ def main():
             for us, cfg, diff in rows:
                 records.append(dict(model=model, linear=name, fmt=fmt, M=m, N=n, K=k, MB=nbytes(w0) / 1e6,
                                     BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, split=cfg.split_k, warps=cfg.num_warps,
-                                    asm=cfg.asm, default_us=default_us,
+                                    asm=cfg.asm, maxnreg=cfg.maxnreg, default_us=default_us,
                                     stages=cfg.num_stages, us=us, base=cfg == base, diff=diff,
                                     resident=resident(xs[0], w0, cfg), deq_us=deq_us, bf16_us=bf16_us))
             print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: pick_config BM {base.BM} BN {base.BN} "
-                  f"split {base.split_k} {base_us:.1f} us; default path {default_us:.1f}, dequantize + cuBLAS "
+                  f"split {base.split_k} ({resident(xs[0], w0, base)} CTAs per SM) {base_us:.1f} us; default path "
+                  f"{default_us:.1f}, dequantize + cuBLAS "
                   f"{deq_us:.1f}, cuBLAS bf16 {bf16_us:.1f}", flush=True)
             for us, cfg, diff in [r for r in rows if r[1] != base][:args.top]:
-                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps} asm {cfg.asm}: "
+                print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps} asm {cfg.asm} "
+                      f"maxnreg {cfg.maxnreg} ({resident(xs[0], w0, cfg)} CTAs per SM): "
                       f"{us:7.1f} us "
                       f"({us / base_us:.3f}), output {diff:.0e} from pick_config's", flush=True)
         del ws, dense

@@ -289,8 +289,10 @@ def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_s
     straight from registers in the halves' layout; timed, natural order was 2-14 % faster at BM 128 and up to 10 %
     slower at BM 64. Coded words decode to natural pairs, which halves regroup by `prmt`: at BM 16 natural order
     takes 489 instructions and 110 registers against 481 and 140 (the sorted MoE path's gate/up holds 128), and
-    timed 4-14 % faster on the large weights; at BM 32 and 64 halves stay faster (1-8 %). (Plain FP4 words reach
-    the GPU kernels only where a weight cannot be tiled.)"""
+    timed 4-14 % faster on the large weights; at BM 32 and 64 halves stay faster (1-8 %). At BM 32 the coded halves
+    take 179 registers against plain words' 168, which costs the third CTA of 4 warps per SM: 4-6 % slower than
+    plain words on the large weights; a cap of 168 regains the CTA but spills and measured 3-11 % slower still
+    (run 190). (Plain FP4 words reach the GPU kernels only where a weight cannot be tiled.)"""
     GS: tl.constexpr = group_size_c(FMT)
     b, m = _load_fp4(wbase, sbase, offs_n.to(tl.int64)[:, None], nmask, k0, stride_wn, stride_sn, FMT, BK, ASM, TILED)
     if BM >= 128 or BM <= 16:
