@@ -1,5 +1,5 @@
-"""The MoE benchmark scripts and the fused-tile sweep run end to end at toy shapes on the CPU (`--toy`, Triton's
-interpreter).
+"""The MoE benchmark scripts, the fused-tile sweep and the W4A4 table run end to end at toy shapes on the CPU
+(`--toy`, Triton's interpreter).
 
 They run on the GPU only a few times a session, so an API change in `dsv4.kernels` could otherwise break one unseen
 until a device run fails and costs device time. Toy token counts cover both the GEMV pair over (token, slot) pairs
@@ -22,6 +22,7 @@ SCRIPTS = {
     "profile_shared": ["bench/profile_shared.py", "--tokens", "1,12"],
     "profile_moe": ["bench/profile_moe.py", "--tokens", "1", "--splits", "0"],
     "profile_tiles": ["bench/profile_tiles.py"],
+    "profile_w4a4": ["bench/profile_w4a4.py"],
     "profile_duplicates": ["bench/profile_duplicates.py"],
     "run_all_moe": ["bench/run_all.py", "--sections", "env,moe"],
 }
