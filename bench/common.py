@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -172,6 +173,10 @@ class Timer:
         ms = triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median")
         del g
         return ms / len(calls)
+
+    def rotated_us(self, fn, *args) -> float:
+        """Median us per call of fn over rotated arguments: fn(args[0][i], args[1][i], ...) for each i."""
+        return self.per_call_ms([functools.partial(fn, *a) for a in zip(*args)]) * 1e3
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:

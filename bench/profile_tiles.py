@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -122,13 +123,9 @@ def main():
 
             ref = fused(base)[0]().float()
             base_us = timer.per_call_ms(fused(base)) * 1e3
-            deq_us = timer.per_call_ms([lambda x=x, w=w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype))
-                                        for x, w in zip(xs, ws)]) * 1e3
-            default_us = timer.per_call_ms([lambda x=x, w=w: gemm.linear(x, w, fallback=refuse_fallback,
-                                                                         scratch=scratch)
-                                            for x, w in zip(xs, ws)]) * 1e3
-            bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
-                                         for x, d in zip(xs, dense)]) * 1e3
+            deq_us = timer.rotated_us(lambda x, w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype)), xs, ws)
+            default_us = timer.rotated_us(partial(gemm.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
+            bf16_us = timer.rotated_us(torch.nn.functional.linear, xs, dense)
             rows = [(base_us, base, 0.0)]
             if args.base_only:
                 axes = dict(bms=(base.BM,), bns=(base.BN,), splits=(base.split_k,), warps=(base.num_warps,))
@@ -151,12 +148,10 @@ def main():
                                     resident=resident(xs[0], w0, cfg), deq_us=deq_us, bf16_us=bf16_us))
             print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: pick_config BM {base.BM} BN {base.BN} "
                   f"split {base.split_k} ({resident(xs[0], w0, base)} CTAs per SM) {base_us:.1f} us; default path "
-                  f"{default_us:.1f}, dequantize + cuBLAS "
-                  f"{deq_us:.1f}, cuBLAS bf16 {bf16_us:.1f}", flush=True)
+                  f"{default_us:.1f}, dequantize + cuBLAS {deq_us:.1f}, cuBLAS bf16 {bf16_us:.1f}", flush=True)
             for us, cfg, diff in [r for r in rows if r[1] != base][:args.top]:
                 print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps} asm {cfg.asm} "
-                      f"maxnreg {cfg.maxnreg} ({resident(xs[0], w0, cfg)} CTAs per SM): "
-                      f"{us:7.1f} us "
+                      f"maxnreg {cfg.maxnreg} ({resident(xs[0], w0, cfg)} CTAs per SM): {us:7.1f} us "
                       f"({us / base_us:.3f}), output {diff:.0e} from pick_config's", flush=True)
         del ws, dense
     if args.json:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -57,15 +58,10 @@ def main():
             xs = [torch.randn(m, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
             err = rel_err(w4a4.linear_w4a4(xs[0], w0, fallback=refuse_fallback, scratch=scratch).float(),
                           ref.linear_w4a4(xs[0].float(), w0).float())
-            stage_us = timer.per_call_ms([lambda x=x, w=w: w4a4.stage_activation(x, w.input_scale)
-                                          for x, w in zip(xs, ws)]) * 1e3
-            w4a4_us = timer.per_call_ms([lambda x=x, w=w: w4a4.linear_w4a4(x, w, fallback=refuse_fallback,
-                                                                           scratch=scratch)
-                                         for x, w in zip(xs, ws)]) * 1e3
-            w4a16_us = timer.per_call_ms([lambda x=x, w=w: gemm.linear(x, w, fallback=refuse_fallback, scratch=scratch)
-                                          for x, w in zip(xs, ws)]) * 1e3
-            bf16_us = timer.per_call_ms([lambda x=x, d=d: torch.nn.functional.linear(x, d)
-                                         for x, d in zip(xs, dense)]) * 1e3
+            stage_us = timer.rotated_us(w4a4.stage_activation, xs, [w.input_scale for w in ws])
+            w4a4_us = timer.rotated_us(partial(w4a4.linear_w4a4, fallback=refuse_fallback, scratch=scratch), xs, ws)
+            w4a16_us = timer.rotated_us(partial(gemm.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
+            bf16_us = timer.rotated_us(torch.nn.functional.linear, xs, dense)
             tflops = 2 * m * n * k / (w4a4_us * 1e-6) / 1e12
             rows.append(dict(model=model, linear=name, M=m, N=n, K=k, stage_us=stage_us, w4a4_us=w4a4_us,
                              w4a16_us=w4a16_us, cublas_us=bf16_us, tflops=tflops, rel_err=err))
