@@ -37,7 +37,7 @@ to D (`decode._group_scales`); the unit's partial is the column sum. All product
 range for |x| < 2^64 (the 2^64 is exact in bf16). SASS per NVFP4 iteration: 702 instead of 773 instructions (Triton
 3.6, plain words; coded words, tiled: 561 instead of 631); the scale words are loaded a loop iteration ahead into
 registers (they feed no dot operand, so the pipeliner would not stage them). Measured (bench/RESULTS.md runs 55-62,
-186): MoE pair up to 5 % faster, dense V4-Pro wq_b / wo_b at M = 1 up to 14 % slower, hence off for dense calls.
+186): MoE pair up to 5 % faster, dense V4-Pro wq_b / wo_b at M = 1 up to 22 % slower, hence off for dense calls.
 Staging the scale words with the weights (carried through the decoder's asm into the dot's operand chain, run 186)
 measured level, loading them through inline PTX or prefetching them into L2 slower; ncu (run 187) puts the dense
 loss outside the K loops, in the prologue and the column sum of units only 6 iterations long (V4-Pro wq_b).
