@@ -74,6 +74,14 @@ def random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Gen
     return w
 
 
+def rotated_qweights(fmt: str, n: int, k: int, device, gen: torch.Generator, count: int | None = None) -> list[QWeight]:
+    """`count` weights of one shape for a timed batch (`Timer`), drawn one after the other by `random_qweight`;
+    None: `rotations` of the first one's bytes."""
+    w0 = random_qweight(fmt, (), n, k, device, gen)
+    count = rotations(nbytes(w0)) if count is None else count
+    return [w0] + [random_qweight(fmt, (), n, k, device, gen) for _ in range(count - 1)]
+
+
 def _random_qweight(fmt: str, lead: tuple, n: int, k: int, device, gen: torch.Generator,
                     scale_2: float | None) -> QWeight:
     shape = (*lead, n)

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, Timer, nbytes, random_qweight, rotations  # noqa: E402
+from common import FLASH, PRO, Timer, nbytes, rotated_qweights  # noqa: E402
 
 from dsv4.kernels import gemm, gemv  # noqa: E402
 
@@ -78,9 +78,8 @@ def main():
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES[:1] if args.once else SHAPES
     for sh, name, fmt in shapes:
         n, k = sh.linears()[name]
-        w0 = random_qweight(fmt, (), n, k, dev, gen)
-        rot = rotations(nbytes(w0))
-        ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
+        ws = rotated_qweights(fmt, n, k, dev, gen)
+        w0, rot = ws[0], len(ws)
         xs = [torch.randn(args.m, k, device=dev, generator=gen).bfloat16() for _ in range(rot)]
         ref = torch.nn.functional.linear(xs[0].float(), w0.dequantize(torch.float32))
         y_default = gemm.linear(xs[0], w0, config=VARIANTS["default"], fallback=None, scratch=scratch)

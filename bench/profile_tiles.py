@@ -31,7 +31,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err, rotations  # noqa: E402
+from common import FLASH, PRO, TOY, Timer, nbytes, rel_err, rotated_qweights  # noqa: E402
 
 from dsv4.kernels import gemm, refuse_fallback  # noqa: E402
 from dsv4.kernels.gemv import resident_ctas  # noqa: E402
@@ -109,9 +109,8 @@ def main():
             break
         s = models[model]
         n, k = s.linears()[name]
-        w0 = random_qweight(fmt, (), n, k, dev, gen)
-        rot = 2 if args.toy else rotations(nbytes(w0))
-        ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
+        ws = rotated_qweights(fmt, n, k, dev, gen, 2 if args.toy else None)
+        w0, rot = ws[0], len(ws)
         dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
         for m in ms:
             xs = [torch.randn(m, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import FLASH, PRO, TOY, Timer, nbytes, random_qweight, rel_err, rotations  # noqa: E402
+from common import FLASH, PRO, TOY, Timer, rel_err, rotated_qweights  # noqa: E402
 
 from dsv4.kernels import gemm, ref, refuse_fallback, w4a4  # noqa: E402
 
@@ -50,9 +50,8 @@ def main():
     for model, name in cases:
         s = models[model]
         n, k = s.linears()[name]
-        w0 = random_qweight("nvfp4", (), n, k, dev, gen)
-        rot = 2 if args.toy else rotations(nbytes(w0))
-        ws = [w0] + [random_qweight("nvfp4", (), n, k, dev, gen) for _ in range(rot - 1)]
+        ws = rotated_qweights("nvfp4", n, k, dev, gen, 2 if args.toy else None)
+        w0, rot = ws[0], len(ws)
         dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
         for m in ms:
             xs = [torch.randn(m, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]

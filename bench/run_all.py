@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_layout, copy_bandwidth,  # noqa: E402
-                    nbytes, random_qweight, random_routing, rel_err, rotations)
+                    nbytes, random_qweight, random_routing, rel_err, rotated_qweights, rotations)
 
 from dsv4.kernels import Ops, moe, ref, refuse_fallback as _refuse  # noqa: E402
 
@@ -377,9 +377,8 @@ def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
     the weight's K])."""
     from dsv4.kernels import gemm
     dev, gen = run.device, run.gen
-    w0 = random_qweight(fmt, (), n, k, dev, gen)
-    rot = (2 if run.toy else rotations(nbytes(w0))) if (rotate and m <= 256) else 1
-    ws = [w0] + [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot - 1)]
+    ws = rotated_qweights(fmt, n, k, dev, gen, (2 if run.toy else None) if (rotate and m <= 256) else 1)
+    w0, rot = ws[0], len(ws)
     cfg = cfg or "default"
     conf = None if cfg == "default" else cfg
     if groups:

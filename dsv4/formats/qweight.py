@@ -88,11 +88,7 @@ class QWeight:
             raise ValueError(f"cannot tile a {self.fmt} weight {tuple(self.weight.shape)}: {why}")
         move = tile_bytes_ if in_place else tile_bytes
         chunk = scale_chunk(self.fmt)
-        weight = move(self.weight, TILE_BYTES)
-        if self.fmt in FP4_FORMATS:
-            if not in_place and weight.data_ptr() == self.weight.data_ptr():
-                weight = weight.clone()   # one tile per matrix tiles to a view of itself: never code self's bytes
-            code_fp4_(weight)
+        weight = self._recoded(move(self.weight, TILE_BYTES), in_place, uncode=False)
         return QWeight(self.fmt, weight, move(self.scale, chunk) if chunk else self.scale,
                        self.scale_2, self.input_scale, tiled=True)
 
@@ -101,13 +97,18 @@ class QWeight:
         if not self.tiled:
             return self
         chunk = scale_chunk(self.fmt)
-        weight = untile_bytes(self.weight, TILE_BYTES)
-        if self.fmt in FP4_FORMATS:
-            if weight.data_ptr() == self.weight.data_ptr():
-                weight = weight.clone()
-            code_fp4_(weight, uncode=True)
+        weight = self._recoded(untile_bytes(self.weight, TILE_BYTES), False, uncode=True)
         return QWeight(self.fmt, weight, untile_bytes(self.scale, chunk) if chunk else self.scale, self.scale_2,
                        self.input_scale)
+
+    def _recoded(self, moved: torch.Tensor, in_place: bool, uncode: bool) -> torch.Tensor:
+        """Weight bytes just (un)tiled -> FP4 words (un)coded (`formats.wordcode`; other formats unchanged). Unless
+        `in_place`, self's bytes are never written: one tile per matrix (un)tiles to a view of itself."""
+        if self.fmt not in FP4_FORMATS:
+            return moved
+        if not in_place and moved.data_ptr() == self.weight.data_ptr():
+            moved = moved.clone()
+        return code_fp4_(moved, uncode=uncode)
 
     def index(self, *index: int) -> "QWeight":
         """The unstacked weight at one leading index (views, no copy; tiling is per matrix, so it stays)."""
