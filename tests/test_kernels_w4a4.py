@@ -3,9 +3,11 @@ GEMM must match `ref.linear_w4a4` (alpha applied once). TRITON_INTERPRET=1, smal
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv4.formats import QWeight, quantize_nvfp4, stage_activation
-from dsv4.formats.e2m1 import E2M1_VALUES
+from dsv4.formats.e2m1 import E2M1_VALUES, encode_e2m1
 from dsv4.kernels import ops_for, ref
 from dsv4.kernels import w4a4
 from kernel_util import strict_ops
@@ -40,6 +42,67 @@ def test_stage_activation_bf16_input():
     q, sf, _ = w4a4.stage_activation(x, 0.02)
     rq, rsf, _ = stage_activation(x, 0.02)
     assert torch.equal(q, rq) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8))
+
+
+# (input_scale, block amax, another element of the block): inputs on which fp32 rounding in another operation order
+# changes the bits; found by a search over random scales (2026-12-03), where a kernel computing amax * global / 6
+# (case 1: its scale byte) or global / scale (case 2: the other element's code) differed from the reference
+ORDER_SENSITIVE = [(1.1119446754455566, 0.37788745760917664, 0.1),
+                   (0.07497379183769226, 0.25709179043769836, 0.010543189942836761)]
+
+
+@pytest.mark.parametrize("input_scale, amax, other", ORDER_SENSITIVE)
+def test_stage_activation_keeps_the_reference_operation_order(input_scale, amax, other):
+    s = torch.tensor(input_scale)
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1], x[1, 16], x[1, 17] = amax, other, -amax, -other
+    q, sf, _ = w4a4.stage_activation(x, s)
+    rq, rsf, _ = stage_activation(x, s)
+    assert torch.equal(q, rq) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8))
+    # the case discriminates: the other order gives other bits
+    g = 1.0 / s
+    a = torch.tensor(amax)
+    ref_scale = (g * (a * torch.tensor(1 / 6))).to(torch.float8_e4m3fn).float()
+    alt_scale = ((a * g) / 6.0).to(torch.float8_e4m3fn).float()
+    ref_code = encode_e2m1(torch.tensor([other]) * (1.0 / (ref_scale * (1.0 / g))))
+    alt_code = encode_e2m1(torch.tensor([other]) * (g / alt_scale))
+    assert ref_scale != alt_scale or not torch.equal(ref_code, alt_code)
+
+
+@pytest.mark.parametrize("block, warps", [(1, 1), (32, 4), (256, 8)])
+@pytest.mark.parametrize("rows, k", [(7, 80), (5, 192), (3, 1536)])   # 5, 12, 96 groups per row: odd, 4 x 3, 32 x 3
+def test_stage_activation_launch_never_changes_bits(block, warps, rows, k):
+    x = tricky_activations(rows, k)
+    rq, rsf, _ = stage_activation(x, 0.05)
+    q, sf, _ = w4a4.stage_activation(x, 0.05, block=block, num_warps=warps)
+    assert torch.equal(q, rq) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8))
+
+
+def test_stage_activation_block_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="block=96"):
+        w4a4.stage_activation(torch.randn(2, 32), 0.05, block=96)
+
+
+@triton.jit
+def _codes_kernel(y_ptr, c_ptr, n, B: tl.constexpr):
+    o = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(c_ptr + o, w4a4._e2m1_code(tl.load(y_ptr + o, mask=o < n)), mask=o < n)
+
+
+def test_e2m1_code_equals_encode_e2m1_at_every_threshold():
+    """The kernel's magic-number rounding against the reference's comparisons: each grid point and tie, their
+    three fp32 neighbours either side, saturation, infinities, tiny values, both signs, -0.0."""
+    marks = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0,
+                          1e30, float("inf"), 1e-40, 1e-45])
+    vals, up, down = [marks], marks, marks
+    for _ in range(3):
+        up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(0.0))
+        vals += [up, down]
+    v = torch.cat(vals + [torch.rand(2000) * 8, torch.exp(torch.randn(2000) * 4)])
+    v = torch.cat([v, -v, torch.tensor([-0.0])]).float()
+    codes = torch.empty(v.numel(), dtype=torch.int32)
+    _codes_kernel[(triton.cdiv(v.numel(), 512),)](v, codes, v.numel(), B=512)
+    assert torch.equal(codes, encode_e2m1(v).to(torch.int32))
 
 
 @pytest.mark.parametrize("m", [1, 6])
