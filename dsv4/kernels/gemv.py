@@ -687,7 +687,8 @@ class GemvConfig:
     to 5 % slower with it at 4-8 tokens, so `kernels.moe` launches it without, except the gate/up launch right
     after the routing kernel (`launch(x_ready=True)`): streaming the shared expert while routing runs made the
     MoE layer 1.5-2 % faster at 1 token, level to 5 % at 4-8 (round eight, runs 65-69; with the persistent grid it
-    measured up to 9 % at 8 tokens, most of which hardware scheduling now gives every launch, run 68)."""
+    measured up to 9 % at 8 tokens, most of which hardware scheduling now gives every launch, run 68), and the down
+    launch after that one at 1-2 tokens (`moe.DOWN_PDL_TOKENS`; run 193: V4-Flash's layer 1.4 % faster)."""
     BN: int = 64
     split: int = 0            # K splits per output tile (ROWS_TOKEN: per slot); 0 = chosen at launch
     num_warps: int = 2        # mma.sync; with 4 and BN 128 Triton picks wgmma (correct, not laid out for: slow)

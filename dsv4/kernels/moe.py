@@ -71,6 +71,12 @@ SORTED_UP_MAXNREG_FP4 = 128
 WIDE_DOWN_TOKENS = 2
 WIDE_DOWN_EXPERT_BYTES = 8e6
 WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
+# up to this many tokens, where gate/up streams the shared expert under programmatic dependent launch (`overlap`),
+# the GEMV pair's down launch (64-row units) takes PDL too: its CTAs land as gate/up's finish and wait there instead
+# of after a launch gap. MoE layer, V4-Flash NVFP4 (FP8 shared expert), three interleaved rounds each: 1 token
+# 43.2 -> 42.6 us, 2 tokens 65.4 -> 64.5; level at 4-8 tokens; V4-Pro's 128-row down units (WIDE_DOWN) level at 1
+# token and 1 % slower at 2, so they keep plain launches (bench/RESULTS.md, run 193)
+DOWN_PDL_TOKENS = 2
 # warps of the routing kernel (one program per token). Its latency sits between the layer's gate/up launch and the
 # routed experts' first bytes; with one warp each thread computed 16 of V4-Pro's 384 scores in sequence: routing alone
 # 4.4 -> 3.8 us, the MoE layer at 1 token 90.3 -> 89.5 us with 4 warps; V4-Flash (256 experts) level; 8 and 16 warps
@@ -393,8 +399,9 @@ def beside_pair(tokens: int, shared: tuple[QWeight, QWeight], pair_carries: bool
 def pair_configs(tokens: int, expert_down_bytes: float, overlap: bool):
     """The GEMV pair's plan at `tokens` tokens as (up, down, up_alone, fused) for `moe_pair.launch_pair`:
     `expert_down_bytes` is one expert's w2 with its scales, `overlap` whether gate/up streams the shared expert
-    while the routing kernel runs (PDL on gate/up only: measured level or slower elsewhere, gemv.GemvConfig)."""
-    up, down = gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=False)
+    while the routing kernel runs (PDL on gate/up, and on down up to DOWN_PDL_TOKENS tokens: measured level or
+    slower elsewhere, gemv.GemvConfig)."""
+    up, down = gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=overlap and tokens <= DOWN_PDL_TOKENS)
     up_alone = replace(up, num_stages=3) if tokens <= THREE_STAGE_UP_TOKENS else None
     if tokens <= WIDE_DOWN_TOKENS and expert_down_bytes >= WIDE_DOWN_EXPERT_BYTES:
         return up_alone or up, WIDE_DOWN, None, False   # two launches: the one-launch pair needs equal BN
@@ -463,7 +470,7 @@ def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight,
         rows = P + (T if shared is not None else 0)   # h: the routed pairs, then the shared expert's rows
         h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
         # PDL measured level or slower for the pair (gemv.GemvConfig), except where the gate/up launch streams
-        # the shared expert while the routing kernel runs
+        # the shared expert while the routing kernel runs (and the down launch after it, `DOWN_PDL_TOKENS`)
         overlap = after_route and shared is not None
         up, down, up_alone, fused = pair_configs(T, w2.nbytes() / E, overlap)
         # (`_gemv_pair`: with blocks, the shared expert is here only as token columns)
