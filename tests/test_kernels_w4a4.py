@@ -105,6 +105,27 @@ def test_e2m1_code_equals_encode_e2m1_at_every_threshold():
     assert torch.equal(codes, encode_e2m1(v).to(torch.int32))
 
 
+@triton.jit
+def _round_e4m3_kernel(v_ptr, r_ptr, n, B: tl.constexpr):
+    o = tl.program_id(0) * B + tl.arange(0, B)
+    tl.store(r_ptr + o, w4a4._round_e4m3(tl.load(v_ptr + o, mask=o < n)), mask=o < n)
+
+
+def test_round_e4m3_equals_the_e4m3_cast_at_every_midpoint():
+    """The block scale's magic-number rounding against torch's float8_e4m3fn cast (round to nearest even): every
+    non-negative E4M3 value up to 448, every midpoint between neighbours, and three fp32 neighbours of each."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # 0 ... 448
+    marks = torch.cat([grid, (grid[:-1] + grid[1:]) / 2, torch.tensor([2.0 ** -10, 2.0 ** -11])])
+    vals, up, down = [marks], marks, marks
+    for _ in range(3):
+        up, down = torch.nextafter(up, torch.tensor(448.0)), torch.nextafter(down, torch.tensor(0.0))
+        vals += [up, down]
+    v = torch.cat(vals).clamp(max=448.0)
+    rounded = torch.empty_like(v)
+    _round_e4m3_kernel[(triton.cdiv(v.numel(), 512),)](v, rounded, v.numel(), B=512)
+    assert torch.equal(rounded, v.to(torch.float8_e4m3fn).float())
+
+
 @pytest.mark.parametrize("m", [1, 6])
 def test_linear_w4a4_matches_reference(m):
     ops = ops_for("cpu", "triton")
