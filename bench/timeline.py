@@ -18,7 +18,8 @@ as one launch (from 3 tokens) the layer shows no launch.
 Under programmatic dependent launch (the dense GEMVs; `GemvConfig.pdl`) a launch's programs start while the launch
 before is still running and wait inside the kernel, so their durations include that wait, spans overlap, and the
 time per call is the figure to read; the MoE pair's launches after routing start when its kernel lets them
-(`gemv.launch(x_ready=True)`), and its down launch runs without PDL. %globaltimer counts ns and moved in steps of
+(`gemv.launch(x_ready=True)`), and its down launch runs under PDL at 1-2 tokens (`moe.DOWN_PDL_TOKENS`: its programs
+then start during gate/up's tail and their durations include that wait), without it above. %globaltimer counts ns and moved in steps of
 a few tens of ns on the H200 (its last three digits took 56-67 values over about 2000 reads: bench/RESULTS.md run
 155).
 """
