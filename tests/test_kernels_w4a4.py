@@ -78,6 +78,14 @@ def test_stage_activation_launch_never_changes_bits(block, warps, rows, k):
     assert torch.equal(q, rq) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8))
 
 
+def test_stage_activation_of_no_rows_or_no_columns():
+    for shape in ((0, 48), (3, 0), (2, 0, 32)):
+        x = torch.randn(shape)
+        q, sf, g = w4a4.stage_activation(x, 0.05)
+        rq, rsf, rg = stage_activation(x, 0.05)
+        assert q.shape == rq.shape and sf.shape == rsf.shape and torch.equal(g.reshape(()), rg.reshape(()))
+
+
 def test_stage_activation_block_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="block=96"):
         w4a4.stage_activation(torch.randn(2, 32), 0.05, block=96)

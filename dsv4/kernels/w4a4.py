@@ -13,6 +13,8 @@ E2M1 code by a magic-number add too (`_e2m1_code`): the same ties as `encode_e2m
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -90,19 +92,22 @@ def stage_activation(x: torch.Tensor, input_scale: torch.Tensor | float, *, bloc
     if block < 1 or block & (block - 1):
         raise ValueError(f"stage_activation: block={block} groups per program is not a power of two")
     input_scale = torch.as_tensor(input_scale, dtype=torch.float32, device=x.device).reshape(1)
-    x2 = x.reshape(-1, K)
+    lead = x.shape[:-1]
+    M, G = math.prod(lead), K // 16
+    x2 = x.reshape(M, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    M, G = x2.shape[0], K // 16
     q = torch.empty(M, K // 8, dtype=torch.int32, device=x.device)   # 8 codes per word; K/2 bytes per row
     sf = torch.empty(M, G, dtype=torch.uint8, device=x.device)
     glob = torch.empty((), dtype=torch.float32, device=x.device)
+    if G == 0:   # nothing to quantize: only the global scale (IEEE division, as the kernel's div_rn)
+        glob.copy_(1.0 / input_scale[0])
+        return q.view(torch.uint8).reshape(*lead, 0), sf.view(torch.float8_e4m3fn).reshape(*lead, 0), glob
     BG = min(64, G & -G, block)   # groups per row and program: a power of two that divides G (no masked lanes)
     RB = max(1, min(block // BG, triton.next_power_of_2(M)))
     _stage_kernel[(max(1, triton.cdiv(M, RB)), G // BG)](
         x2, q, sf, input_scale, glob, M, G, x2.stride(0), q.stride(0), sf.stride(0), RB=RB, BG=BG,
         num_warps=num_warps)
-    lead = x.shape[:-1]
     return q.view(torch.uint8).reshape(*lead, K // 2), sf.view(torch.float8_e4m3fn).reshape(*lead, G), glob
 
 
