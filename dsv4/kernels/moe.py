@@ -74,8 +74,9 @@ WIDE_DOWN = gemv.GemvConfig(BN=128, maxnreg=0, pdl=False)
 # up to this many tokens, where gate/up streams the shared expert under programmatic dependent launch (`overlap`),
 # the GEMV pair's down launch (64-row units) takes PDL too: its CTAs land as gate/up's finish and wait there instead
 # of after a launch gap. MoE layer, V4-Flash NVFP4 (FP8 shared expert), three interleaved rounds each: 1 token
-# 43.2 -> 42.6 us, 2 tokens 65.4 -> 64.5; level at 4-8 tokens; V4-Pro's 128-row down units (WIDE_DOWN) level at 1
-# token and 1 % slower at 2, so they keep plain launches (bench/RESULTS.md, run 193)
+# 43.2 -> 42.6 us, 2 tokens 65.4 -> 64.5 (run 196: 43.0 -> 42.0-42.5, 64.8 -> 64.2; MXFP4 42.0 -> 41.3, 64.0 -> 63.2);
+# level at 4-8 tokens; V4-Pro's 128-row down units (WIDE_DOWN) level at 1 token and 1 % slower at 2, so they keep
+# plain launches (bench/RESULTS.md, runs 193 and 196). 32-row down units or 3 stages were slower (run 196)
 DOWN_PDL_TOKENS = 2
 # warps of the routing kernel (one program per token). Its latency sits between the layer's gate/up launch and the
 # routed experts' first bytes; with one warp each thread computed 16 of V4-Pro's 384 scores in sequence: routing alone
