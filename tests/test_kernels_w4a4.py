@@ -92,9 +92,26 @@ def test_stage_activation_block_must_be_a_power_of_two():
 
 
 @triton.jit
-def _codes_kernel(y_ptr, c_ptr, n, B: tl.constexpr):
+def _elementwise_kernel(v_ptr, out_ptr, n, E2M1: tl.constexpr, B: tl.constexpr):
+    """One of the stage kernel's roundings per element: `_e2m1_code` (E2M1) or `_round_e4m3`."""
     o = tl.program_id(0) * B + tl.arange(0, B)
-    tl.store(c_ptr + o, w4a4._e2m1_code(tl.load(y_ptr + o, mask=o < n)), mask=o < n)
+    v = tl.load(v_ptr + o, mask=o < n)
+    tl.store(out_ptr + o, w4a4._e2m1_code(v) if E2M1 else w4a4._round_e4m3(v), mask=o < n)
+
+
+def _elementwise(v: torch.Tensor, e2m1: bool) -> torch.Tensor:
+    out = torch.empty(v.numel(), dtype=torch.int32 if e2m1 else torch.float32)
+    _elementwise_kernel[(triton.cdiv(v.numel(), 512),)](v, out, v.numel(), E2M1=e2m1, B=512)
+    return out
+
+
+def _with_fp32_neighbours(marks: torch.Tensor, top: float) -> torch.Tensor:
+    """marks and their three float32 neighbours on either side (within [0, top])."""
+    vals, up, down = [marks], marks, marks
+    for _ in range(3):
+        up, down = torch.nextafter(up, torch.tensor(top)), torch.nextafter(down, torch.tensor(0.0))
+        vals += [up, down]
+    return torch.cat(vals)
 
 
 def test_e2m1_code_equals_encode_e2m1_at_every_threshold():
@@ -102,21 +119,9 @@ def test_e2m1_code_equals_encode_e2m1_at_every_threshold():
     three fp32 neighbours either side, saturation, infinities, tiny values, both signs, -0.0."""
     marks = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0,
                           1e30, float("inf"), 1e-40, 1e-45])
-    vals, up, down = [marks], marks, marks
-    for _ in range(3):
-        up, down = torch.nextafter(up, torch.tensor(float("inf"))), torch.nextafter(down, torch.tensor(0.0))
-        vals += [up, down]
-    v = torch.cat(vals + [torch.rand(2000) * 8, torch.exp(torch.randn(2000) * 4)])
+    v = torch.cat([_with_fp32_neighbours(marks, float("inf")), torch.rand(2000) * 8, torch.exp(torch.randn(2000) * 4)])
     v = torch.cat([v, -v, torch.tensor([-0.0])]).float()
-    codes = torch.empty(v.numel(), dtype=torch.int32)
-    _codes_kernel[(triton.cdiv(v.numel(), 512),)](v, codes, v.numel(), B=512)
-    assert torch.equal(codes, encode_e2m1(v).to(torch.int32))
-
-
-@triton.jit
-def _round_e4m3_kernel(v_ptr, r_ptr, n, B: tl.constexpr):
-    o = tl.program_id(0) * B + tl.arange(0, B)
-    tl.store(r_ptr + o, w4a4._round_e4m3(tl.load(v_ptr + o, mask=o < n)), mask=o < n)
+    assert torch.equal(_elementwise(v, e2m1=True), encode_e2m1(v).to(torch.int32))
 
 
 def test_round_e4m3_equals_the_e4m3_cast_at_every_midpoint():
@@ -124,14 +129,8 @@ def test_round_e4m3_equals_the_e4m3_cast_at_every_midpoint():
     non-negative E4M3 value up to 448, every midpoint between neighbours, and three fp32 neighbours of each."""
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()   # 0 ... 448
     marks = torch.cat([grid, (grid[:-1] + grid[1:]) / 2, torch.tensor([2.0 ** -10, 2.0 ** -11])])
-    vals, up, down = [marks], marks, marks
-    for _ in range(3):
-        up, down = torch.nextafter(up, torch.tensor(448.0)), torch.nextafter(down, torch.tensor(0.0))
-        vals += [up, down]
-    v = torch.cat(vals).clamp(max=448.0)
-    rounded = torch.empty_like(v)
-    _round_e4m3_kernel[(triton.cdiv(v.numel(), 512),)](v, rounded, v.numel(), B=512)
-    assert torch.equal(rounded, v.to(torch.float8_e4m3fn).float())
+    v = _with_fp32_neighbours(marks, 448.0).clamp(max=448.0)
+    assert torch.equal(_elementwise(v, e2m1=False), v.to(torch.float8_e4m3fn).float())
 
 
 @pytest.mark.parametrize("m", [1, 6])
