@@ -266,6 +266,14 @@ def correctness(run: Run):
             w1, ids1 = moe.route(logits, bias, s.k, 2.5, warps=1)
             record(f"route {s.name} on 1 warp against {moe.ROUTE_WARPS} (same bits)", rel_err(w1, w_), 0.0,
                    exact=torch.equal(ids1, ids) and torch.equal(w1, w_))
+        # exactly tied scores (few distinct logits and biases): the same experts in the same order as the CPU
+        # reference, the lower id first on a tie
+        tied = torch.randint(-2, 2, (512, s.E), device=dev, generator=gen).float()
+        tbias = (torch.arange(s.E, device=dev) % 2) * 0.25
+        w_, ids = run.ops.route(tied, tbias, s.k, 2.5)
+        rw, rids = ref.route(tied.cpu(), tbias.cpu(), s.k, 2.5)
+        record(f"route {s.name} tied scores (ids in order)", rel_err(w_.cpu(), rw), 1e-6,
+               exact=torch.equal(ids.cpu(), rids))
         tid2eid = random_routing(s.E, 97, s.k, dev, gen)   # the hash layer's table: 97 token ids
         tok = torch.randint(0, 97, (512,), device=dev, generator=gen)
         w_, ids = run.ops.route(logits, None, s.k, 1.5, tid2eid, tok)

@@ -36,6 +36,26 @@ def test_route_biased_topk(ops):
     assert torch.allclose(w.sum(1), torch.full((T,), 1.5), rtol=1e-5)
 
 
+def test_route_ties_take_the_lower_expert_id_in_kernel_and_reference(ops):
+    """Exactly equal scores + bias (bf16 gate logits and equal biases make them possible): kernel and reference pick
+    the same experts in the same order, descending score and the lower id first; `torch.topk` leaves this open."""
+    T, E, k = 6, 24, 4
+    logits = torch.randint(-2, 2, (T, E)).float()        # four distinct values: ties everywhere, at the k-th too
+    logits[0] = 0.5                                       # all equal: experts 0..k-1
+    bias = torch.zeros(E)
+    bias[1::2] = 0.25                                     # one more distinct value, shared by half the experts
+    for b in (torch.zeros(E), bias):
+        w, ids = ops.route(logits, b, k, 1.5)
+        rw, rids = ref.route(logits, b, k, 1.5)
+        assert torch.equal(ids, rids), (ids, rids)
+        torch.testing.assert_close(w, rw, rtol=1e-6, atol=0)
+        sel = torch.sqrt(torch.nn.functional.softplus(logits)) + b
+        for t in range(T):   # selection order: descending score, ties by ascending id
+            expect = sorted(range(E), key=lambda e: (-float(sel[t, e]), e))[:k]
+            assert rids[t].tolist() == expect
+        assert rids[0].tolist() == ([1, 3, 5, 7] if b.any() else [0, 1, 2, 3])   # the all-equal row
+
+
 def test_route_hash_layer(ops):
     T, E, k, vocab = 5, 16, 3, 11
     logits = torch.randn(T, E)

@@ -81,12 +81,16 @@ def route(
 
     scores = sqrt(softplus(logits)); ids = topk(scores + bias) (bias selects only) or tid2eid[input_ids] on
     hash layers; weights = scores[ids] normalised to sum 1, times the routed scaling factor.
+
+    Biased top-k ids come in selection order: descending score, and on exactly equal scores the lower expert id
+    first (a stable sort). `torch.topk`, which transformers uses, leaves ties unspecified (all-equal scores over 24
+    experts, k = 4: ids 15, 17, 16, 18 on the CPU), so the routing kernel and this reference pin the same rule.
     """
     scores = torch.sqrt(F.softplus(logits.float()))
     if tid2eid is not None:
         ids = tid2eid[input_ids.reshape(-1)].long()
     else:
-        ids = torch.topk(scores + bias.float(), top_k, dim=-1, sorted=False).indices
+        ids = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
     w = scores.gather(1, ids)
     return w / (w.sum(-1, keepdim=True) + 1e-20) * scaling, ids
 
