@@ -107,9 +107,10 @@ def test_moe_matches_reference(ops, fmt13, fmt2, T):
 
 
 def _moe_fp64(x, ids, w, w13, w2, limit):
-    """The routed experts in float64 on the exactly dequantized weights, token by token and slot by slot."""
+    """The routed experts in float64 on the exactly dequantized weights (the formats layer's `QWeight.dequantize`,
+    not the kernel reference's helpers), token by token and slot by slot."""
     def dq(q, index):
-        return ref._stacked_dequant(q, index).double()
+        return q.index(*index).dequantize().double()
 
     out = torch.zeros(x.shape[0], w2.out_features, dtype=torch.float64)
     for t in range(x.shape[0]):
