@@ -13,6 +13,9 @@ _LAZY = MappingProxyType({
     "SamplingParams": "dsv4.runtime.params",
     "RequestOutput": "dsv4.runtime.params",
     "CompletionOutput": "dsv4.runtime.params",
+    "RequestError": "dsv4.runtime.params",
+    "RequestTypeError": "dsv4.runtime.params",
+    "RequestFailed": "dsv4.api",
 })
 
 __all__ = sorted(_LAZY)

@@ -4,14 +4,23 @@
     out = llm.generate(["The capital of France is"], dsv4.SamplingParams(temperature=0, max_tokens=32))
     out[0].outputs[0].text, out[0].outputs[0].token_ids, out[0].outputs[0].finish_reason
 
-A prompt is a string, a list of token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}. As in vLLM, a
-string is tokenized as the tokenizer config says, which for V4 adds no BOS: pass token ids, or begin the
-string with "<｜begin▁of▁sentence｜>", for one. `chat` renders messages with DeepSeek-V4's chat encoding
-(BOS included). `stream` (a dsv4 addition) yields one request's text as it is produced.
+A prompt is a string, token ids (a list or tuple of ints, or a 1-D integer numpy array or torch tensor), or
+{"prompt_token_ids": [...]} / {"prompt": "..."}; `generate` takes one prompt or a list of them (a 2-D integer
+array is a batch of rows). As in vLLM, a string is tokenized as the tokenizer config says, which for V4 adds no
+BOS: pass token ids, or begin the string with "<｜begin▁of▁sentence｜>", for one. `chat` renders messages with
+DeepSeek-V4's chat encoding (BOS included). `stream` (a dsv4 addition) yields one request's text as it is
+produced.
+
+Every prompt and SamplingParams of a call is checked before any of them runs; a bad one raises RequestError (a
+ValueError; RequestTypeError for a wrong type, also a TypeError) naming it, and the engine is left as it was. A
+request that fails while it runs ends with finish_reason "error" and the reason in `outputs[0].error`
+(`generate`, `chat`) or raises RequestFailed (`stream`); the other requests are unaffected. An interrupt
+(KeyboardInterrupt) aborts the call's unfinished requests and propagates.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -21,8 +30,8 @@ import torch
 from .checkpoint.loader import load
 from .runtime.chat import encode_messages
 from .runtime.demo import resolve_model
-from .runtime.engine import Engine, RequestError
-from .runtime.params import RequestOutput, SamplingParams
+from .runtime.engine import Engine
+from .runtime.params import RequestError, RequestOutput, RequestTypeError, SamplingParams, check_token_ids
 from .runtime.tokenizer import Tokenizer
 
 _DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -41,23 +50,28 @@ def _dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+class RequestFailed(RuntimeError):
+    """A request that was accepted but failed while it ran (its sampling, detokenization, or the model step)."""
+
+
 class LLM:
     def __init__(self, model: str | Path, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = "auto", kernels: str = "auto", w4a4: bool = False,
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  max_num_seqs: int = 8, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 progress: bool = True):
+                 max_logprobs: int = 20, progress: bool = True):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
         up to max_model_len tokens (default min(max_position_embeddings, 4096)); max_num_batched_tokens is
-        the per-step token budget (prefill chunk size)."""
+        the per-step token budget (prefill chunk size). max_logprobs caps SamplingParams.logprobs (vLLM's
+        default, 20)."""
         path = resolve_model(model)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load(path, device, _dtype(dtype, device), kernels, w4a4, progress=progress)
         tok = None if skip_tokenizer_init else Tokenizer.from_checkpoint(tokenizer or path, self.model.config)
         self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             max_num_batched_tokens=max_num_batched_tokens)
+                             max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer if self.engine.text else None
@@ -68,7 +82,7 @@ class LLM:
         """One RequestOutput per prompt, in order. `prompts`: one prompt or a list of them."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params, len(batch))
-        return self._run([self._tokenize(p) for p in batch], params, use_tqdm)
+        return self._run([self._tokenize(p, f"prompts[{i}]") for i, p in enumerate(batch)], params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True, *,
@@ -82,9 +96,11 @@ class LLM:
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Text of one request as it becomes final (held back while it could still turn into a stop string).
-        The finished RequestOutput is the generator's return value."""
-        text, ids = self._tokenize(prompt)
-        seq = self.engine.add_request(ids, sampling_params, prompt=text)
+        The finished RequestOutput is the generator's return value; a request that fails while it runs raises
+        RequestFailed."""
+        text, ids = self._tokenize(prompt, "prompt")
+        params = _per_prompt(sampling_params, 1)[0]
+        seq = self.engine.add_request(ids, params, prompt=text)
         try:
             while not seq.finished:
                 if seq in self.engine.step():
@@ -94,68 +110,103 @@ class LLM:
         finally:
             if not seq.finished:
                 self.engine.abort(seq.request_id)
-        return seq.output()
+        out = seq.output()
+        if out.outputs[0].finish_reason == "error":
+            raise RequestFailed(f"request {seq.request_id!r} failed: {out.outputs[0].error}")
+        return out
 
     # ------------------------------------------------------------------ internals
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt, where: str) -> tuple[str | None, list[int]]:
+        """One prompt -> (its text or None, its token ids); `where` names it in errors."""
         if isinstance(prompt, dict):
+            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown or not prompt:
+                raise RequestError(f"{where}: a prompt dict takes 'prompt_token_ids' and / or 'prompt', got keys "
+                                   f"{sorted(map(str, prompt))}")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise RequestTypeError(f"{where}['prompt'] must be a string, got {type(text).__name__} {text!r:.80}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise RequestError(f"a prompt dict needs 'prompt_token_ids' or 'prompt', got keys {sorted(prompt)}")
+                return text, check_token_ids(f"{where}['prompt_token_ids']", prompt["prompt_token_ids"])
+            if text is None:
+                raise RequestTypeError(f"{where}['prompt'] must be a string, got None")
+            prompt = text
         if isinstance(prompt, str):
             tok = self.get_tokenizer()
             if tok is None:
                 raise RequestError("text prompts need a tokenizer; this LLM was made with skip_tokenizer_init=True, "
                                    "so pass token ids")
             return prompt, tok.encode(prompt)
-        return None, list(prompt)
+        if isinstance(prompt, (bytes, bytearray)):
+            raise RequestTypeError(f"{where} is bytes: decode it to a str for text, or pass token ids as a list of "
+                                   "ints")
+        return None, check_token_ids(where, prompt)
 
     def _run(self, prompts: list[tuple[str | None, list[int]]], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
+        for i, ((_, ids), p) in enumerate(zip(prompts, params)):     # every request is checked before any is added
+            self.engine.check_request(ids, p, f"prompts[{i}]")
         seqs = []
+        bar = None
         try:
             for (text, ids), p in zip(prompts, params):
                 seqs.append(self.engine.add_request(ids, p, prompt=text))
-        except Exception:
-            for s in seqs:
-                self.engine.abort(s.request_id)
-            raise
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
+            if use_tqdm:
+                from tqdm import tqdm
 
-            bar = tqdm(total=len(seqs), desc="generating", unit="prompt")
-        done = 0
-        while done < len(seqs):
-            self.engine.step()
-            now = sum(s.finished for s in seqs)
+                bar = tqdm(total=len(seqs), desc="generating", unit="prompt")
+            done = 0
+            while done < len(seqs):
+                self.engine.step()
+                now = sum(s.finished for s in seqs)
+                if bar is not None:
+                    bar.update(now - done)
+                done = now
+        finally:
+            for s in seqs:                       # interrupted: nothing of this call stays in the engine
+                if not s.finished:
+                    self.engine.abort(s.request_id)
             if bar is not None:
-                bar.update(now - done)
-            done = now
-        if bar is not None:
-            bar.close()
+                bar.close()
         return [s.output() for s in seqs]
 
 
 def _as_batch(prompts) -> list:
-    """vLLM's rule: a string, a dict or a flat list of ints is one prompt; any other list is a batch."""
+    """vLLM's rule: a string, a dict, a flat list of ints (or a 1-D integer array / tensor) is one prompt; any
+    other list (or a 2-D array / tensor, by rows) is a batch."""
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return prompts
+    if isinstance(prompts, (bytes, bytearray)):
+        raise RequestTypeError("prompts is bytes: decode it to a str for text, or pass token ids as a list of ints")
+    ndim = getattr(prompts, "ndim", None)
+    if ndim is not None and hasattr(prompts, "dtype"):                    # numpy array or torch tensor
+        if ndim == 1:
+            return [prompts]
+        if ndim == 2:
+            return list(prompts)
+        raise RequestTypeError(f"prompts as an array must be 1-D (one prompt) or 2-D (a batch), got shape "
+                               f"{tuple(prompts.shape)}")
+    if not isinstance(prompts, (list, tuple)):
+        raise RequestTypeError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of them; got "
+                               f"{type(prompts).__name__} {prompts!r:.80}")
+    scalars = [isinstance(p, numbers.Number) or getattr(p, "ndim", None) == 0 for p in prompts]
+    if prompts and all(scalars):
+        return [prompts]                    # token ids (check_token_ids refuses bools and floats among them)
+    if any(scalars):
+        raise RequestTypeError("prompts mixes numbers with other things; give one list of token ids or a list of "
+                               f"prompts, got {prompts!r:.80}")
+    return list(prompts)
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+def _per_prompt(params, n: int) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"{len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
-    return params
+    if isinstance(params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in params):
+        if len(params) != n:
+            raise RequestError(f"{len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
+        return list(params)
+    hint = " (make one with SamplingParams(**params))" if isinstance(params, dict) else ""
+    raise RequestTypeError(f"sampling_params must be a SamplingParams or a list of them, one per prompt; got "
+                           f"{type(params).__name__}{hint}")

@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
              "<｜begin▁of▁sentence｜> for one."),
             ("chat", "chat with a model interactively",
              "An interactive chat in DeepSeek-V4's chat format: type a message, get the streamed reply; the "
-             "conversation is kept. /reset starts over; /exit or end of input (Ctrl-D) quits.")):
+             "conversation is kept. Ctrl-C stops a reply (the turn is dropped); /reset starts over; /exit or end "
+             "of input (Ctrl-D) quits.")):
         g = sub.add_parser(name, help=help_, description=desc)
         if name == "generate":
             g.add_argument("prompt", help="the text to continue")
@@ -140,6 +141,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    from .api import RequestFailed
     from .runtime.chat import ChatParseError, encode_messages, parse_reply
 
     params, llm = _params(args), _llm(args)
@@ -160,7 +162,12 @@ def _chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        text = _print_stream(llm, encode_messages(messages, thinking=args.thinking), params)
+        try:
+            text = _print_stream(llm, encode_messages(messages, thinking=args.thinking), params)
+        except (KeyboardInterrupt, RequestFailed) as e:    # the reply ends; the chat goes on without this turn
+            print(f"\n[{'interrupted' if isinstance(e, KeyboardInterrupt) else e}]", file=sys.stderr)
+            messages.pop()
+            continue
         try:
             reply = parse_reply(text, thinking=args.thinking)
             messages.append({"role": "assistant", "content": reply.content,
@@ -206,12 +213,13 @@ def main(argv: list[str] | None = None) -> int:
 
     errors = (CheckpointError, ConfigError)
     if args.command in ("generate", "chat"):
+        from .api import RequestFailed
         from .runtime.cache import CacheCapacityError
         from .runtime.chat import ChatFormatError
-        from .runtime.engine import RequestError
+        from .runtime.params import RequestError
         from .runtime.tokenizer import TokenizerError
 
-        errors += (CacheCapacityError, ChatFormatError, RequestError, TokenizerError)
+        errors += (CacheCapacityError, ChatFormatError, RequestError, RequestFailed, TokenizerError)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -99,6 +99,59 @@ def test_token_ids_only_and_dtype():
         dsv4.LLM(fx.tiny(), dtype="fp8", skip_tokenizer_init=True, progress=False)
 
 
+def test_bad_input_is_refused_before_it_runs_and_the_engine_stays_as_it_was(llm):
+    """Every case of issue 36 section 2, then a normal request: its greedy tokens are unchanged (oracle: repeated
+    argmax over the stateless prefill)."""
+    np = pytest.importorskip("numpy")
+    SP = dsv4.SamplingParams
+    greedy = SP(temperature=0, max_tokens=4)
+    ids = [0, 19923, 4]
+    refused = [   # (a call, error type, what the message must name)
+        (lambda: SP(top_k=True), TypeError, "SamplingParams.top_k"),
+        (lambda: SP(temperature=float("inf")), ValueError, "SamplingParams.temperature"),
+        (lambda: SP(temperature="0.5"), TypeError, "SamplingParams.temperature"),
+        (lambda: SP(top_p=float("nan")), ValueError, "SamplingParams.top_p"),
+        (lambda: SP(max_tokens=0), ValueError, "SamplingParams.max_tokens"),
+        (lambda: SP(seed=2**70), ValueError, "SamplingParams.seed"),
+        (lambda: llm.generate(ids, SP(logprobs=10**9)), ValueError, "logprobs=1000000000 is more than this "
+                                                                    "engine's max_logprobs=20"),
+        (lambda: llm.generate(ids, SP(stop_token_ids=[129280])), ValueError,
+         r"stop_token_ids \[129280\] are outside the vocabulary \[0, 129280\)"),
+        (lambda: llm.generate(b"hello", greedy), TypeError, "prompts is bytes"),
+        (lambda: llm.generate([True, False], greedy), TypeError, r"prompts\[0\] must be integers: \[0\] is bool"),
+        (lambda: llm.generate(None, greedy), TypeError, "prompts must be a string, a list of token ids"),
+        (lambda: llm.generate(5, greedy), TypeError, "prompts must be a string, a list of token ids"),
+        (lambda: llm.generate({"prompt": None}, greedy), TypeError, r"prompts\[0\]\['prompt'\] must be a string"),
+        (lambda: llm.generate({"promt": "hi"}, greedy), ValueError, "a prompt dict takes 'prompt_token_ids'"),
+        (lambda: llm.generate([1.0, 2.0], greedy), TypeError, r"prompts\[0\] must be integers: \[0\] is float"),
+        (lambda: llm.generate(np.array([1.0, 2.0]), greedy), TypeError, "must be a 1-D array of integer token ids"),
+        (lambda: llm.generate([ids, [3, None]], greedy), TypeError, r"prompts\[1\] must be integers: \[1\]"),
+        (lambda: llm.generate([ids, "text", 7], greedy), TypeError, "prompts mixes numbers with other things"),
+        (lambda: llm.generate(ids, {"temperature": 0}), TypeError, r"sampling_params must be a SamplingParams .*"
+                                                                    r"SamplingParams\(\*\*params\)"),
+        (lambda: llm.generate([ids, ids], [greedy, None]), TypeError, "sampling_params must be a SamplingParams"),
+        (lambda: llm.generate([ids, [0, 200000]], greedy), ValueError, r"prompts\[1\]: token ids \[200000\] are "
+                                                                        "outside the model's vocabulary"),
+        (lambda: list(llm.stream(ids, {"max_tokens": 3})), TypeError, "sampling_params must be a SamplingParams"),
+    ]
+    for call, error, message in refused:
+        with pytest.raises(error, match=message):
+            call()
+        assert not llm.engine.has_unfinished() and len(llm.engine.scheduler.free_slots) == 8
+    mutated = SP(temperature=0, max_tokens=4)
+    mutated.max_tokens = 0                        # changed after construction: the engine checks it again
+    with pytest.raises(ValueError, match="SamplingParams.max_tokens"):
+        llm.generate(ids, mutated)
+    want = greedy_by_prefill(llm.model, ids, 4, llm.get_tokenizer().vocab_size)
+    # The forms vLLM accepts, and a 1-D array / tensor of ids as one prompt (a 2-D one as a batch of rows).
+    for prompt in (ids, tuple(ids), np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids],
+                   {"prompt_token_ids": np.array(ids, dtype=np.int32)}):
+        outs = llm.generate(prompt, greedy)
+        assert len(outs) == 1 and outs[0].outputs[0].token_ids == want and outs[0].prompt_token_ids == ids
+    outs = llm.generate(np.array([ids, ids]), greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [want, want]
+
+
 def test_import_stays_light_and_llm_is_exported():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     probe = "import sys, dsv4; print('torch' in sys.modules, 'LLM' in dsv4.__all__)"

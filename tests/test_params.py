@@ -49,6 +49,48 @@ def test_sampling_params_normalize_and_validate():
         SamplingParams(presence_penalty=1.0)
 
 
+BAD_SAMPLING_PARAMS = [   # (arguments, error type, what the message must name)
+    (dict(top_k=True), TypeError, r"SamplingParams.top_k must be an int .*got bool True"),
+    (dict(top_k=2.0), TypeError, r"SamplingParams.top_k must be an int"),
+    (dict(temperature=float("inf")), ValueError, r"SamplingParams.temperature must be in \[0, inf\).*got inf"),
+    (dict(temperature="0.5"), TypeError, r"SamplingParams.temperature must be a number .*got str '0.5'"),
+    (dict(temperature=None), TypeError, r"SamplingParams.temperature must be a number"),
+    (dict(top_p=float("nan")), ValueError, r"SamplingParams.top_p must be in \(0, 1\], got nan"),
+    (dict(min_p=float("-inf")), ValueError, r"SamplingParams.min_p must be in \[0, 1\]"),
+    (dict(max_tokens=0), ValueError, r"SamplingParams.max_tokens must be None or >= 1, got 0"),
+    (dict(max_tokens=True), TypeError, r"SamplingParams.max_tokens must be an int"),
+    (dict(logprobs=-1), ValueError, r"SamplingParams.logprobs must be None or >= 0"),
+    (dict(seed=2**70), ValueError, r"SamplingParams.seed must be None or an int in \[-9223372036854775808, "
+                                   r"9223372036854775807\], got 1180591620717411303424"),
+    (dict(seed=1.5), TypeError, r"SamplingParams.seed must be an int"),
+    (dict(stop=b"x"), TypeError, r"SamplingParams.stop must be a non-empty string or a list of them"),
+    (dict(stop=["ok", 3]), TypeError, r"SamplingParams.stop must be"),
+    (dict(stop_token_ids=[1, True]), TypeError, r"SamplingParams.stop_token_ids must be integers: \[1\] is bool"),
+    (dict(stop_token_ids=5), TypeError, r"SamplingParams.stop_token_ids must be a list of token ids"),
+    (dict(ignore_eos="no"), TypeError, r"SamplingParams.ignore_eos must be True or False, got str 'no'"),
+    (dict(skip_special_tokens=1), TypeError, r"SamplingParams.skip_special_tokens must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_SAMPLING_PARAMS,
+                         ids=[repr(kw)[1:-1] for kw, _, _ in BAD_SAMPLING_PARAMS])
+def test_sampling_params_refuse_bad_types_and_ranges(kwargs, error, message):
+    with pytest.raises(error, match=message) as info:
+        SamplingParams(**kwargs)
+    assert isinstance(info.value, ValueError)      # RequestError: both kinds are ValueErrors (one handler)
+
+
+def test_sampling_params_take_numpy_numbers_and_check_again_on_validate():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(7), seed=np.int64(3),
+                       stop_token_ids=np.array([4]), max_tokens=np.int32(5))
+    assert (p.temperature, p.top_k, p.seed, p.stop_token_ids, p.max_tokens) == (0.5, 7, 3, [4], 5)
+    assert all(type(v) in (int, float) for v in (p.temperature, p.top_k, p.seed, p.max_tokens))
+    p.top_k = True                                  # changed after construction: caught by the next check
+    with pytest.raises(TypeError, match="SamplingParams.top_k"):
+        p.validate()
+
+
 def test_output_types_have_vllm_fields():
     out = CompletionOutput(0, "hi", [1, 2], None, None, "stop", None)
     req = RequestOutput("r0", "prompt", [0, 5], [out], finished=True)

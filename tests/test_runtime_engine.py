@@ -120,7 +120,21 @@ def test_requests_that_cannot_run_get_a_clear_error(small_engine_model):
         engine.add_request([5.0, 6.0], request_id="floats")
     with pytest.raises(RequestError, match="stop strings .* need a tokenizer"):
         engine.add_request([5, 6], SamplingParams(stop=["x"]))
+    with pytest.raises(RequestError, match=r"request 'ids': prompt token ids must be integers: \[1\] is bool"):
+        engine.add_request([5, True], request_id="ids")
+    with pytest.raises(RequestError, match=r"stop_token_ids \[512\] are outside the vocabulary \[0, 512\)"):
+        engine.add_request([5, 6], SamplingParams(stop_token_ids=[512]))
+    with pytest.raises(RequestError, match="logprobs=21 is more than this engine's max_logprobs=20"):
+        engine.add_request([5, 6], SamplingParams(logprobs=21))
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
+        engine.add_request([5, 6], {"max_tokens": 3})
     assert not engine.has_unfinished()
+    engine.add_request([5, 6], request_id="twice")
+    with pytest.raises(RequestError, match="request 'twice': a request with this id is already running or waiting"):
+        engine.add_request([5, 6], request_id="twice")
+    engine.abort("twice")
+    assert not engine.has_unfinished()
+    engine.add_request([5, 6], request_id="twice")              # its id is free again once it has ended
     with pytest.raises(ValueError, match="max_model_len 8192 exceeds the model's max_position_embeddings"):
         Engine(small_engine_model, max_model_len=8192)
     with pytest.raises(ValueError, match="max_num_batched_tokens .* must be >= max_num_seqs"):

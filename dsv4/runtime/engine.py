@@ -6,30 +6,49 @@ logits only at each sequence's last token when that token completes what is know
 token, or the last sampled one), and samples them in one batch with per-request parameters. A sequence
 ends on its SamplingParams (EOS, stop ids/strings, max_tokens) or, with finish_reason "length", when it
 reaches max_model_len; its cache slot is freed in the same step.
+
+A step is a transaction per sequence. A sequence's step commits when its cache state, `num_cached` and (if
+it is due one) its sampled token have all advanced; until then a failure ends it, frees its slot and resets
+it, and touches no other sequence:
+* the model forward (or the head) raises: the sequences it was computing end with finish_reason "error";
+* one request's own work raises (its sampling, detokenization, stop handling or `on_output` callback): that
+  request ends with "error", and every other one goes on with exactly the tokens it would have had alone;
+* an interrupt (KeyboardInterrupt) or an error in the engine itself: the step's uncommitted sequences end
+  ("abort" for an interrupt, "error" otherwise) and the exception propagates to the caller.
+Every failure is logged with its traceback (logger `dsv4.runtime.engine`) and named in the output's `error`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import operator
+import logging
+from collections.abc import Callable
 
 import torch
 
 from ..model import Transformer
 from ..model.state import SeqBatch
 from .cache import KVCache
-from .params import OutputTracker, SamplingParams
+from .params import (
+    OutputTracker,
+    RequestError,
+    RequestTypeError,
+    SamplingParams,
+    check_token_ids,
+)
 from .sampler import SamplingBatch, make_generator, sample
 from .scheduler import Scheduler
 from .sequence import Sequence
 
+__all__ = ["Engine", "RequestError", "RequestTypeError", "TokenIdsOnly"]
+
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
-
-
-class RequestError(ValueError):
-    """A request the engine cannot run (the message names it)."""
+DEFAULT_MAX_LOGPROBS = 20                  # vLLM's max_logprobs
 
 
 class TokenIdsOnly:
@@ -47,7 +66,8 @@ class TokenIdsOnly:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, *, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None):
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS):
         cfg = model.config
         self.model = model
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
@@ -61,46 +81,72 @@ class Engine:
         self.text = tokenizer is not None
         # The head may have more rows than the tokenizer has ids (padding): those are never sampled.
         self.vocab_size = self.tokenizer.vocab_size
+        self.max_logprobs = max_logprobs
         self.cache = KVCache(cfg, max_num_seqs, self.max_model_len, self.dtype, self.device)
         budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
         self.scheduler = Scheduler(max_num_seqs, budget)
         self._ids = itertools.count()
+        self._live: dict[str, Sequence] = {}      # unfinished requests by id
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prompt: str | None = None) -> Sequence:
-        params = params or SamplingParams()
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        ids = self._check(request_id, prompt_token_ids, params)
+    def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None,
+                    prompt: str | None = None, on_output: Callable[[Sequence], None] | None = None) -> Sequence:
+        """Queue one request; nothing runs until `step`. prompt_token_ids: a list / tuple of ints or a 1-D integer
+        array or tensor. params are copied and checked (a later change to the caller's object has no effect).
+        on_output(seq) is called after each of the request's new tokens; if it raises, the request ends with
+        "error". Raises RequestError (a ValueError; RequestTypeError is also a TypeError) naming what is wrong,
+        and then leaves the engine as it was."""
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self._live)
+        request_id = str(request_id)
+        if request_id in self._live:
+            raise RequestError(f"request {request_id!r}: a request with this id is already running or waiting")
+        ids, params = self.check_request(prompt_token_ids, params, f"request {request_id!r}")
         generator = None if params.seed is None else make_generator(params.seed, self.device)
-        seq = Sequence(request_id, prompt, ids, params, OutputTracker(params, self.tokenizer), generator)
+        seq = Sequence(request_id, prompt, ids, params, OutputTracker(params, self.tokenizer), generator, on_output)
         self.scheduler.add(seq)
+        self._live[request_id] = seq
         return seq
 
-    def _check(self, request_id: str, prompt_token_ids, params: SamplingParams) -> list[int]:
-        def refuse(why: str):
-            raise RequestError(f"request {request_id!r}: {why}")
+    def check_request(self, prompt_token_ids, params: SamplingParams | None = None,
+                      where: str = "request") -> tuple[list[int], SamplingParams]:
+        """What `add_request` checks, without adding: -> (the prompt as a list of ints, a checked copy of params).
+        `where` begins every error message."""
+        def refuse(why: str, error=RequestError):
+            raise error(f"{where}: {why}")
 
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            refuse(f"params must be a SamplingParams, got {type(params).__name__}", RequestTypeError)
         try:
-            ids = [operator.index(i) for i in prompt_token_ids]
-        except TypeError as e:
-            refuse(f"prompt token ids must be integers ({e})")
+            params = dataclasses.replace(params)          # a copy, normalised and checked again
+            ids = check_token_ids("prompt token ids", prompt_token_ids)
+        except RequestError as e:
+            refuse(str(e), type(e))
+        vocab = self.model.config.vocab_size
         if not ids:
             refuse("the prompt is empty")
-        bad = [i for i in ids if not 0 <= i < self.model.config.vocab_size]
-        if bad:
-            refuse(f"token ids {bad[:8]} are outside the model's vocabulary [0, {self.model.config.vocab_size})")
+        if ids and not (0 <= min(ids) and max(ids) < vocab):
+            bad = [i for i in ids if not 0 <= i < vocab]
+            refuse(f"token ids {bad[:8]} are outside the model's vocabulary [0, {vocab})")
         if len(ids) > self.max_model_len:
             refuse(f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        bad = [i for i in params.stop_token_ids if i >= self.vocab_size]
+        if bad:
+            refuse(f"SamplingParams.stop_token_ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            refuse(f"SamplingParams.logprobs={params.logprobs} is more than this engine's max_logprobs="
+                   f"{self.max_logprobs} (raise it with max_logprobs=...)")
         if params.stop and not self.text:
             refuse(f"stop strings {params.stop} need a tokenizer, and this engine has none (token ids only)")
-        return ids
+        return ids, params
 
     def abort(self, request_id: str) -> None:
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.request_id == request_id:
-                seq.tracker.finish("abort")
-                self.scheduler.finish(seq)
+        seq = self._live.get(str(request_id))
+        if seq is not None:
+            seq.tracker.finish("abort")
+            self._release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -108,31 +154,115 @@ class Engine:
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one model step; returns the sequences that got a new token (finished ones included)."""
+        """Run one model step; returns the sequences that got a new token or ended (failed ones included)."""
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        for seq, _ in plan:
-            if seq.num_cached == 0:
-                self.cache.reset(seq.slot)
+        uncommitted = {seq.request_id: seq for seq, _ in plan}
+        try:
+            return self._step(plan, uncommitted)
+        except BaseException as e:
+            reason = "error" if isinstance(e, Exception) else "abort"
+            if uncommitted:
+                log.log(logging.WARNING if reason == "error" else logging.INFO, "step stopped by %s; requests %s end "
+                        "with %r", type(e).__name__, list(uncommitted), reason)
+            for seq in uncommitted.values():
+                self._end(seq, reason, e)
+            raise
+
+    def _step(self, plan: list[tuple[Sequence, int]], uncommitted: dict[str, Sequence]) -> list[Sequence]:
         batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
                          tuple(n for _, n in plan))
         ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long, device=self.device)
-        streams = self.model(ids[None], batch.positions(self.device)[None], self.cache.layers, batch)
-        for seq, n in plan:
+        positions = batch.positions(self.device)
+        try:
+            streams = self.model(ids[None], positions[None], self.cache.layers, batch)
+        except Exception as e:
+            return self._end_all([s for s, _ in plan], uncommitted, e)
+        due = []                                   # (sequence, row of its last token): it gets a token now
+        for (seq, n), off in zip(plan, batch.offsets):
             seq.num_cached += n
-        done = [(seq, off + n - 1) for (seq, n), off in zip(plan, batch.offsets) if seq.num_pending == 0]
-        if done:
-            self._sample([s for s, _ in done], streams[:, [row for _, row in done]])
-        return [s for s, _ in done]
+            if seq.num_pending == 0:
+                due.append((seq, off + n - 1))
+            else:                                  # a prefill chunk short of the prompt's end: committed
+                del uncommitted[seq.request_id]
+        if not due:
+            return []
+        seqs = [s for s, _ in due]
+        try:
+            logits = self.model.head_logits(streams[:, [row for _, row in due]])[0, :, :self.vocab_size].float()
+        except Exception as e:
+            return self._end_all(seqs, uncommitted, e)
+        for seq, result in zip(seqs, self._sample(seqs, logits)):
+            if isinstance(result, Exception):
+                self._fail(seq, result)
+            else:
+                self._commit_token(seq, *result)
+            del uncommitted[seq.request_id]
+        return seqs
 
-    def _sample(self, seqs: list[Sequence], streams: torch.Tensor) -> None:
-        logits = self.model.head_logits(streams)[0, :, :self.vocab_size].float()
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple | Exception]:
+        """(token, logprobs) per sequence, or the exception its sampling raised. The batch is sampled at once;
+        if that raises, each row is sampled alone from the generator states the batch started from, so a
+        request's failure leaves the others' tokens as they would be without it."""
+        gens = [s.generator for s in seqs]
+        states = [None if g is None else g.get_state() for g in gens]
+        try:
+            return self._sample_rows(seqs, logits)
+        except Exception as e:
+            if len(seqs) == 1:
+                return [e]
+            log.warning("sampling a batch of %d failed (%s: %s); sampling each request alone",
+                        len(seqs), type(e).__name__, e)
+        out = []
+        for i, (seq, g, state) in enumerate(zip(seqs, gens, states)):
+            if g is not None:
+                g.set_state(state)
+            try:
+                out.append(self._sample_rows([seq], logits[i:i + 1])[0])
+            except Exception as e:
+                out.append(e)
+        return out
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple]:
         params = [s.params for s in seqs]
         out = sample(logits, SamplingBatch.build(params, [s.generator for s in seqs], self.vocab_size, self.device))
-        for seq, token, logprobs in zip(seqs, out.token_ids.tolist(), out.host_logprobs(params)):
+        return list(zip(out.token_ids.tolist(), out.host_logprobs(params)))
+
+    def _commit_token(self, seq: Sequence, token: int, logprobs) -> None:
+        """The sequence's new token: detokenize, stop checks, its callback; it ends with "error" if any raises."""
+        try:
             seq.tracker.append(token, logprobs)
             if not seq.finished and seq.num_tokens >= self.max_model_len:
                 seq.tracker.finish("length")
-            if seq.finished:
-                self.scheduler.finish(seq)
+            if seq.on_output is not None:
+                seq.on_output(seq)
+        except Exception as e:
+            self._fail(seq, e)
+            return
+        if seq.finished:
+            self._release(seq)
+
+    # ------------------------------------------------------------------ ending sequences
+    def _end_all(self, seqs: list[Sequence], uncommitted: dict[str, Sequence], error: Exception) -> list[Sequence]:
+        """The model failed on `seqs`: each ends with "error" (their cache state is half-written)."""
+        log.error("the model step failed; requests %s end with 'error'", [s.request_id for s in seqs], exc_info=error)
+        for seq in seqs:
+            self._end(seq, "error", error)
+            del uncommitted[seq.request_id]
+        return seqs
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        log.warning("request %r ends with 'error'", seq.request_id, exc_info=error)
+        self._end(seq, "error", error)
+
+    def _end(self, seq: Sequence, reason: str, error: BaseException) -> None:
+        seq.tracker.fail(reason, error)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Drop a finished sequence: reset its cache slot (so a free slot is always empty) and free it."""
+        if seq.slot is not None:
+            self.cache.reset(seq.slot)
+        self.scheduler.finish(seq)
+        self._live.pop(seq.request_id, None)

@@ -1,22 +1,93 @@
-"""vLLM-compatible request types and the per-sequence output tracker.
+"""vLLM-compatible request types, their validation, and the per-sequence output tracker.
 
 Names and semantics follow vLLM's `SamplingParams`, `RequestOutput` and `CompletionOutput` (V1 engine):
-finish_reason is "stop" (EOS, a stop token id or a stop string) or "length" (max_tokens, or the engine's
-max_model_len through `OutputTracker.finish`); stop_reason is the stop string or stop token id that ended the
+finish_reason is "stop" (EOS, a stop token id or a stop string), "length" (max_tokens, or the engine's
+max_model_len through `OutputTracker.finish`), "abort" (the caller's abort, or an interrupted step) or "error"
+(the request's own work raised: its sampling, detokenization, stop handling or callback, or the step's model
+forward; `CompletionOutput.error` says what); stop_reason is the stop string or stop token id that ended the
 sequence, None for EOS. A stop token (EOS included) stays in token_ids but adds no text, and a stop string is cut
 from the text, unless include_stop_str_in_output. One deliberate difference: when several stop strings match in
 the same step, the one that starts first wins (vLLM takes the first in list order).
 
-Unknown vLLM arguments (penalties, n > 1, min_tokens, ...) are not accepted: the dataclass raises TypeError
-rather than silently ignoring them.
+`SamplingParams` checks every field's type and range when it is made (and again when a request is added, so a
+field changed afterwards is checked too): a bool is not a number, NaN and infinity are out of every range, and
+the error names the field and what it allows. Unknown vLLM arguments (penalties, n > 1, min_tokens, ...) are
+not accepted: the dataclass raises TypeError rather than silently ignoring them.
 """
 from __future__ import annotations
 
 import codecs
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
+SEED_RANGE = (-2**63, 2**63 - 1)       # int64, as vLLM's OpenAI server accepts
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the argument and what it allows."""
+
+
+class RequestTypeError(RequestError, TypeError):
+    """A request argument of the wrong type (also a TypeError)."""
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise RequestTypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_int(name: str, value, lo: int | None = None, hi: int | None = None, allowed: str = "") -> int:
+    """`value` as an int in [lo, hi] (numpy integers too; bools, floats and strings refused)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise RequestTypeError(f"{name} must be an int{allowed and f' ({allowed})'}, got {type(value).__name__} "
+                               f"{value!r}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"{name} must be {allowed or f'in [{lo}, {hi}]'}, got {value}")
+    return value
+
+
+def check_real(name: str, value, ok, allowed: str) -> float:
+    """`value` as a finite float for which ok(value) holds (ints and numpy floats too; bools, strings refused)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RequestTypeError(f"{name} must be a number {allowed}, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and ok(value)):
+        raise RequestError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_token_ids(name: str, ids) -> list[int]:
+    """A sequence of token ids as a list of ints: a list or tuple of ints, or a 1-D integer numpy array or torch
+    tensor. Bools, floats and strings are refused (vocabulary bounds are the engine's to check)."""
+    if isinstance(ids, list) and all(type(i) is int for i in ids):     # the common case, at C speed
+        return list(ids)
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__len__"):
+        raise RequestTypeError(f"{name} must be a list of token ids (ints), got {type(ids).__name__} {ids!r:.80}")
+    dtype = getattr(ids, "dtype", None)
+    if dtype is not None:                       # numpy array or torch tensor: check it whole
+        shape = tuple(ids.shape)
+        kind = str(dtype)
+        if len(shape) != 1 or "bool" in kind or not ("int" in kind):
+            raise RequestTypeError(f"{name} must be a 1-D array of integer token ids, got shape {shape} {kind}")
+        return [int(i) for i in ids.tolist()]
+    out = []
+    for k, i in enumerate(ids):
+        try:
+            if isinstance(i, bool) or "bool" in type(i).__name__:   # numpy's bool too
+                raise TypeError
+            out.append(operator.index(i))
+        except TypeError:
+            raise RequestTypeError(f"{name} must be integers: [{k}] is {type(i).__name__} {i!r}") from None
+    return out
 
 
 @dataclass
@@ -35,33 +106,44 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
-        self._validate()
-        if self.greedy:  # as vLLM: the truncations are meaningless for argmax
+        self.validate()
+
+    def validate(self) -> SamplingParams:
+        """Check every field's type and range and normalise it in place (stop as a list, top_k -1 as 0, numbers
+        as int / float; greedy drops the truncations, as vLLM: they mean nothing for argmax). Raises
+        RequestTypeError / RequestError naming the field. Returns self."""
+        def name(f: str) -> str:
+            return f"SamplingParams.{f}"
+
+        self.temperature = check_real(name("temperature"), self.temperature, lambda v: v >= 0.0,
+                                      "in [0, inf) (0 = greedy)")
+        self.top_p = check_real(name("top_p"), self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+        self.top_k = check_int(name("top_k"), self.top_k, lo=-1, allowed="-1 or 0 (disabled), or >= 1")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = check_real(name("min_p"), self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+        if self.seed is not None:
+            self.seed = check_int(name("seed"), self.seed, *SEED_RANGE, allowed=f"None or an int in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestTypeError(f"{name('stop')} must be a non-empty string or a list of them, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.stop_token_ids = check_token_ids(name("stop_token_ids"), self.stop_token_ids)
+        if any(i < 0 for i in self.stop_token_ids):
+            raise RequestError(f"{name('stop_token_ids')} must be token ids >= 0, got {self.stop_token_ids}")
+        if self.max_tokens is not None:
+            self.max_tokens = check_int(name("max_tokens"), self.max_tokens, lo=1, allowed="None or >= 1")
+        if self.logprobs is not None:
+            self.logprobs = check_int(name("logprobs"), self.logprobs, lo=0, allowed="None or >= 0")
+        for flag in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_bool(name(flag), getattr(self, flag))
+        if self.greedy:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-
-    def _validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"SamplingParams: {msg}")
-
-        need(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        need(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0,
-             f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
-        need(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        need(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             f"max_tokens must be None or >= 1, got {self.max_tokens}")
-        need(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-             f"logprobs must be None or >= 0, got {self.logprobs}")
-        need(all(isinstance(s, str) and s for s in self.stop),
-             f"stop strings must be non-empty strings, got {self.stop}")
-        need(all(isinstance(i, int) and i >= 0 for i in self.stop_token_ids),
-             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}")
-        need(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +166,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None                # finish_reason "error" / "abort" by a fault: what went wrong
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -133,6 +216,7 @@ class OutputTracker:
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None
         self._streamed = 0
 
     @property
@@ -167,6 +251,14 @@ class OutputTracker:
         if not self.finished:
             self._set_finished(reason)
 
+    def fail(self, reason: str, error: BaseException | str) -> None:
+        """End the sequence because its work failed ("error") or was interrupted ("abort"), whatever state it
+        is in (finished included: the failure wins). Touches neither the detokenizer nor the text, which may be
+        what failed; the text keeps what was final."""
+        self._set_finished(reason)
+        self.stop_reason = None
+        self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+
     def take_delta(self) -> str:
         """Text that became final since the last call (for streaming)."""
         end = len(self.text) - self._holdback()
@@ -179,7 +271,7 @@ class OutputTracker:
         text = self.text[:len(self.text) - self._holdback()]
         logprobs = None if self.logprobs is None else list(self.logprobs)
         return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob, logprobs,
-                                self.finish_reason, self.stop_reason)
+                                self.finish_reason, self.stop_reason, self.error)
 
     # ------------------------------------------------------------------ internals
     def _set_finished(self, reason: str, stop_reason: int | str | None = None) -> None:

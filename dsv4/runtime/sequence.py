@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .params import OutputTracker, RequestOutput, SamplingParams
@@ -9,9 +11,11 @@ from .params import OutputTracker, RequestOutput, SamplingParams
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tracker: OutputTracker, generator: torch.Generator | None):
+                 tracker: OutputTracker, generator: torch.Generator | None,
+                 on_output: Callable[[Sequence], None] | None = None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, list(prompt_token_ids)
         self.params, self.tracker, self.generator = params, tracker, generator
+        self.on_output = on_output           # called after each new token (Engine.add_request)
         self.slot: int | None = None         # cache slot while running
         self.num_cached = 0                  # leading tokens whose state is in the slot
 
