@@ -8,13 +8,14 @@ removed at exit. Checkpoints written here are read-only for tests: copy before d
 from __future__ import annotations
 
 import atexit
+import json
 import shutil
 import tempfile
 from functools import cache
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dsv4.checkpoint.tiny import make_tiny, random_canonical
 from dsv4.config import ModelConfig
@@ -102,3 +103,31 @@ def copy_checkpoint(src: Path, name: str) -> Path:
     for f in src.iterdir():
         shutil.copy(f, dst / f.name)
     return dst
+
+
+def rewrite(src: Path, dst: Path, edit=None, edit_config=None) -> Path:
+    """A copy of sharded checkpoint `src` as one model.safetensors, with its tensors and config.json edited."""
+    dst.mkdir(parents=True)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    if edit:
+        edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    if edit_config:
+        edit_config(config)
+    (dst / "config.json").write_text(json.dumps(config))
+    if (src / "hf_quant_config.json").exists():
+        shutil.copy(src / "hf_quant_config.json", dst)
+    return dst
+
+
+def drop(*prefixes: str):
+    """A `rewrite` tensor edit deleting every key that starts with one of `prefixes` (at least one must)."""
+    def edit(t):
+        gone = [k for k in t if k.startswith(prefixes)]
+        assert gone, prefixes
+        for k in gone:
+            del t[k]
+    return edit

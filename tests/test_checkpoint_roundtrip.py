@@ -129,6 +129,8 @@ def test_convert_every_dialect_to_every_format(dialect, fmt):
     seen = assert_same_model(got, fx.reference())
     expected = {"bf16": {"dense"}, "official": {"dense", "fp8", "mxfp4"}, "nvfp4-experts": {"dense", "fp8", "nvfp4"},
                 "nvfp4": {"dense", "nvfp4"}}[fmt]
+    if fmt == "nvfp4-experts" and got.has_mtp():
+        expected |= {"mxfp4"}  # the MTP block's experts stay official, as ModelOpt's V4 recipe leaves them
     assert set(seen) == expected
 
 
@@ -191,8 +193,8 @@ def test_official_to_nvfp4_experts_reblocks_exactly_and_back():
     nv = fx.fresh_dir("official-nvfp4x")
     report = convert_checkpoint(official, nv, fmt="nvfp4-experts")
     cfg = official.config
-    n_routed = sum(1 for s in model_specs(cfg) if s.role == ROUTED)
-    assert report.paths["nvfp4 reblocked"] == n_routed
+    n_routed, n_mtp_routed = routed_experts(cfg)
+    assert report.paths["nvfp4 reblocked"] == n_routed and report.paths["mxfp4 copied"] == n_mtp_routed > 0
     assert report.paths["fp8 copied"] > 0 and not any("quantized" in p for p in report.paths)
     got = open_checkpoint(nv)
     assert values(got).keys() == values(official).keys()
@@ -205,10 +207,17 @@ def test_official_to_nvfp4_experts_reblocks_exactly_and_back():
     # re-encoded with half the scale and codes 6)
     back = fx.fresh_dir("nvfp4x-official")
     report = convert_checkpoint(nv, back, fmt="official")
-    assert report.paths["mxfp4 requantized"] == n_routed
+    assert report.paths["mxfp4 requantized"] == n_routed and report.paths["mxfp4 copied"] == n_mtp_routed
     again = values(open_checkpoint(back))
     for name, v in values(official).items():
         assert torch.equal(again[name], v), name
+
+
+def routed_experts(cfg) -> tuple[int, int]:
+    """(routed expert linears of the main layers, of the MTP block): nvfp4-experts changes only the first."""
+    routed = [s.name for s in model_specs(cfg) if s.role == ROUTED]
+    mtp = sum(1 for n in routed if n.startswith("mtp."))
+    return len(routed) - mtp, mtp
 
 
 def values_one(ckpt: Checkpoint, name: str) -> torch.Tensor:
@@ -242,7 +251,7 @@ def test_mxfp4_reblock_refused_falls_back_to_requantization():
     convert_checkpoint(in_memory_checkpoint(tensors, cfg, Path("<zero block>")), official, fmt="official")
     nv = fx.fresh_dir("zero-block-nvfp4")
     report = convert_checkpoint(official, nv, fmt="nvfp4-experts")
-    n_routed = sum(1 for s in model_specs(cfg) if s.role == ROUTED)
+    n_routed, _ = routed_experts(cfg)
     assert report.paths["nvfp4 reblock-refused (requantized)"] == 2  # w1 and its w3 (shared k_max)
     assert report.paths["nvfp4 reblocked"] == n_routed - 2
     src, got = open_checkpoint(official), open_checkpoint(nv)
@@ -313,11 +322,26 @@ def test_hf_quant_config_describes_the_nvfp4_layers(fmt, naming):
     excluded = {m for m in linear if any(fnmatch.fnmatch(m, p) or fnmatch.fnmatch(m + ".weight", p)
                                          for p in q["exclude_modules"])}
     assert not nvfp4 & excluded
-    assert linear - nvfp4 == excluded
-    if fmt == "nvfp4-experts":
-        assert set(q["quantized_layers"]) == nvfp4
-        cfg_json = json.loads((out / "config.json").read_text())
-        assert cfg_json["quantization_config"]["moe_quant_algo"] == "NVFP4"
+    if fmt == "nvfp4":
+        assert linear - nvfp4 == excluded
+        return
+    # MIXED_PRECISION: `quantized_layers` names the NVFP4 expert groups; attention, shared experts, head and the
+    # MTP block are excluded (routers, compressors and the rest are in neither list: config.json's FP8 / bf16).
+    groups = set(q["quantized_layers"])
+    assert {m.rsplit(".", 2)[0] for m in nvfp4} == groups
+    assert len(groups) == fx.tiny_config().num_hidden_layers
+    renamer = names.Renamer("deepseek" if naming == "deepseek" else "hf-experts")
+
+    def kept_as_is(module: str) -> bool:
+        c = renamer.match(module + ".weight").canonical()
+        return c.startswith("mtp.") or ".attn." in c or ".shared_experts." in c or c == "head.weight"
+
+    assert {m for m in linear if kept_as_is(m)} == excluded
+    cfg_json = json.loads((out / "config.json").read_text())
+    assert cfg_json["quantization_config"]["moe_quant_algo"] == "NVFP4"
+    assert cfg_json["quantization_config"]["quant_method"] == "fp8"
+    assert cfg_json["quantization_config"]["ignore"] == q["exclude_modules"]
+    assert cfg_json["quantization_config"]["quantized_layers"] == q["quantized_layers"]
 
 
 def test_nvfp4_to_bf16_rounds_each_weight_once():

@@ -1,15 +1,14 @@
 """Damaged checkpoints are refused, each with a message naming the tensor, the file or the config key."""
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import ckpt_fixtures
 import dsv4
+from ckpt_fixtures import drop, rewrite
 from dsv4.checkpoint.errors import CheckpointError
 
 
@@ -17,33 +16,6 @@ from dsv4.checkpoint.errors import CheckpointError
 def source():
     """make-tiny checkpoints shared with the checkpoint tests (read-only: `rewrite` copies them)."""
     return ckpt_fixtures.tiny
-
-
-def rewrite(src: Path, dst: Path, edit=None, edit_config=None) -> Path:
-    """A copy of sharded checkpoint `src` as one model.safetensors, with its tensors and config.json edited."""
-    dst.mkdir(parents=True)
-    tensors = {}
-    for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(f))
-    if edit:
-        edit(tensors)
-    save_file(tensors, str(dst / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
-    if edit_config:
-        edit_config(config)
-    (dst / "config.json").write_text(json.dumps(config))
-    if (src / "hf_quant_config.json").exists():
-        shutil.copy(src / "hf_quant_config.json", dst)
-    return dst
-
-
-def drop(*prefixes):
-    def edit(t):
-        gone = [k for k in t if k.startswith(prefixes)]
-        assert gone, prefixes
-        for k in gone:
-            del t[k]
-    return edit
 
 
 def put(key, value_of):

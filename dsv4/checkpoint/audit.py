@@ -7,7 +7,8 @@ inside a quantized weight (zero FP4 codes, a zero-amax block) are normal and not
 What a format does make legitimate is reported as such, with the reason:
 * an NVFP4 `input_scale` of zero or inf: only the W4A4 option reads it (weight-only dequantization never
   does), so it is legitimate unless the model was loaded with w4a4=True;
-* no MTP block in a transformers-named checkpoint: transformers drops `mtp.*` when it loads or saves.
+* no MTP block when the checkpoint holds no `mtp.*` tensor (in any dialect: quantized and converted builds
+  often drop it, transformers always does): the main model is complete, speculative decoding unavailable.
 Hash tables are checked for rows that route a token to the same expert twice.
 """
 
@@ -21,6 +22,7 @@ import torch
 from ..formats import FP4_FORMATS, FP8_BLOCK, QWeight
 from ..model import QLinear, Transformer
 from ..model.moe import Gate
+from .canonical import NO_MTP
 from .loader import canonical_name
 
 ROW_CHUNK = 8 * FP8_BLOCK   # rows dequantized at a time (bounded memory for the head / embedding)
@@ -30,7 +32,7 @@ ELEMENT_CHUNK = 1 << 22     # elements of a plain tensor checked at a time
 @dataclass(frozen=True)
 class Finding:
     name: str        # canonical tensor (or module) name
-    problem: str     # "all zero" | "non-finite" | "duplicate experts" | "no MTP block"
+    problem: str     # "all zero" | "non-finite" | "duplicate experts" | NO_MTP
     detail: str
     legit: bool = False
 
@@ -126,8 +128,8 @@ def audit(model: Transformer) -> list[Finding]:
                 findings.append(Finding(f"{path}.{leaf}" if path else leaf, *found))
     cfg = model.config
     if len(model.mtp) < cfg.num_nextn_predict_layers:
-        findings.append(Finding("mtp", "no MTP block", f"config.json declares {cfg.num_nextn_predict_layers}; "
-                                "transformers drops mtp.* when it loads or saves a model, so its checkpoints have "
-                                "none. The main model is complete; speculative decoding has no draft block",
-                                legit=True))
+        findings.append(Finding("mtp", NO_MTP, f"config.json declares {cfg.num_nextn_predict_layers} MTP block(s) "
+                                "but the checkpoint holds no mtp.* tensor (quantized and converted builds often "
+                                "drop them, transformers always does): the main model is complete, speculative "
+                                "decoding unavailable", legit=True))
     return findings

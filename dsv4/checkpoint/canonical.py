@@ -4,7 +4,11 @@ Opening reads headers only. Every key is renamed through its dialect's table (na
 become one canonical piece per expert; then every canonical tensor is checked against the config
 (`spec.model_specs`): unknown names, duplicates, and dtypes or shapes that fit no storage format are
 collected and refused in one CheckpointError that names each file and key. Missing tensors are not an
-error here (a transformers save has no MTP block); `Checkpoint.missing()` lists them for the loader.
+error here; `Checkpoint.missing()` lists them for the loader, inspect and convert.
+
+The MTP block, in every dialect: a checkpoint holding no `mtp.*` tensor at all is the main model alone
+(quantized and converted builds often drop the block, transformers always does) and loads without one;
+a checkpoint holding any `mtp.*` tensor must hold every MTP block of config.json in full.
 
 Storage formats of a linear module, recognised from its leaves and dtypes (K = in_features):
     dense  weight [N, K] f32/bf16/f16
@@ -37,6 +41,10 @@ PACKED = torch.uint8
 E8M0 = torch.float8_e8m0fnu
 CANONICAL_LEAVES = ("weight", "scale", "weight_scale", "weight_scale_2", "input_scale")
 MAX_LISTED_PROBLEMS = 40
+MISSING_EXAMPLES = 8
+# What inspect, the load log and convert say about a checkpoint without its MTP block (the audit's problem name).
+NO_MTP = "no MTP block"
+NO_MTP_NOTE = f"{NO_MTP}: speculative decoding unavailable"
 
 
 @dataclass(frozen=True)
@@ -67,14 +75,41 @@ class Checkpoint:
     problems: list[str] = field(default_factory=list)       # only `survey_checkpoint` returns any
 
     def specs(self) -> list[TensorSpec]:
-        return model_specs(self.config)
+        """The canonical tensors the checkpoint must hold: the main model, and every MTP block of the config
+        unless the checkpoint holds no `mtp.*` tensor at all."""
+        return model_specs(self.config, include_mtp=self.has_mtp())
 
     def missing(self) -> list[str]:
-        """Canonical tensors of the config that the checkpoint lacks (a linear counts once, by `.weight`)."""
+        """Tensors of `specs()` that the checkpoint lacks (a linear counts once, by `.weight`)."""
         return [s.name for s in self.specs() if s.name not in self.tensors]
 
     def has_mtp(self) -> bool:
+        """Whether any `mtp.*` tensor is present (then every MTP block of the config is required)."""
         return any(n.startswith("mtp.") for n in self.tensors)
+
+    @property
+    def lacks_mtp(self) -> bool:
+        """config.json declares MTP blocks and the checkpoint holds no `mtp.*` tensor (NO_MTP_NOTE)."""
+        return self.config.num_nextn_predict_layers > 0 and not self.has_mtp()
+
+    def incomplete(self) -> list[str]:
+        """One line per part with missing tensors (the main model; MTP blocks held in part), with examples."""
+        main = [n for n in self.missing() if not n.startswith("mtp.")]
+        out = []
+        if main:
+            out.append(f"{len(main)} tensors of the model are missing, e.g. {', '.join(main[:MISSING_EXAMPLES])}")
+        mtp = self.mtp_incomplete()
+        return out + ([mtp] if mtp else [])
+
+    def mtp_incomplete(self) -> str | None:
+        """Why MTP blocks held in part are refused; None when they are whole or wholly absent."""
+        mtp = [n for n in self.missing() if n.startswith("mtp.")]
+        if not mtp:
+            return None
+        total = sum(1 for s in self.specs() if s.name.startswith("mtp."))
+        return (f"the MTP block is incomplete: {len(mtp)} of its {total} tensors are missing, e.g. "
+                f"{', '.join(mtp[:MISSING_EXAMPLES])} (a checkpoint holds every MTP block of config.json or no "
+                "mtp.* tensor at all)")
 
     def qweight(self, module: str) -> QWeight:
         """Load linear `module` (e.g. `layers.3.attn.wq_a`) in its stored format."""

@@ -25,7 +25,7 @@ import torch
 from ..formats import (mxfp4_k_max, mxfp4_to_nvfp4, nvfp4_global_scale, quantize_fp8_block, quantize_mxfp4,
                        quantize_nvfp4)
 from ..formats.scales import UE8M0_DTYPE
-from .canonical import Checkpoint, open_checkpoint
+from .canonical import NO_MTP_NOTE, Checkpoint, open_checkpoint
 from .errors import CheckpointError
 from .reader import DTYPES, INDEX_NAME
 from .writer import (DEFAULT_SHARD_BYTES, PLAIN_STORAGE_DTYPES, ShardWriter, Unit, assign_shards, config_json,
@@ -66,8 +66,8 @@ def convert_checkpoint(source: Checkpoint | str | Path, dst: str | Path, fmt: st
     shard_files = [shard_name(i, len(shards)) for i in range(len(shards))]
     report = ConvertReport(dst, fmt, naming, output_dialect(fmt, naming), src.dialect, len(shards),
                            *plan_totals(units))
-    if not include_mtp:
-        report.notes.append("the source has no MTP block (mtp.*); the output has none either")
+    if src.lacks_mtp:
+        report.notes.append(f"{NO_MTP_NOTE} (the source holds no mtp.* tensor, nor does the output)")
     _prepare(dst, src.path, overwrite)
 
     written: list[Path] = []
@@ -116,18 +116,11 @@ def _dsv4_version() -> str:
 
 
 def _check_complete(src: Checkpoint) -> bool:
-    """Refuse a source missing main-model tensors; returns whether it has (all of) its MTP block."""
-    missing = src.missing()
-    main = [n for n in missing if not n.startswith("mtp.")]
-    mtp_missing = [n for n in missing if n.startswith("mtp.")]
-    mtp_total = sum(1 for s in src.specs() if s.name.startswith("mtp."))
-    if main:
-        raise CheckpointError(f"{src.path}: {len(main)} tensors of the model are missing, e.g. "
-                              + ", ".join(main[:8]))
-    if mtp_missing and len(mtp_missing) != mtp_total:
-        raise CheckpointError(f"{src.path}: the MTP block is incomplete: {len(mtp_missing)} of its {mtp_total} "
-                              "tensors are missing, e.g. " + ", ".join(mtp_missing[:8]))
-    return not mtp_missing
+    """Refuse a source missing tensors (an MTP block held in part included); returns whether it has MTP blocks."""
+    problems = src.incomplete()
+    if problems:
+        raise CheckpointError(f"{src.path}: " + "; ".join(problems))
+    return src.has_mtp()
 
 
 def _prepare(dst: Path, src_path: Path, overwrite: bool) -> None:

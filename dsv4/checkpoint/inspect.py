@@ -11,9 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+import torch
+
 from ..config import count_parameters
-from .canonical import Checkpoint, survey_checkpoint
+from .audit import audit
+from .canonical import NO_MTP, NO_MTP_NOTE, Checkpoint, survey_checkpoint
 from .errors import CheckpointError
+from .loader import check_config, load_checkpoint, model_formats
 from .spec import TID2EID, model_specs
 
 # Report groups: role -> label (linears by what they do; plain tensors by kind).
@@ -123,30 +127,17 @@ def _describe(ckpt: Checkpoint, report: Inspection) -> None:
     report.groups = dict(groups)
     report.params_config["main"] = count_parameters(cfg)
     report.params_config["mtp"] = count_parameters(cfg, include_mtp=True) - report.params_config["main"]
-    missing = ckpt.missing()
-    report.missing = missing
-    main = [n for n in missing if not n.startswith("mtp.")]
-    mtp = [n for n in missing if n.startswith("mtp.")]
-    mtp_total = sum(1 for n in specs if n.startswith("mtp."))
-    if main:
-        report.refusals.append(f"{len(main)} tensors of the model are missing, e.g. {', '.join(main[:8])}")
-    if mtp and len(mtp) == mtp_total:
-        report.notes.append("no MTP block (mtp.*): fine for generation, no speculative decoding")
-    elif mtp:
-        report.refusals.append(f"the MTP block is incomplete: {len(mtp)} of {mtp_total} tensors missing, e.g. "
-                               f"{', '.join(mtp[:8])}")
+    report.missing = ckpt.missing()
+    report.refusals += ckpt.incomplete()
+    if ckpt.lacks_mtp:
+        report.notes.append(NO_MTP_NOTE)
+    problems: list[str] = []   # what the loader refuses in the storage formats against config.json
+    check_config(ckpt, model_formats(ckpt, problems), problems)
+    report.refusals += problems
 
 
 def _run_audit(ckpt: Checkpoint, report: Inspection) -> None:
     """Load the model (bf16 compute dtype, quantized weights as stored) and audit every parameter."""
-    try:
-        from .audit import audit
-        from .loader import load_checkpoint
-    except ImportError as e:
-        report.notes.append(f"audit requested but not available ({e})")
-        return
-    import torch
-
     try:
         findings = audit(load_checkpoint(ckpt, "cpu", torch.bfloat16, kernels="ref"))
     except CheckpointError as e:
@@ -154,5 +145,5 @@ def _run_audit(ckpt: Checkpoint, report: Inspection) -> None:
         return
     bad = [f for f in findings if not f.legit]
     report.audit = f"{len(findings)} finding(s), {len(bad)} refused"
-    report.notes += [str(f) for f in findings if f.legit]
+    report.notes += [str(f) for f in findings if f.legit and f.problem != NO_MTP]  # NO_MTP_NOTE is already there
     report.refusals += [str(f) for f in bad]

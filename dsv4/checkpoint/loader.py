@@ -8,13 +8,16 @@
    canonical tensors that fill it (one for a plain buffer, one per leading index for stacked experts).
    Every checkpoint tensor must fill exactly one piece and every piece must be filled, with the right
    shape and a dtype the buffer can take; all problems are reported together in one CheckpointError
-   naming checkpoint keys and files.
+   naming checkpoint keys and files. A checkpoint without any `mtp.*` tensor is built without MTP blocks,
+   and the load logs NO_MTP_NOTE once (WARNING, logger `dsv4.checkpoint.loader`); one with some must hold
+   every MTP block of config.json.
 4. Buffers are materialised one at a time from the memory-mapped shards: an unstacked tensor is used as
    read (cast or moved only if needed), a stacked buffer is allocated once and each piece copied into it.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from itertools import product
 from pathlib import Path
@@ -26,9 +29,10 @@ from ..kernels import ops_for
 from ..model import LinearFormat, QLinear, Transformer, build_model
 from ..model.moe import Gate
 from . import names
-from .canonical import FLOAT_DTYPES, INT_DTYPES, CanonicalTensor, Checkpoint, open_checkpoint
+from .canonical import FLOAT_DTYPES, INT_DTYPES, NO_MTP_NOTE, CanonicalTensor, Checkpoint, open_checkpoint
 from .errors import CheckpointError
 
+logger = logging.getLogger(__name__)
 MAX_LISTED = 60
 # Canonical names of expert shards -> stacked model buffers (the only names that differ).
 _EXPERT = re.compile(r"^(?P<ffn>(?:layers|mtp)\.\d+\.ffn)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.(?P<leaf>\w+)$")
@@ -98,22 +102,31 @@ def _describe(fmt: LinearFormat) -> str:
 
 
 def check_config(ckpt: Checkpoint, formats: dict[str, LinearFormat], problems: list[str]) -> None:
-    """The storage found must be what config.json declares (quantization_config, expert_dtype)."""
+    """The storage found must be what config.json declares (quantization_config, expert_dtype).
+
+    FP8 blocks must be declared by `quant_method: "fp8"`, as DeepSeek's release and ModelOpt's DeepSeek-V4 recipe
+    (which marks its NVFP4 experts with `moe_quant_algo`) declare them. Under any other quant_method, ModelOpt's
+    "modelopt" included, the modules a manifest excludes are unquantized by declaration, so FP8 blocks contradict
+    the config: refused, naming a stored FP8 tensor and the config key.
+    """
     cfg, qc = ckpt.config, ckpt.config.quantization_config or {}
-    first = {}
-    for module, fmt in sorted(formats.items()):
-        first.setdefault(fmt.fmt, module)
-    if "fp8" in first:
+    stored: dict[str, str] = {}   # storage format -> the first linear stored in it
+    for module, fmt in sorted(ckpt.formats.items()):
+        stored.setdefault(fmt, module)
+    if "fp8" in stored:
+        weight, scale = (ckpt.tensors[f"{stored['fp8']}.{leaf}"] for leaf in ("weight", "scale"))
         if qc.get("quant_method") != "fp8":
-            problems.append(f"config.json: {first['fp8']} is stored as FP8 blocks but quantization_config."
-                            f"quant_method is {qc.get('quant_method')!r}, not 'fp8'")
+            problems.append(f"config.json: quantization_config.quant_method is {qc.get('quant_method')!r}, not "
+                            f"'fp8', but {_where(weight)} is stored as FP8 blocks with scales {scale.source!r}; "
+                            "FP8 blocks are read only where config.json declares quant_method 'fp8' (as DeepSeek's "
+                            "release and ModelOpt's DeepSeek-V4 recipe, with moe_quant_algo 'NVFP4', do)")
         elif list(qc.get("weight_block_size", [128, 128])) != [128, 128]:
             problems.append(f"config.json: quantization_config.weight_block_size {qc['weight_block_size']} but "
-                            f"the FP8 scales of {first['fp8']} are on a 128x128 grid")
-    if {"mxfp4", "nvfp4"} & set(first) and not qc and not (ckpt.path / "hf_quant_config.json").exists():
-        module = first.get("mxfp4") or first["nvfp4"]
+                            f"the FP8 scales {_where(scale)} are on a 128x128 grid")
+    if {"mxfp4", "nvfp4"} & set(stored) and not qc and not (ckpt.path / "hf_quant_config.json").exists():
+        weight = ckpt.tensors[f"{stored.get('mxfp4') or stored['nvfp4']}.weight"]
         problems.append(f"config.json has no quantization_config (and there is no hf_quant_config.json) but "
-                        f"{module} is stored in 4 bits")
+                        f"{_where(weight)} is stored in 4 bits")
     experts = {f.fmt for m, f in formats.items() if m.endswith(".ffn.experts.w13") or m.endswith(".ffn.experts.w2")}
     allowed = {"fp4": {"mxfp4", "nvfp4"}, "fp8": {"fp8"}, None: {"dense", "nvfp4"}}[cfg.expert_dtype]
     if experts - allowed:
@@ -193,6 +206,8 @@ def _missing_summary(ckpt: Checkpoint, missing: list[str]) -> list[str]:
     if absent:
         out.append(f"config.json: num_hidden_layers is {ckpt.config.num_hidden_layers} but the checkpoint has no "
                    f"tensor at all for layers {absent}")
+    mtp = ckpt.mtp_incomplete()
+    out += [mtp] if mtp else []
     out += [f"missing: {_expected_key(ckpt, name)}" for name in missing]
     return out
 
@@ -261,12 +276,10 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
     formats = model_formats(ckpt, problems)
     can_build = not problems       # a stacked group in two formats leaves the model's layout undefined
     check_config(ckpt, formats, problems)
-    # transformers drops the MTP block when it loads or saves a model, so a transformers-named checkpoint may
-    # lack it: it then loads without one (the audit says so). DeepSeek's own layout always has it.
-    with_mtp = ckpt.has_mtp() or ckpt.dialect == "deepseek"
     model = plan = None
     if can_build:
-        model = build_model(ckpt.config, formats, dtype, ops_for(device, kernels), w4a4, mtp=with_mtp)
+        # Without any mtp.* tensor the model is built without MTP blocks; with some, every block is required.
+        model = build_model(ckpt.config, formats, dtype, ops_for(device, kernels), w4a4, mtp=ckpt.has_mtp())
         plan = plan_fill(model, ckpt, problems)
     _raise(ckpt, problems)
     fill(model, plan, device, progress)
@@ -275,6 +288,8 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
         tile_weights = device.type == "cuda" and kernels != "ref"
     if tile_weights:
         model.tile_weights_()
+    if ckpt.lacks_mtp:
+        logger.warning("%s: %s", ckpt.path, NO_MTP_NOTE)
     return model
 
 

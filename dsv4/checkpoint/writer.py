@@ -41,12 +41,15 @@ _OFFICIAL = MappingProxyType({
 FORMAT_PLANS = MappingProxyType({
     "bf16": MappingProxyType({**_OFFICIAL, **dict.fromkeys((ATTN, INDEXER_WQ_B, SHARED, MTP_PROJ, ROUTED), "bf16")}),
     "official": _OFFICIAL,
-    # NVIDIA's builds (ModelOpt examples/deepseek/deepseek_v4/quantize_to_nvfp4.py): only the routed experts,
-    # those of the MTP block included, change.
+    # NVIDIA's builds (ModelOpt examples/deepseek/deepseek_v4/quantize_to_nvfp4.py): only the routed experts of
+    # the main layers change; the MTP block stays official (MTP_FORMAT).
     "nvfp4-experts": MappingProxyType({**_OFFICIAL, ROUTED: "nvfp4"}),
     "nvfp4": MappingProxyType({**_OFFICIAL, **dict.fromkeys((ATTN, INDEXER_WQ_B, INDEXER_WEIGHTS, SHARED, ROUTED,
                                                              MTP_PROJ), "nvfp4")}),
 })
+# The format whose plan the MTP block (`mtp.*`) follows where it is not the output format's own: ModelOpt's V4
+# recipe leaves the MTP block in the source format (its exclude_modules list `mtp.*`).
+MTP_FORMAT = MappingProxyType({"nvfp4-experts": "official"})
 # Plain storages: one tensor under the canonical name.
 PLAIN_STORAGE_DTYPES = MappingProxyType({"bf16": "BF16", "fp32": "F32", "int64": "I64"})
 # Quantized linear storages: leaf -> safetensors dtype, in writing order.
@@ -96,6 +99,8 @@ class Unit:
 def storage_of(spec: TensorSpec, fmt: str) -> str:
     if fmt not in FORMAT_PLANS:
         raise ValueError(f"unknown format {fmt!r}; expected one of {FORMATS}")
+    if spec.name.startswith("mtp."):
+        fmt = MTP_FORMAT.get(fmt, fmt)
     return FORMAT_PLANS[fmt][spec.role]
 
 
@@ -247,14 +252,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
 
 def _exclude_patterns(fmt: str, dialect: str) -> list[str]:
     """Module patterns left out of NVFP4 (ModelOpt's `exclude_modules`), in the output's names."""
-    if fmt == "nvfp4-experts":
-        ds = ["*.attn.*", "*.attn_norm.*", "*.ffn.shared_experts.*", "*.ffn.gate.*", "*.ffn_norm.*", "embed.weight",
-              "head.weight", "*.hc_*", "*.h_proj.*", "*.e_proj.*", "*.enorm.*", "*.hnorm.*", "mtp.*.norm.*",
-              "norm.weight"]
-        hf = ["*.self_attn.*", "*.input_layernorm.*", "*.mlp.shared_experts.*", "*.mlp.gate.*",
-              "*.post_attention_layernorm.*", "model.embed_tokens", "lm_head", "*_hc.*", "model.hc_head.*",
-              "model.norm", "mtp.*.attn.*", "mtp.*.ffn.shared_experts.*", "mtp.*.ffn.gate.*", "mtp.*.h_proj.*",
-              "mtp.*.e_proj.*", "mtp.*.enorm.*", "mtp.*.hnorm.*", "mtp.*.norm.*"]
+    if fmt == "nvfp4-experts":  # ModelOpt's V4 recipe: attention, shared experts, head and MTP stay as they are
+        ds = ["*.attn.*", "*.ffn.shared_experts.*", "head", "mtp.*"]
+        hf = ["*.self_attn.*", "*.mlp.shared_experts.*", "lm_head", "mtp.*"]
     else:  # nvfp4: everything but the compressor projections, routers, embedding and head
         ds = ["*.attn.compressor.wkv", "*.attn.compressor.wgate", "*.attn.indexer.compressor.wkv",
               "*.attn.indexer.compressor.wgate", "*.ffn.gate", "embed", "head"]
@@ -265,27 +265,38 @@ def _exclude_patterns(fmt: str, dialect: str) -> list[str]:
     return ds if dialect == "deepseek" else hf
 
 
-def nvfp4_modules(units: list[Unit]) -> list[str]:
-    """Output module names (key without leaf) of every NVFP4 linear in the plan."""
-    return sorted({t.key.rsplit(".", 1)[0] for u in units if u.storage == "nvfp4" for t in u.tensors})
+def nvfp4_expert_groups(units: list[Unit]) -> list[str]:
+    """Output names of the routed-expert groups (`layers.L.ffn.experts`) stored in NVFP4: ModelOpt's
+    `quantized_layers` keys. A routed-expert key is `<group>.<expert>.<w>.<leaf>` in every per-expert dialect."""
+    return sorted({t.key.rsplit(".", 3)[0] for u in units if u.storage == "nvfp4" and u.specs[0].role == ROUTED
+                   for t in u.tensors})
+
+
+def _nvfp4_config_groups() -> dict:
+    """config.json's `config_groups` of ModelOpt's V4 recipe: W4A4 NVFP4 with static (calibrated) input scales."""
+    numerics = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": NVFP4_BLOCK}
+    return {"group_0": {"input_activations": dict(numerics), "weights": dict(numerics), "targets": ["Linear"]}}
 
 
 def hf_quant_config(fmt: str, naming: str, units: list[Unit], version: str) -> dict | None:
-    """ModelOpt's `hf_quant_config.json` for outputs with NVFP4 tensors (nvfp4-format.md §2.1, §5)."""
+    """ModelOpt's `hf_quant_config.json` for outputs with NVFP4 tensors (nvfp4-format.md §2.1, §5).
+
+    nvfp4-experts is the manifest ModelOpt's DeepSeek-V4 recipe writes, in the output's names: MIXED_PRECISION,
+    the NVFP4 expert groups in `quantized_layers`, the rest as config.json's quantization_config declares it.
+    """
     if fmt not in ("nvfp4", "nvfp4-experts"):
         return None
+    producer = {"name": "dsv4", "version": f"{version} ({fmt})"}
     dialect = output_dialect(fmt, naming)
-    quant: dict = {"kv_cache_quant_algo": None, "group_size": NVFP4_BLOCK,
-                   "exclude_modules": _exclude_patterns(fmt, dialect)}
     if fmt == "nvfp4-experts":
-        # The rest of the model stays FP8 (config.json's quantization_config): a mixed-precision manifest
-        # listing the NVFP4 layers, as NVIDIA's V4 builds ship.
-        quant["quant_algo"] = "MIXED_PRECISION"
-        quant["quantized_layers"] = {m: {"quant_algo": "NVFP4", "group_size": NVFP4_BLOCK}
-                                     for m in nvfp4_modules(units)}
+        quant = {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "group_size": NVFP4_BLOCK,
+                 "quantized_layers": {g: {"quant_algo": "NVFP4", "group_size": NVFP4_BLOCK}
+                                      for g in nvfp4_expert_groups(units)},
+                 "exclude_modules": _exclude_patterns(fmt, dialect)}
     else:
-        quant["quant_algo"] = "NVFP4"
-    return {"producer": {"name": "dsv4", "version": f"{version} ({fmt})"}, "quantization": dict(sorted(quant.items()))}
+        quant = {"exclude_modules": _exclude_patterns(fmt, dialect), "group_size": NVFP4_BLOCK,
+                 "kv_cache_quant_algo": None, "quant_algo": "NVFP4"}
+    return {"producer": producer, "quantization": quant}
 
 
 def config_json(cfg: ModelConfig, fmt: str, naming: str, quant: dict | None) -> dict:
@@ -299,7 +310,14 @@ def config_json(cfg: ModelConfig, fmt: str, naming: str, quant: dict | None) -> 
         qc = dict(FP8_QUANTIZATION_CONFIG, weight_block_size=list(FP8_QUANTIZATION_CONFIG["weight_block_size"]))
         expert_dtype = "fp4"
         if fmt == "nvfp4-experts":
-            qc["moe_quant_algo"] = "NVFP4"  # what vLLM / SGLang key the NVFP4 experts on
+            # ModelOpt's V4 recipe: quant_method stays "fp8" (the FP8 blocks), moe_quant_algo marks the NVFP4
+            # experts (vLLM and SGLang key on it), and hf_quant_config.json's manifest is copied in, its
+            # exclude_modules spelled `ignore`.
+            q = quant["quantization"]
+            qc.update(moe_quant_algo="NVFP4", producer=quant["producer"], quant_algo=q["quant_algo"],
+                      kv_cache_quant_algo=q["kv_cache_quant_algo"], group_size=q["group_size"],
+                      config_groups=_nvfp4_config_groups(), quantized_layers=q["quantized_layers"],
+                      ignore=q["exclude_modules"])
     elif fmt == "nvfp4":
         q = quant["quantization"]
         qc = {"quant_method": "modelopt", "quant_algo": q["quant_algo"], "group_size": q["group_size"],
