@@ -1,6 +1,7 @@
 """GPU correctness and benchmarks of dsv4's Triton kernels, in one call (the device machine is rented by the minute).
 
     python bench/run_all.py --out $OUT                 # H200: everything, ~6-8 minutes
+    python bench/run_all.py --summary $OUT/results.json   # the current-figures table for bench/RESULTS.md
     TRITON_INTERPRET=1 python bench/run_all.py --toy   # CPU dry run at toy shapes (checks the script itself)
 
 Sections: environment; copy bandwidth; parallel precompile; correctness against `kernels.ref` on fresh random
@@ -47,7 +48,8 @@ class Run:
         self.ops = strict_ops()
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.res: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "errors": []}
+        self.res: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "errors": [],
+                          "command": " ".join(["python", "bench/run_all.py", *sys.argv[1:]])}
         self.t0 = time.time()
         self.gen = torch.Generator(device=self.device).manual_seed(1234)
         self.timer = Timer(self.device)
@@ -686,7 +688,14 @@ def main():
                          "expert); its `other us` there is the sorted path (above 8 tokens)")
     ap.add_argument("--layout", choices=("tiled", "row-major"), default="tiled",
                     help="how the benchmarked weights are stored (formats.tiling; the loader tiles on CUDA)")
+    ap.add_argument("--summary", metavar="RESULTS_JSON",
+                    help="print the current-figures table (markdown) of a finished run's results.json and exit")
     args = ap.parse_args()
+    if args.summary:
+        import summary
+
+        summary.main(args.summary)
+        return
     os.environ[LAYOUT_ENV] = args.layout
     if args.toy:
         os.environ.setdefault("TRITON_INTERPRET", "1")

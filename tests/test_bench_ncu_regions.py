@@ -1,10 +1,10 @@
-"""bench/ncu_regions.py: stall samples split into the MMA K loops and the rest, on a hand-made `ncu --page source`
+"""bench/lab/ncu_regions.py: stall samples split into the MMA K loops and the rest, on a hand-made `ncu --page source`
 dump (two kernels; the first with an MMA loop, a loop without an MMA and an epilogue)."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lab"))
 
 import ncu_regions  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""bench/timeline.py, the per-program timeline of the decode GEMV's launches: its traced kernel must stay the kernel
+"""bench/lab/timeline.py, the per-program timeline of the decode GEMV's launches: its traced kernel must stay the kernel
 `kernels.gemv` runs (same arguments, same code plus the timer reads), its stand-in must trace only what it has room
 for and always put the real kernel back, and its statistics must say what the records say. The GPU run itself is in
 bench/RESULTS.md (the interpreter cannot read %globaltimer)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lab"))
 
 import timeline  # noqa: E402
 
@@ -40,7 +40,7 @@ def test_traced_kernel_takes_the_kernels_arguments_and_a_trace():
 
 _COMPILE = r"""
 import json, sys
-sys.path.insert(0, "bench")
+sys.path.insert(0, "bench/lab")
 import sass, timeline
 from dsv4.kernels import gemv
 out = {}

@@ -18,12 +18,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPTS = {
-    "moe_blocks": ["bench/moe_blocks.py", "--tokens", "12", "--rounds", "1"],
-    "profile_shared": ["bench/profile_shared.py", "--tokens", "1,12"],
-    "profile_moe": ["bench/profile_moe.py", "--tokens", "1", "--splits", "0"],
-    "profile_tiles": ["bench/profile_tiles.py"],
-    "profile_w4a4": ["bench/profile_w4a4.py"],
-    "profile_duplicates": ["bench/profile_duplicates.py"],
+    "moe_blocks": ["bench/lab/moe_blocks.py", "--tokens", "12", "--rounds", "1"],
+    "profile_shared": ["bench/lab/profile_shared.py", "--tokens", "1,12"],
+    "profile_moe": ["bench/lab/profile_moe.py", "--tokens", "1", "--splits", "0"],
+    "profile_tiles": ["bench/lab/profile_tiles.py"],
+    "profile_w4a4": ["bench/lab/profile_w4a4.py"],
+    "profile_duplicates": ["bench/lab/profile_duplicates.py"],
     "run_all_moe": ["bench/run_all.py", "--sections", "env,moe"],
 }
 

@@ -102,7 +102,7 @@ def test_split_k_and_prefill_tiles(fmt):
     assert rel_err(gemm.linear(xp, w, config=prefill, fallback=refuse), ref.linear(xp, w)) < 1e-6
 
 
-# (model linear, fmt, M, N, K) -> the tiles bench/profile_tiles.py measured fastest or within 3 % of it on an H200
+# (model linear, fmt, M, N, K) -> the tiles bench/lab/profile_tiles.py measured fastest or within 3 % of it on an H200
 # (bench/RESULTS.md round twenty-two), which `dense_tiles` must keep choosing
 MEASURED_TILES = [
     ("V4-Flash wq_b", "nvfp4", 64, 32768, 1024, (64, 128, 1)),

@@ -1,7 +1,7 @@
 """Programmatic dependent launch in the decode GEMV (`GemvConfig.pdl`).
 
 The interpreter cannot run `griddepcontrol`, and CI has no GPU, so these tests compile `_gemv_kernel` for
-sm_90 (Triton's own LLVM; no GPU needed; `bench/sass.py`) in a subprocess without TRITON_INTERPRET, and read
+sm_90 (Triton's own LLVM; no GPU needed; `bench/lab/sass.py`) in a subprocess without TRITON_INTERPRET, and read
 its PTX: with PDL the kernel must trigger the next launch, and on every path from its entry (a walk over the
 PTX's basic blocks) wait for the previous kernel before its first global load (x, ids, scratch), store or
 atomic. Only L2 prefetches of weight bytes may come before the wait; with `X_READY` (the gate/up launch
@@ -18,10 +18,10 @@ from dsv4.kernels import gemv
 from kernel_util import compile_in_subprocess
 
 # compiles the kernel (NVFP4 routed weights, 2 warps, MMA N = 8; an FP8 shared expert where asked) through
-# bench/sass.py's compile_gemv and prints, per case, the PTX lines that matter
+# bench/lab/sass.py's compile_gemv and prints, per case, the PTX lines that matter
 _COMPILE = r"""
 import json, re, sys
-sys.path.insert(0, "bench")
+sys.path.insert(0, "bench/lab")
 import sass
 
 import triton

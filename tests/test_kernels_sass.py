@@ -1,5 +1,5 @@
 """The decode GEMV's K loop as the installed Triton compiles it for sm_90 (no GPU needed: Triton's own LLVM,
-ptxas and cuobjdump, through `bench/sass.py` in a subprocess without TRITON_INTERPRET).
+ptxas and cuobjdump, through `bench/lab/sass.py` in a subprocess without TRITON_INTERPRET).
 
 The register-renaming layout trick (`gemv._k_order`, `gemv.MMA_K_WIDTH`) only pays if the decoded weights
 reach the MMA without shuffles between threads. Triton 3.8 changed the bf16 mma.sync operand layout and the
@@ -21,15 +21,15 @@ LINE = re.compile(r"^(\w+): (\d+) instructions per loop iteration = ([\d.]+) per
 
 
 def sass_loops(*args: str) -> dict:
-    """`bench/sass.py` for sm_90 on the installed Triton (a subprocess without TRITON_INTERPRET, tiled weights,
+    """`bench/lab/sass.py` for sm_90 on the installed Triton (a subprocess without TRITON_INTERPRET, tiled weights,
     MMA N = 8): its line per format, parsed by LINE."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sass.py"), *args, "--mp", "8", "--tiled"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lab" / "sass.py"), *args, "--mp", "8", "--tiled"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     found = {m.group(1): m for m in map(LINE.match, proc.stdout.splitlines()) if m}
     formats = {a for a in args if not a.startswith("-")}
     assert set(found) == formats, \
-        f"bench/sass.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        f"bench/lab/sass.py {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return found
 
 

@@ -1,5 +1,5 @@
 """The fused top-k sum (`gemm._topk_sum`) as the installed Triton compiles it for sm_90 (no GPU needed; a
-subprocess without TRITON_INTERPRET, through `bench/sass.py`).
+subprocess without TRITON_INTERPRET, through `bench/lab/sass.py`).
 
 The CPU tests run programs one after another, so they cannot see whether the program that sums a token's rows
 sees the rows other programs wrote. That rests on the order of the PTX, checked here: the routed rows are
@@ -14,7 +14,7 @@ from kernel_util import compile_in_subprocess
 
 _COMPILE = r"""
 import json, sys
-sys.path.insert(0, "bench")
+sys.path.insert(0, "bench/lab")
 import sass
 from dsv4.kernels import gemm
 out = {}

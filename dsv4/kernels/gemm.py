@@ -257,7 +257,7 @@ def decode_split(tiles: int, k_steps: int, sms: int) -> int:
 
 
 # Dense linears of 17..MID_ROWS rows (`dense_tiles`). Measured on an H200 (bench/RESULTS.md round twenty-two,
-# bench/profile_tiles.py over 12 V4 linears at 32-256 rows): a launch of more programs than fit at once (2 CTAs
+# bench/lab/profile_tiles.py over 12 V4 linears at 32-256 rows): a launch of more programs than fit at once (2 CTAs
 # per SM for these tiles) ends on a second, mostly idle wave, and a program of fewer than ~6 K steps spends its
 # time in its pipeline fill and split-K partial; `decode_split`'s ~2 programs per SM with 2 steps each took up to
 # 1.9x the best tiles (V4-Flash expert w1/w3 NVFP4 at 64 rows: 22.2 against 11.6 us).

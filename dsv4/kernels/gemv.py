@@ -20,7 +20,7 @@ Triton's relabelled k = 4c .. 4c+3 (kWidth 4, Triton <= 3.7) or the instruction'
 (kWidth 2, Triton >= 3.8; `MMA_K_WIDTH`). A dot does not care in which order K is summed, and output rows
 may be stored anywhere, so `_to_mma` re-indexes the decoded tile (rows and K) so that each thread already
 holds exactly its operand fragment - the reshape/permute is register renaming only (checked in SASS:
-bench/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The weights are loaded as 32-bit words
+bench/lab/sass.py) - and x is loaded in the same K order (`_x_kmajor`). The weights are loaded as 32-bit words
 (4 bytes of one row) and each PTX decoder instance takes one word (`pack=1`): with `pack > 1` Triton groups
 consecutive *registers*, which in the operand layout mix rows r and r + 32 (seen on the H200: garbage
 results, 2026-11-30).
@@ -112,7 +112,7 @@ def _k_order(t, R: tl.constexpr, KS: tl.constexpr):
     order cost ptxas 54 register moves per loop iteration). kWidth 2 (the instruction's own fragment, k = 2c,
     2c+1, 2c+8, 2c+9; Triton >= 3.8): KS/4 c + 4b + 2h + e -> 16b + 8h + 2c + e. Any order gives the same
     result (both operands get it); the wrong one costs shuffles: 1181-1330 instead of ~770 SASS instructions
-    per NVFP4 loop iteration (bench/sass.py)."""
+    per NVFP4 loop iteration (bench/lab/sass.py)."""
     NB: tl.constexpr = KS // 16
     if MMA_K_WIDTH == 2:
         return tl.permute(t.reshape(R, 4, NB, 2, 2), (0, 2, 3, 1, 4)).reshape(R, KS)
@@ -794,7 +794,7 @@ def shared_cols(rows: int, R: int, pairs: int, shared: QWeight | None) -> bool:
     """Whether the MoE's shared expert runs as row blocks whose MMA columns are 8 tokens each (`COLS`) instead of
     one row block per token: each of its weight tiles is then read and decoded once per 8 tokens, and its
     units get K splits as long as the routed ones' (`plan_splits`). What the shared expert adds to the pair
-    (bench/profile_shared.py, run 88, FP8 shared beside NVFP4 experts): V4-Pro 33 / 41 us at 4 / 8 tokens
+    (bench/lab/profile_shared.py, run 88, FP8 shared beside NVFP4 experts): V4-Pro 33 / 41 us at 4 / 8 tokens
     against 45 / 75 per token, level at 2; V4-Flash 24 against 25 us at 8 tokens, 1-2 us more at 2 and 4."""
     tokens = R - pairs if rows == ROWS_PAIR else R
     return (shared is not None and rows in (ROWS_PAIR, ROWS_TOKEN)

@@ -49,7 +49,7 @@ THREE_STAGE_UP_TOKENS = 2
 # each distinct expert once for all its pairs, as MMA columns in blocks of up to 8 (`expert_blocks`); the shared
 # expert, if any, rides in the pair's launches as token columns up to `gemv.SHARED_COLS_MAX` tokens, above them
 # beside it (`mlp_op`). H200, routed experts alone, median of 3, against round one's sorted grouped GEMM
-# (bench/moe_blocks.py, bench/RESULTS.md round eighteen, run 139): V4-Flash NVFP4 1024.1 -> 834.3 / 1259.8 ->
+# (bench/lab/moe_blocks.py, bench/RESULTS.md round eighteen, run 139): V4-Flash NVFP4 1024.1 -> 834.3 / 1259.8 ->
 # 1060.5 / 1310.9 -> 1169.5 / 1338.3 -> 1293.7 us at 64 / 128 / 192 / 256 tokens (1.24x slower at 384: 9 pairs per
 # expert), V4-Pro NVFP4 3130.4 -> 2627.1 / 4304.1 -> 3544.5 / 4964.6 -> 4196.0 / 5120.9 -> 4865.3 at 64 / 128 / 256 /
 # 384 (1.12x slower at 512: 8 per expert); at 4-8 tokens level to 6 % slower than the pair without blocks (runs

@@ -1,10 +1,12 @@
-"""The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
+"""Question: What does each of the MoE decode layer's two GEMV launches take, per K split, stages and tile width?
 
-    python bench/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--bns 64,128] [--maxnregs -1,0]
+The MoE decode layer's two GEMV launches timed one by one, with the K split chosen at launch or forced.
+
+    python bench/lab/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--bns 64,128] [--maxnregs -1,0]
                                 [--pdl] [--pdl-down] [--bn 128]
                                 [--no-gcol] [--route] [--route-warps 1,4] [--fused] [--await-l2 0,16]
-    TRITON_INTERPRET=1 python bench/profile_moe.py --toy      # CPU dry run on a toy shape
-    ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/profile_moe.py --once
+    TRITON_INTERPRET=1 python bench/lab/profile_moe.py --toy      # CPU dry run on a toy shape
+    ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/lab/profile_moe.py --once
 
 For each model (routed NVFP4 experts, FP8 shared expert, as NVIDIA's NVFP4 builds store them: `dsv4 convert
 --format nvfp4-experts`) and
@@ -19,7 +21,7 @@ pair's: `=` when bit-identical (PDL must be), else its relative difference (grou
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
 gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`); with
 --route-warps, the routing kernel alone and overlapped once per warp count.
---once: gate/up and down once each, untimed, for a profiler (`bench/ncu_regions.py` reads ncu's source page).
+--once: gate/up and down once each, untimed, for a profiler (`bench/lab/ncu_regions.py` reads ncu's source page).
 --fused: the pair once more in one launch (`moe_pair.launch_pair(fused=True)`, also where `moe` takes two), for
 each --await-l2 (sub-steps of its weights a down unit prefetches into L2 while it waits for its h row); with
 --route also after the routing kernel.
@@ -34,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import (FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes,  # noqa: E402
                     random_qweight)

@@ -1,8 +1,10 @@
-"""A/B timings of decode GEMV variants and (optionally) one Nsight Compute profile per variant.
+"""Question: Which decode GEMV variant is fastest at V4's shapes?
 
-    python bench/profile_gemv.py                      # timings (CUDA graph of rotated weights, median)
-    DSV4_BENCH_LAYOUT=row-major python bench/profile_gemv.py   # weights row-major instead of tiled
-    ncu --clock-control none -k regex:_gemv_kernel -c 3 python bench/profile_gemv.py --once
+A/B timings of decode GEMV variants and (optionally) one Nsight Compute profile per variant.
+
+    python bench/lab/profile_gemv.py                      # timings (CUDA graph of rotated weights, median)
+    DSV4_BENCH_LAYOUT=row-major python bench/lab/profile_gemv.py   # weights row-major instead of tiled
+    ncu --clock-control none -k regex:_gemv_kernel -c 3 python bench/lab/profile_gemv.py --once
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, Timer, nbytes, rotated_qweights  # noqa: E402
 

@@ -1,9 +1,9 @@
-"""Does the order of the weight bytes in memory decide the decode GEMV's speed?
+"""Question: Does the order of the weight bytes in memory decide the decode GEMV's speed?
 
 The GEMV reads every sub-step as 64 bytes of each of a tile's BN rows: with row-major weights that is BN
 runs of 64 bytes, one row length apart; stored tile by tile (`TILED`) it is one contiguous BN * 64-byte run.
 
-    python bench/profile_layout.py [--shapes 0,1] [--out DIR]
+    python bench/lab/profile_layout.py [--shapes 0,1] [--out DIR]
 
 1. A read-only kernel streams the weight bytes in both orders with the GEMV's access pattern (no decode).
 2. The GEMV itself on the same weights, row-major and tiled: outputs must agree bit for bit, then timings.
@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight, rotations  # noqa: E402
 

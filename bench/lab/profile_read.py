@@ -1,6 +1,6 @@
-"""How fast can a kernel only *read* a weight-sized buffer? The ceiling any decode GEMV works under.
+"""Question: How fast can a kernel only *read* a weight-sized buffer? The ceiling any decode GEMV works under.
 
-    python bench/profile_read.py [--mb 4.7,16.8,56.6,117.4] [--pdl off,wait,overlap] [--loader cp,tma] [--out DIR]
+    python bench/lab/profile_read.py [--mb 4.7,16.8,56.6,117.4] [--pdl off,wait,overlap] [--loader cp,tma] [--out DIR]
 
 A grid of G programs streams the buffer in contiguous chunks of CH bytes per loop iteration (each program one
 contiguous slice of whole chunks; G = programs per SM x SMs, fewer when the buffer has fewer chunks), XOR-
@@ -31,8 +31,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import Timer, copy_bandwidth, rotations  # noqa: E402
 

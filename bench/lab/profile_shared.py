@@ -1,7 +1,9 @@
-"""What the MoE's shared expert costs in the decode pair, and where.
+"""Question: What does the MoE's shared expert cost in the decode pair, and where?
 
-    python bench/profile_shared.py [--tokens 1,2,4,8] [--shared-fmt fp8]
-    TRITON_INTERPRET=1 python bench/profile_shared.py --toy      # CPU dry run on a toy shape
+What the MoE's shared expert costs in the decode pair, and where.
+
+    python bench/lab/profile_shared.py [--tokens 1,2,4,8] [--shared-fmt fp8]
+    TRITON_INTERPRET=1 python bench/lab/profile_shared.py --toy      # CPU dry run on a toy shape
 
 For each model (routed NVFP4 experts and an FP8 shared expert, as NVIDIA's NVFP4 builds store them, `dsv4 convert
 --format nvfp4-experts`; `--shared-fmt nvfp4`: as `--format nvfp4` writes it) and
@@ -25,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 

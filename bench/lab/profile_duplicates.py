@@ -1,7 +1,9 @@
-"""What experts shared between tokens cost the MoE decode pair: the same pairs with three routings.
+"""Question: What do experts shared between tokens cost the MoE decode pair?
 
-    python bench/profile_duplicates.py [--tokens 2,4,8] [--rot 8] [--rounds 3]
-    TRITON_INTERPRET=1 python bench/profile_duplicates.py --toy      # CPU dry run on a toy shape
+What experts shared between tokens cost the MoE decode pair: the same pairs with three routings.
+
+    python bench/lab/profile_duplicates.py [--tokens 2,4,8] [--rot 8] [--rounds 3]
+    TRITON_INTERPRET=1 python bench/lab/profile_duplicates.py --toy      # CPU dry run on a toy shape
 
 `kernels.moe.moe` (the GEMV pair, routed NVFP4 experts and the FP8 shared expert in its launches) reads each
 (token, slot) pair's expert on its own: two tokens routed to one expert read its weights twice. For T tokens of
@@ -25,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, random_routing  # noqa: E402
 

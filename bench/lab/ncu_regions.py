@@ -1,11 +1,13 @@
-"""Where a GEMV launch's warps wait: Nsight Compute's per-instruction stall samples split into the K loops (the
+"""Question: Where do a GEMV launch's warps wait: in the MMA K loops, or in the prologue, epilogue and split-K sum?
+
+Where a GEMV launch's warps wait: Nsight Compute's per-instruction stall samples split into the K loops (the
 backward branches whose body holds an MMA) and everything else (a unit's prologue, its epilogue and the split-K
 sum), each with its main stall reasons.
 
     ncu --clock-control none -k regex:_gemv_kernel -c 8 --section SourceCounters -o moe -f \\
-        python bench/profile_moe.py --once --tokens 1,8
+        python bench/lab/profile_moe.py --once --tokens 1,8
     ncu -i moe.ncu-rep --page source --print-source sass --csv > source.csv
-    python bench/ncu_regions.py source.csv [--names "Flash up 1,Flash down 1,..."]
+    python bench/lab/ncu_regions.py source.csv [--names "Flash up 1,Flash down 1,..."]
 
 `profile_moe.py --once` launches, per model (V4-Flash, then V4-Pro) and per token count, gate/up then down: the
 kernels in the report come in that order.

@@ -1,10 +1,12 @@
-"""Fingerprints of the decode GEMV's and the MoE pair's PTX, to show that a refactor left the kernels' code alone.
+"""Question: Did a refactor leave the compiled kernels' PTX unchanged?
 
-    PYTHONPATH=/path/to/triton-3.6 python bench/ptx_fingerprint.py --out before.json
+Fingerprints of the decode GEMV's and the MoE pair's PTX, to show that a refactor left the kernels' code alone.
+
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/ptx_fingerprint.py --out before.json
     ... change the code ...
-    PYTHONPATH=/path/to/triton-3.6 python bench/ptx_fingerprint.py --compare before.json
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/ptx_fingerprint.py --compare before.json
 
-Compiles 27 variants for sm_90 without a GPU (`bench/sass.py`: every format, the dense / pair / token row modes,
+Compiles 27 variants for sm_90 without a GPU (`bench/lab/sass.py`: every format, the dense / pair / token row modes,
 MMA N 8 and 16, 2 and 3 stages, gated, tiled, PDL, group columns, an FP8 shared expert, the shared expert as token
 columns, the pair in one launch), drops debug lines (`.loc`, `.file`, comments, debug sections and their `$L__tmp`
 labels) and hashes the rest. The same hash means the same PTX, so the GPU runs the same code. Used for the split of

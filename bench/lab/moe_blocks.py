@@ -1,7 +1,9 @@
-"""The routed experts of the MoE layer over expert blocks, against the sorted grouped GEMM.
+"""Question: From how many tokens is the GEMV pair over expert blocks faster than the sorted grouped GEMM?
 
-    python bench/moe_blocks.py [--tokens 64,128,256,512] [--rounds 3] [--out DIR]     # on the GPU
-    TRITON_INTERPRET=1 python bench/moe_blocks.py --toy                              # CPU dry run
+The routed experts of the MoE layer over expert blocks, against the sorted grouped GEMM.
+
+    python bench/lab/moe_blocks.py [--tokens 64,128,256,512] [--rounds 3] [--out DIR]     # on the GPU
+    TRITON_INTERPRET=1 python bench/lab/moe_blocks.py --toy                              # CPU dry run
 
 For each model, format and token count: the same rotated inputs (x, routing logits -> `route`) through
 `kernels.moe.moe` without the shared expert, two ways: the GEMV pair over expert blocks (`moe.expert_blocks`) and
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

@@ -1,7 +1,9 @@
-"""Same-machine A/B of the MoE decode pair: this tree's kernels against another commit's, interleaved.
+"""Question: Is this tree's MoE decode pair faster than another commit's, measured on the same machine?
 
-    python bench/ab_moe.py --export COMMIT DIR      # here, with git: COMMIT's package as DIR/dsv4_ref
-    python bench/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3] [--layer]      # on the GPU
+Same-machine A/B of the MoE decode pair: this tree's kernels against another commit's, interleaved.
+
+    python bench/lab/ab_moe.py --export COMMIT DIR      # here, with git: COMMIT's package as DIR/dsv4_ref
+    python bench/lab/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3] [--layer]      # on the GPU
 
 `--layer` times the routing kernel and `kernels.moe.moe` instead of the bare pair, each package twice: as
 `model.moe` runs it (`after_route=True`: gate/up streams the shared expert while routing runs; sides "ref" and
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 

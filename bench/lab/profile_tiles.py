@@ -1,10 +1,12 @@
-"""Round one's fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x) over BM / BN / split-K
+"""Question: How far is each dense shape's chosen tile from the fastest one measured, and from cuBLAS?
+
+Round one's fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x) over BM / BN / split-K
 around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
 
-    python bench/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
+    python bench/lab/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
         [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8] [--asms 0,1] [--maxnregs 0,168]
         [--base-only]
-    TRITON_INTERPRET=1 python bench/profile_tiles.py --toy      # CPU dry run at a toy shape
+    TRITON_INTERPRET=1 python bench/lab/profile_tiles.py --toy      # CPU dry run at a toy shape
 
 Why: `gemm.dense_tiles` chooses these tiles by a rule fitted to this sweep (bench/RESULTS.md round twenty-two); the
 sweep shows how far each shape's choice is from the fastest tiles measured, and where dequantize + cuBLAS or cuBLAS
@@ -28,8 +30,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, TOY, Timer, nbytes, rel_err, rotated_qweights  # noqa: E402
 

@@ -1,7 +1,9 @@
-"""Per-program timeline of the decode GEMV's launches: when each program of `gemv._gemv_kernel` starts and ends, and
+"""Question: When does each program of a GEMV launch start and end, on which SM (where is a launch's tail)?
+
+Per-program timeline of the decode GEMV's launches: when each program of `gemv._gemv_kernel` starts and ends, and
 on which SM.
 
-    python bench/timeline.py [--models flash,pro] [--tokens 1,2] [--dense wq_b:nvfp4:1] [--out DIR]
+    python bench/lab/timeline.py [--models flash,pro] [--tokens 1,2] [--dense wq_b:nvfp4:1] [--out DIR]
 
 Cases: the MoE layer (routing, then `moe.moe(after_route=True)` with NVFP4 experts and an FP8 shared expert, as
 `model.moe` runs it but without the Ops table's side stream, `moe.Side`, which V4-Pro's shared expert would take from
@@ -36,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, Timer, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 

@@ -1,9 +1,11 @@
-"""The W4A4 emulation path (`kernels.w4a4`: `stage_activation`, then the fused tiles over FP4 x and FP4 weights with
+"""Question: What does the W4A4 emulation (Blackwell's numerics on Hopper) cost beside the default W4A16 path?
+
+The W4A4 emulation path (`kernels.w4a4`: `stage_activation`, then the fused tiles over FP4 x and FP4 weights with
 alpha in the epilogue) beside the W4A16 path the model runs by default (`gemm.linear`: the GEMV, the fused tiles or
 dequantize + cuBLAS) and cuBLAS bf16, on NVFP4 weights of V4 shapes.
 
-    python bench/profile_w4a4.py [--ms 1,16,64,256,4096] [--cases V4-Pro:wq_b,...] [--json out.json]
-    TRITON_INTERPRET=1 python bench/profile_w4a4.py --toy      # CPU dry run at a toy shape
+    python bench/lab/profile_w4a4.py [--ms 1,16,64,256,4096] [--cases V4-Pro:wq_b,...] [--json out.json]
+    TRITON_INTERPRET=1 python bench/lab/profile_w4a4.py --toy      # CPU dry run at a toy shape
 
 W4A4 reproduces Blackwell's numerics on Hopper, which has no FP4 tensor cores: its GEMM decodes both operands in
 registers, so it is not expected to be fast; this measures what the emulation costs. Rotated weights and
@@ -20,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass, timeline
 
 from common import FLASH, PRO, TOY, Timer, rel_err, rotated_qweights  # noqa: E402
 

@@ -1,7 +1,9 @@
-"""Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in its K loop.
+"""Question: How many SASS instructions per weight element does the decode GEMV's K loop take, with how many registers?
 
-    PYTHONPATH=/path/to/triton-3.6 python bench/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
-    PYTHONPATH=/path/to/triton-3.6 python bench/sass.py nvfp4 --pair --tiled --gcol --shared fp8
+Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in its K loop.
+
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 --pair --tiled --gcol --shared fp8
 
 Needs the Triton release the device runs (3.6: a wheel unpacked into a folder on PYTHONPATH; its bundled
 ptxas and cuobjdump do the rest). Prints instructions per weight element in the innermost loop that holds
@@ -20,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
