@@ -214,6 +214,15 @@ class ModelConfig:
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_layers(self, n: int) -> "ModelConfig":
+        """This model cut to its first `n` main layers (their ratios and hash routing as they are; MTP blocks kept):
+        for benchmarks, where the time per layer is the difference of two layer counts."""
+        if not 1 <= n <= self.num_hidden_layers:
+            raise ConfigError(f"num_hidden_layers override {n} not in [1, {self.num_hidden_layers}]")
+        ratios = self.compress_ratios[:n] + self.compress_ratios[self.num_hidden_layers:]
+        return self.replace(num_hidden_layers=n, compress_ratios=ratios,
+                            num_hash_layers=min(self.num_hash_layers, n))
+
     # ---------------------------------------------------------------- presets
     @classmethod
     def flash(cls) -> "ModelConfig":
@@ -226,6 +235,15 @@ class ModelConfig:
         return cls(hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
                    o_groups=16, n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5,
                    compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0), index_topk=1024)
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        """"v4-flash", "v4-pro" or "tiny" (case and '_' / '-' ignored)."""
+        key = name.lower().replace("_", "-")
+        presets = {"v4-flash": cls.flash, "v4-pro": cls.pro, "tiny": cls.tiny}
+        if key not in presets:
+            raise ConfigError(f"unknown model preset {name!r}; expected one of {sorted(presets)}")
+        return presets[key]()
 
     @classmethod
     def tiny(cls, **changes: Any) -> "ModelConfig":

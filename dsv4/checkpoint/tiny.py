@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from .spec import (APE, ATTN, COMPRESSOR, EMBED, GATE_BIAS, HC, HEAD, INDEXER_WEIGHTS, INDEXER_WQ_B, MTP_PROJ,
-                   NORM, ROUTED, ROUTER, SHARED, SINK, TID2EID, TensorSpec, model_specs)
+from .spec import (APE, ATTN, COMPRESSOR, EMBED, GATE_BIAS, HC, HEAD, INDEXER_WEIGHTS, INDEXER_WQ_B, LINEAR_ROLES,
+                   MTP_PROJ, NORM, ROUTED, ROUTER, SHARED, SINK, TID2EID, TensorSpec, model_specs)
 
 # Standard deviation of w1/w3 relative to 1/sqrt(in): with RMS-normalised inputs the gate and up
 # pre-activations have std ~ W13_GAIN, so P(gate > 10) ~ 10% and P(|up| > 10) ~ 20% at W13_GAIN = 8.
@@ -33,19 +33,25 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...], low: float, high: flo
     return torch.rand(shape, generator=gen) * (high - low) + low
 
 
+def linear_std(spec: TensorSpec) -> float:
+    """Standard deviation of a random linear weight (embedding and head included) of `spec`'s role: 1/sqrt(in)
+    times the role's gain (W13_GAIN / W2_GAIN for expert weights, 2 for the head, none for the embedding)."""
+    unit = 1.0 / math.sqrt(spec.shape[-1])
+    if spec.role in (ROUTED, SHARED):
+        return unit * (W2_GAIN if spec.module.endswith(".w2") else W13_GAIN)
+    if spec.role in (ATTN, COMPRESSOR, INDEXER_WQ_B, INDEXER_WEIGHTS, MTP_PROJ, ROUTER):
+        return unit
+    if spec.role == EMBED:
+        return 1.0
+    if spec.role == HEAD:
+        return 2.0 * unit
+    raise ValueError(f"{spec.name}: role {spec.role!r} is not a linear")
+
+
 def _random_tensor(cfg: ModelConfig, spec: TensorSpec, gen: torch.Generator) -> torch.Tensor:
     shape, role = spec.shape, spec.role
-    fan_in = shape[-1] if len(shape) == 2 else 1
-    unit = 1.0 / math.sqrt(fan_in)
-    if role in (ROUTED, SHARED):
-        is_w2 = spec.module.endswith(".w2")
-        value = _normal(gen, shape, unit * (W2_GAIN if is_w2 else W13_GAIN))
-    elif role in (ATTN, COMPRESSOR, INDEXER_WQ_B, INDEXER_WEIGHTS, MTP_PROJ, ROUTER):
-        value = _normal(gen, shape, unit)
-    elif role == EMBED:
-        value = _normal(gen, shape, 1.0)
-    elif role == HEAD:
-        value = _normal(gen, shape, 2.0 * unit)
+    if role in LINEAR_ROLES:
+        value = _normal(gen, shape, linear_std(spec))
     elif role == NORM:
         # 1 +- [0.02, 0.2]: near 1, never 1 even after rounding to bf16 (whose step near 1 is 2^-7)
         sign = torch.randint(0, 2, shape, generator=gen) * 2 - 1
@@ -53,7 +59,7 @@ def _random_tensor(cfg: ModelConfig, spec: TensorSpec, gen: torch.Generator) -> 
     elif role == HC:
         leaf = spec.name.rsplit("_", 1)[-1]
         if leaf == "fn":
-            value = _normal(gen, shape, 0.5 * unit)
+            value = _normal(gen, shape, 0.5 / math.sqrt(shape[-1]))
         elif leaf == "base":
             value = _normal(gen, shape, 0.5)
         else:  # scale: one multiplier per pre/post/comb, positive and not 1
