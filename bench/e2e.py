@@ -1,0 +1,288 @@
+"""The whole engine, end to end: decode step time and prefill speed of `dsv4.runtime.Engine` (what `dsv4.LLM` runs)
+on dummy weights at real dimensions, against the bytes each step must read.
+
+    python bench/e2e.py --model v4-flash --layers 4,8 --format nvfp4-experts,official --out $OUT    # H200
+    python bench/e2e.py --toy --out /tmp/e2e                                                         # CPU dry run
+
+For each weight format and layer count: the model from `checkpoint.dummy` (random weights drawn on the device in
+that format's storage), then
+* decode: for each batch x context, an engine of `batch` slots whose sequences hold `context` tokens of cache
+  state (random values written into the pools: timing needs consistent counts, not meaningful values), timed over
+  `--steps` decode steps (median); output tokens/s; the bytes the step must read (every weight but the routed
+  experts, the experts the batch is expected to touch, each sequence's cache rows it attends to) and the time
+  they take at the copy bandwidth (`--bandwidth`, 4.27 TB/s: the floor); kernel launches and GPU-busy share of one
+  step from torch.profiler (on CPU: ATen ops per step);
+* prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
+* us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
+* transformers' eager `DeepseekV4ForCausalLM` at the same dims, batch 1 (`--hf`; skipped with the reason if it
+  cannot run). Writes e2e.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.kernels import ops_for  # noqa: E402
+from dsv4.runtime.cache import CacheCapacityError  # noqa: E402
+from dsv4.runtime.engine import Engine  # noqa: E402
+from dsv4.runtime.params import SamplingParams  # noqa: E402
+
+COPY_BYTES_PER_S = 4.27e12          # H200 device-to-device copy, measured (bench/RESULTS.md)
+DECODE = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------ bytes
+def module_bytes(module: torch.nn.Module) -> int:
+    return sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize: int) -> int:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read: the weights (the routed experts
+    only as many distinct ones as `batch` random routings are expected to touch; the embedding's `batch` rows) and
+    each sequence's cache rows that attention, compressor and indexer read."""
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = E * (1 - (1 - k / E) ** batch)
+    total = module_bytes(model) - module_bytes(model.embed) - sum(module_bytes(m) for m in model.mtp)
+    total += batch * cfg.hidden_size * model.embed.weight.element_size()
+    for layer in model.layers:
+        experts = layer.ffn.experts
+        total -= module_bytes(experts) * (1 - touched / E)
+    D, window = cfg.head_dim, min(cfg.sliding_window, context)
+    per_seq = 0
+    for i in range(cfg.num_hidden_layers):
+        ratio = cfg.compress_ratio(i)
+        per_seq += window * D
+        if ratio == 4:      # CSA: the picked entries, and every indexer key to score them
+            per_seq += min(cfg.index_topk, context // 4) * D + (context // 4) * cfg.index_head_dim
+        elif ratio == 128:  # HCA: every entry
+            per_seq += (context // 128) * D
+    return int(total + batch * per_seq * cache_itemsize)
+
+
+# ------------------------------------------------------------------------------------------------ engine
+def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator) -> tuple[Engine, list]:
+    """An engine whose `batch` sequences each hold `context - 1` tokens of (random) cache state, so that every
+    following step decodes one token per sequence."""
+    engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
+                    max_num_batched_tokens=max(batch, 1024))
+    vocab = model.config.vocab_size
+    seqs = [engine.add_request(torch.randint(2, vocab, (context,), generator=gen).tolist(), DECODE)
+            for _ in range(batch)]
+    for pool in engine.cache.pools.values():
+        pool.normal_()
+    sched = engine.scheduler
+    while sched.waiting:                   # admit every sequence, as `Scheduler.schedule` would
+        seq = sched.waiting.popleft()
+        seq.slot = sched.free_slots.popleft()
+        seq.num_cached = context - 1
+        sched.running.append(seq)
+    return engine, seqs
+
+
+def profile_step(engine: Engine, device: torch.device) -> dict:
+    """Kernel launches and the GPU-busy share of one step (CUDA); ATen ops per step elsewhere."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t = time.perf_counter()
+    with profile(activities=activities) as prof:
+        engine.step()
+        sync(device)
+    wall_us = (time.perf_counter() - t) * 1e6
+    events = prof.events()
+    if device.type != "cuda":
+        return {"aten_ops": sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)}
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in kernels:          # the union of kernel intervals
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0}
+
+
+def time_decode(model, batch: int, context: int, steps: int, device, gen) -> dict:
+    engine, _ = engine_at_context(model, batch, context, steps + 2, gen)
+    engine.step()                         # warm-up (compiles kernels on first use)
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    out = {"step_ms": statistics.median(times) * 1e3}
+    out.update(profile_step(engine, device))
+    return out
+
+
+def time_prefill(model, length: int, chunk: int, device, gen) -> dict:
+    engine = Engine(model, max_num_seqs=1, max_model_len=length + 1, max_num_batched_tokens=chunk)
+    prompt = torch.randint(2, model.config.vocab_size, (length,), generator=gen).tolist()
+    seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    sync(device)
+    t = time.perf_counter()
+    while not seq.finished:
+        engine.step()
+    sync(device)
+    s = time.perf_counter() - t
+    return {"prefill_s": s, "tokens_per_s": length / s}
+
+
+# ------------------------------------------------------------------------------------------------ transformers
+def hf_decode_ms(cfg: ModelConfig, device, dtype, steps: int, prompt: int) -> dict:
+    """transformers' eager DeepseekV4ForCausalLM at the same dims (random weights), batch 1: ms per new token."""
+    try:
+        from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    except ImportError as e:
+        return {"skipped": f"transformers has no DeepseekV4ForCausalLM ({e})"}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            hf = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg.to_hf_dict())).eval()
+    finally:
+        torch.set_default_dtype(default)
+    ids = torch.randint(2, cfg.vocab_size, (1, prompt), device=device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
+    with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=2, **kw)
+        times = []
+        for n in (1, steps + 1):
+            sync(device)
+            t = time.perf_counter()
+            hf.generate(ids, max_new_tokens=n, **kw)
+            sync(device)
+            times.append(time.perf_counter() - t)
+    del hf
+    return {"ms_per_token": (times[1] - times[0]) / steps * 1e3, "prompt": prompt}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="v4-flash", help="preset (v4-flash, v4-pro, tiny) or a config.json path")
+    ap.add_argument("--layers", default="4,8", help="layer counts (two or more give us per layer)")
+    ap.add_argument("--format", default="nvfp4-experts,official", help="dummy weight formats")
+    ap.add_argument("--batch", default="1,8,64,256")
+    ap.add_argument("--context", default="1024,8192,65536")
+    ap.add_argument("--prefill", default="4096,32768", help="prompt lengths for prefill tokens/s")
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk (max_num_batched_tokens)")
+    ap.add_argument("--steps", type=int, default=5, help="timed decode steps per case")
+    ap.add_argument("--hf", default="on", choices=("on", "off"), help="transformers eager reference at batch 1")
+    ap.add_argument("--bandwidth", type=float, default=COPY_BYTES_PER_S, help="bytes/s of the floor")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args(argv)
+    if args.toy:
+        args.model, args.layers, args.batch, args.context = "tiny", "3,5", "1,2", "64,160"
+        args.prefill, args.chunk, args.steps, args.device = "96", 32, 2, args.device or "cpu"
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    base = (ModelConfig.from_json(args.model) if args.model.endswith(".json") else ModelConfig.preset(args.model))
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", "bench/e2e.py", *sys.argv[1:]]),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
+           "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
+           "errors": []}
+    for fmt in args.format.split(","):
+        step_by_layers: dict[tuple[int, int, int], float] = {}
+        for layers in ints(args.layers):
+            cfg = base.with_layers(layers)
+            t = time.perf_counter()
+            model = dummy_model(cfg, fmt, device, dtype, ops_for(device))
+            if device.type == "cuda":
+                model.tile_weights_()
+            sync(device)
+            build_s = time.perf_counter() - t
+            for batch in ints(args.batch):
+                for context in ints(args.context):
+                    case = dict(format=fmt, layers=layers, batch=batch, context=context, build_s=build_s)
+                    try:
+                        case.update(time_decode(model, batch, context, args.steps, device, gen))
+                    except CacheCapacityError as e:
+                        case["skipped"] = str(e)
+                    except Exception:
+                        res["errors"].append(f"decode {case}: {traceback.format_exc()[-1500:]}")
+                        continue
+                    if "step_ms" in case:
+                        nbytes = step_bytes(model, cfg, batch, context, torch.finfo(dtype).bits // 8)
+                        case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
+                                    floor_ms=nbytes / args.bandwidth * 1e3)
+                        step_by_layers[(layers, batch, context)] = case["step_ms"]
+                    res["decode"].append(case)
+                    print(json.dumps(case), flush=True)
+            for length in ints(args.prefill):
+                try:
+                    row = dict(format=fmt, layers=layers, length=length, **time_prefill(model, length, args.chunk,
+                                                                                       device, gen))
+                    res["prefill"].append(row)
+                    print(json.dumps(row), flush=True)
+                except Exception:
+                    res["errors"].append(f"prefill {fmt} {layers} {length}: {traceback.format_exc()[-1500:]}")
+            del model
+        counts = sorted(ints(args.layers))
+        for (layers, batch, context), ms in step_by_layers.items():
+            if layers == counts[-1] and (counts[0], batch, context) in step_by_layers and counts[0] < layers:
+                res["per_layer"].append(dict(format=fmt, batch=batch, context=context, us_per_layer=1e3 * (
+                    ms - step_by_layers[(counts[0], batch, context)]) / (layers - counts[0])))
+    if args.hf == "on":
+        try:
+            res["hf"] = hf_decode_ms(base.with_layers(min(ints(args.layers))), device, dtype, args.steps,
+                                     min(ints(args.context)))
+        except Exception:
+            res["hf"] = {"error": traceback.format_exc()[-1500:]}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.json").write_text(json.dumps(res, indent=1))
+    print(table(res), flush=True)
+    return res
+
+
+def table(res: dict) -> str:
+    lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']})",
+             f"{'format':14s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
+             f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s}"]
+    for c in res["decode"]:
+        if "step_ms" not in c:
+            lines.append(f"{c['format']:14s} {c['layers']:6d} {c['batch']:5d} {c['context']:7d}  skipped: "
+                         f"{c.get('skipped', '')[:80]}")
+            continue
+        launches = c.get("kernel_launches", c.get("aten_ops", 0))
+        busy = f"{100 * c['gpu_busy']:4.0f}%" if "gpu_busy" in c else "    -"
+        lines.append(f"{c['format']:14s} {c['layers']:6d} {c['batch']:5d} {c['context']:7d} {c['step_ms']:9.2f} "
+                     f"{c['tokens_per_s']:9.1f} {c['floor_ms']:9.3f} {100 * c['floor_ms'] / c['step_ms']:7.1f}% "
+                     f"{launches:8d} {busy}")
+    for p in res["per_layer"]:
+        lines.append(f"us per layer: {p['format']} batch {p['batch']} context {p['context']}: {p['us_per_layer']:.0f}")
+    for p in res["prefill"]:
+        lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: {p['tokens_per_s']:.1f} tok/s")
+    if "hf" in res:
+        lines.append(f"transformers eager, batch 1: {res['hf']}")
+    if res["errors"]:
+        lines.append("errors: " + " | ".join(e.strip().splitlines()[-1][:200] for e in res["errors"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

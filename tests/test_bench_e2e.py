@@ -1,0 +1,39 @@
+"""bench/e2e.py at toy sizes on the CPU: every case runs through the engine and lands in e2e.json, and the byte
+floor counts what a step reads (all weights once every expert is touched; the cache rows grow with context)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import e2e  # noqa: E402
+from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
+
+
+def test_toy_run_writes_every_case(tmp_path):
+    res = e2e.main(["--toy", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "e2e.json").read_text())["decode"] == res["decode"]
+    assert not res["errors"]
+    assert len(res["decode"]) == 2 * 2 * 2 * 2 and all(c["step_ms"] > 0 and c["aten_ops"] > 0 for c in res["decode"])
+    assert len(res["per_layer"]) == 2 * 2 * 2 and len(res["prefill"]) == 2 * 2
+    assert res["hf"]["ms_per_token"] > 0
+
+
+def test_step_bytes_counts_weights_experts_and_cache():
+    cfg = ModelConfig.tiny()
+    model = dummy_model(cfg, "bf16", dtype=torch.float32)
+    weights = e2e.module_bytes(model) - e2e.module_bytes(model.embed)
+    everything = e2e.step_bytes(model, cfg, 10**6, 1, 4) - 10**6 * (cfg.hidden_size + 5 * cfg.head_dim) * 4
+    assert abs(everything - weights) < 1e-6 * weights      # a huge batch touches every expert
+    one = e2e.step_bytes(model, cfg, 1, 1024, 4)
+    assert one < e2e.step_bytes(model, cfg, 2, 1024, 4) < weights
+    # one more CSA entry per 4 tokens in two CSA layers (indexer key + the entry while under index_topk) and one
+    # HCA entry per 128 tokens: 4 * 128 more tokens add 2 * 128 * (32 + 64) + 4 * 64 elements of 4 bytes
+    grown = e2e.step_bytes(model, cfg, 1, 1024 + 512, 4) - one
+    picks = 2 * (min(cfg.index_topk, 384) - min(cfg.index_topk, 256)) * cfg.head_dim
+    assert grown == 4 * (2 * 128 * cfg.index_head_dim + picks + 4 * cfg.head_dim)
