@@ -17,6 +17,7 @@ Nothing is read from disk; the MTP block is left out.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 
@@ -30,8 +31,8 @@ from .tiny import _random_tensor, linear_std
 from .writer import FORMAT_PLANS, storage_of
 
 E2M1_STD = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))   # of a uniformly random code
-_STORAGE_FORMATS = {"fp8": LinearFormat("fp8", scale_dtype=UE8M0_DTYPE), "mxfp4": LinearFormat("mxfp4"),
-                    "nvfp4": LinearFormat("nvfp4", input_scale=True)}
+_STORAGE_FORMATS = MappingProxyType({"fp8": LinearFormat("fp8", scale_dtype=UE8M0_DTYPE),
+                                     "mxfp4": LinearFormat("mxfp4"), "nvfp4": LinearFormat("nvfp4", input_scale=True)})
 
 
 def dummy_formats(cfg: ModelConfig, fmt: str) -> dict[str, LinearFormat]:
