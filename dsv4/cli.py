@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from types import MappingProxyType
@@ -83,7 +84,45 @@ def _parser() -> argparse.ArgumentParser:
             g.add_argument("--thinking", action="store_true", help="thinking mode (reasoning before the answer)")
         _model_args(g)
         _sampling_args(g, max_tokens=64 if name == "generate" else 512)
+    _serve_args(sub)
     return p
+
+
+def _serve_args(sub) -> None:
+    s = sub.add_parser(
+        "serve", help="serve a model over HTTP: OpenAI's and Anthropic's APIs",
+        description="Serve MODEL (a checkpoint folder or `demo`) over HTTP until SIGINT / SIGTERM: POST "
+                    "/v1/completions, /v1/chat/completions (DeepSeek-V4 chat encoding; thinking through "
+                    "chat_template_kwargs {\"thinking\": true}, reasoning as reasoning_content; DSML tool calls "
+                    "as tool_calls), /v1/messages (Anthropic), /tokenize, /detokenize; GET /v1/models, /health, "
+                    "/metrics (Prometheus). Refusals are OpenAI error objects: 400 bad parameter or JSON, prompt past "
+                    "--max-model-len; 401 missing or wrong key (--api-key; /health stays open); 404 unknown model; "
+                    "413 body too large; 503 queue full (--max-waiting) or shutting down. On SIGINT / SIGTERM "
+                    "running requests get --shutdown-timeout seconds, then are aborted; exit status 0.")
+    s.add_argument("model_arg", nargs="?", metavar="MODEL", help="checkpoint folder, or `demo` (as --model)")
+    s.add_argument("--model", help="the same as MODEL")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, logged)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="name(s) clients use as `model` (default: MODEL as given)")
+    s.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
+                   help="require this key (Authorization: Bearer KEY or x-api-key: KEY); default $DSV4_API_KEY")
+    s.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    s.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    s.add_argument("--kernels", default="auto", choices=("auto", "ref", "triton"), help="kernel backend")
+    s.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
+                                                     "min(max_position_embeddings, 4096))")
+    s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (cache slots; default 8)")
+    s.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (the prefill chunk)")
+    s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs (default 20)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests that may wait for a slot; more get 503 (default 1024)")
+    s.add_argument("--max-request-bytes", type=_size, default="32MiB", metavar="SIZE",
+                   help="largest request body; larger get 413 (default 32MiB)")
+    s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT / SIGTERM, how long running requests may still take (default 10)")
+    s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
 
 
 def _model_args(g: argparse.ArgumentParser) -> None:
@@ -176,6 +215,31 @@ def _chat(args: argparse.Namespace) -> int:
             messages.append({"role": "assistant", "content": text})
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    model = args.model or args.model_arg
+    if model is None or (args.model and args.model_arg and args.model != args.model_arg):
+        print("dsv4 serve: error: give the model once: MODEL or --model", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        from .server.app import run
+    except ImportError as e:
+        print(f"dsv4 serve: error: {e}; the server needs fastapi, uvicorn, pydantic and prometheus_client "
+              "(pip install dsv4 with its dependencies)", file=sys.stderr)
+        return 1
+    from .api import LLM
+
+    llm = LLM(model, device=args.device, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_logprobs=args.max_logprobs, progress=not args.no_progress)
+    run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
+        api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=args.max_request_bytes)
+    return 0
+
+
 def _convert(args: argparse.Namespace) -> int:
     from .checkpoint.convert import convert_checkpoint
 
@@ -203,7 +267,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 COMMANDS = MappingProxyType({"convert": _convert, "make-tiny": _make_tiny, "inspect": _inspect,
-                             "generate": _generate, "chat": _chat})
+                             "generate": _generate, "chat": _chat, "serve": _serve})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
 
     errors = (CheckpointError, ConfigError)
-    if args.command in ("generate", "chat"):
+    if args.command in ("generate", "chat", "serve"):
         from .api import RequestFailed
         from .runtime.cache import CacheCapacityError
         from .runtime.chat import ChatFormatError

@@ -38,6 +38,10 @@ ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK_START, THINK_END = "<think>", "</think>"
 DSML = "｜DSML｜"
+# DSML tool-call markup: the encoder writes it, parse_reply and chat_stream.ReplyParser read it.
+TOOL_CALLS_OPEN, TOOL_CALLS_CLOSE = f"<{DSML}tool_calls>", f"</{DSML}tool_calls>"
+INVOKE_OPEN, INVOKE_CLOSE = f"<{DSML}invoke", f"</{DSML}invoke>"
+PARAMETER_OPEN, PARAMETER_CLOSE = f"<{DSML}parameter", f"</{DSML}parameter>"
 # DeepSeek's "quick instruction" tasks (classification prompts): task name -> its special token.
 TASK_TOKENS = MappingProxyType({t: f"<｜{t}｜>" for t in ("action", "query", "authority", "domain", "title",
                                                          "read_url")})
@@ -90,7 +94,7 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 """
 _RESPONSE_FORMAT_PROMPT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{}"
 _TOOL_CALLS_START = f"\n\n<{DSML}tool_calls"
-_TOOL_CALLS_END = f"</{DSML}tool_calls>"
+_TOOL_CALLS_END = TOOL_CALLS_CLOSE
 
 
 class ChatFormatError(ValueError):
@@ -297,11 +301,11 @@ def _render_tool_calls(tool_calls: list[dict]) -> str:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise ChatFormatError(f"tool call {i}: expected {{'function': {{'name': ..., 'arguments': ...}}}}")
         params = "\n".join(
-            f'<{DSML}parameter name="{k}" string="{str(isinstance(v, str)).lower()}">'
-            f'{v if isinstance(v, str) else _json(v)}</{DSML}parameter>'
+            f'{PARAMETER_OPEN} name="{k}" string="{str(isinstance(v, str)).lower()}">'
+            f'{v if isinstance(v, str) else _json(v)}{PARAMETER_CLOSE}'
             for k, v in _arguments(fn.get("arguments"), fn["name"]).items())
-        invokes.append(f'<{DSML}invoke name="{fn["name"]}">\n{params}\n</{DSML}invoke>')
-    return f"<{DSML}tool_calls>\n" + "\n".join(invokes) + f"\n{_TOOL_CALLS_END}"
+        invokes.append(f'{INVOKE_OPEN} name="{fn["name"]}">\n{params}\n{INVOKE_CLOSE}')
+    return f"{TOOL_CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
 
 
 def _arguments(raw: Any, name: str) -> dict:
@@ -375,7 +379,8 @@ _PARAMETER = re.compile(r' name="(.*?)" string="(true|false)">(.*?)<', re.DOTALL
 
 
 def _parse_tool_calls(text: str, pos: int) -> tuple[int, list[ToolCall]]:
-    invoke, param, end_invoke, end_param = f"<{DSML}invoke", f"<{DSML}parameter", f"</{DSML}invoke", f"/{DSML}parameter"
+    invoke, param = INVOKE_OPEN, PARAMETER_OPEN
+    end_invoke, end_param = INVOKE_CLOSE.removesuffix(">"), PARAMETER_CLOSE.removeprefix("<").removesuffix(">")
     calls = []
     while True:
         pos, between, stop = _read_until(text, pos, [invoke, _TOOL_CALLS_END])
