@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import dsv4  # noqa: E402
 from dsv4.checkpoint.tiny import make_tiny  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.kernels import Ops  # noqa: E402
 from dsv4.model.linear import QLinear  # noqa: E402
 
 WIDE = dict(hidden_size=128, moe_intermediate_size=128, q_lora_rank=128)
@@ -36,22 +37,22 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(path: Path, device: str, seq: int) -> dict:
-    cpu = dsv4.load(path, device="cpu", dtype=torch.float32, kernels="ref")
+    cpu = dsv4.load(path, device="cpu", dtype=torch.float32, ops=Ops.reference())
     vocab = cpu.cfg.vocab_size if hasattr(cpu, "cfg") else 512
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2, seq), generator=gen)
     with torch.no_grad():
         want = cpu.logits(ids).float()
         del cpu
-        ref16 = dsv4.load(path, device="cpu", dtype=torch.bfloat16, kernels="ref")
+        ref16 = dsv4.load(path, device="cpu", dtype=torch.bfloat16, ops=Ops.reference())
         floor = rel(ref16.logits(ids).float(), want)
         del ref16
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model = dsv4.load(path, device=device, dtype=dtype, kernels="triton", tile_weights=True)  # as on CUDA
+        model = dsv4.load(path, device=device, dtype=dtype, ops=Ops.triton(), tile_weights=True)  # as on CUDA
         got = model.logits(ids.to(device)).float().cpu()
         tiled = sum(1 for m in model.modules() if isinstance(m, QLinear) and m.tiled)
         del model
-        row_major = dsv4.load(path, device=device, dtype=dtype, kernels="triton", tile_weights=False)
+        row_major = dsv4.load(path, device=device, dtype=dtype, ops=Ops.triton(), tile_weights=False)
         same = bool(torch.equal(row_major.logits(ids.to(device)).float().cpu(), got))
     return dict(device=device, dtype=str(dtype), seq=seq, rel_err=rel(got, want), bf16_reference_rel_err=floor,
                 argmax_agree=float((got.argmax(-1) == want.argmax(-1)).float().mean()),

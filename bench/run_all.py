@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_layout, copy_bandwidth,  # noqa: E402
                     nbytes, random_qweight, random_routing, rel_err, rotated_qweights, rotations)
 
-from dsv4.kernels import Ops, moe, ref, refuse_fallback as _refuse  # noqa: E402
+from dsv4.kernels import Ops, dispatch, moe, policy, ref, refuse_fallback as _refuse  # noqa: E402
+from dsv4.kernels.host import Scratch, num_sms  # noqa: E402
+from dsv4.kernels.policy import GemvConfig  # noqa: E402
 
 M_LIST = "1,4,16,64,256,4096"   # the issue's sizes (--ms narrows them)
 MOE_TOKENS = "1,4,8,64,512"     # the MoE layer table (--moe-tokens)
@@ -54,8 +56,7 @@ class Run:
         self.gen = torch.Generator(device=self.device).manual_seed(1234)
         self.timer = Timer(self.device)
         self.models = (TOY,) if self.toy else (FLASH, PRO)
-        from dsv4.kernels import gemm
-        self.scratch = gemm.Scratch()
+        self.scratch = Scratch()
 
     def elapsed(self) -> float:
         return time.time() - self.t0
@@ -127,7 +128,6 @@ def linear_cases(run: Run):
 
 
 def compile_linear(jobs):
-    from dsv4.kernels import gemm
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     done = 0
@@ -135,7 +135,7 @@ def compile_linear(jobs):
         try:
             w = random_qweight(fmt, (), n, k, dev, gen)
             x = torch.randn(min(m, 64), k, device=dev, dtype=torch.bfloat16)
-            gemm.linear(x, w, config=cfg, fallback=_refuse, scratch=gemm.Scratch())
+            dispatch.linear(x, w, config=cfg, fallback=_refuse, scratch=Scratch())
             torch.cuda.synchronize()
             done += 1
         except Exception as e:  # the main process will hit and report the same error
@@ -169,7 +169,7 @@ def precompile_join(run: Run):
 
 
 def correctness(run: Run):
-    from dsv4.kernels import gemm, gemv, w4a4
+    from dsv4.kernels import w4a4
     from dsv4.formats import QWeight, stage_activation
     rows = []
     run.res["correctness"] = rows
@@ -193,7 +193,7 @@ def correctness(run: Run):
         for m in ((1, 16, 70) if run.toy else (1, 16, 64, 4096)):
             x = run.x(m, k)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
-            gemm.linear(x, w, out=out, fallback=_refuse, scratch=run.scratch)
+            dispatch.linear(x, w, out=out, fallback=_refuse, scratch=run.scratch)
             r = ref.linear(x, w)
             record(f"linear {s.name} {name} {fmt} M={m}", rel_err(out, r), 1e-2,
                    written=bool(torch.isfinite(out).all()))
@@ -212,29 +212,29 @@ def correctness(run: Run):
         wt = w.dequantize(torch.float32).T
         for m, fused in ((16, False), (k, False), (k, True)):  # decode tiles; dequant + cuBLAS; fused prefill
             x = torch.eye(m, k, device=dev, dtype=torch.bfloat16)
-            cfg = gemm.pick_config(m, n, k, fmt, dev) if fused else None
-            y = gemm.linear(x, w, config=cfg, fallback=_refuse, scratch=run.scratch)
+            cfg = policy.tile_config(m, n, k, fmt, num_sms(dev)) if fused else None
+            y = dispatch.linear(x, w, config=cfg, fallback=_refuse, scratch=run.scratch)
             record(f"exact dequant {fmt} M={m}{' fused' if fused else ''}", 0.0, 0.0,
                    exact=bool(torch.equal(y.float(), wt[:m])))
         # the fused tiles' portable (non-asm) decoders give the same bits, at decode rows and at 128 rows
         for m in (16, 128):
-            cfg = replace(gemm.pick_config(m, n, k, fmt, dev), asm=False)
-            y = gemm.linear(torch.eye(m, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,
-                            scratch=run.scratch)
+            cfg = replace(policy.tile_config(m, n, k, fmt, num_sms(dev)), asm=False)
+            y = dispatch.linear(torch.eye(m, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,
+                                scratch=run.scratch)
             record(f"exact dequant {fmt} tiles M={m} portable decode", 0.0, 0.0,
                    exact=bool(torch.equal(y.float(), wt[:m])))
         # the decode GEMV without its asm decoders (plain Triton), and a split-K GEMV: the same bits
-        for cfg in (gemv.GemvConfig(asm=False), gemv.GemvConfig(BN=64, split=4)):
-            y = gemm.linear(torch.eye(16, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,
+        for cfg in (GemvConfig(asm=False), GemvConfig(BN=64, split=4)):
+            y = dispatch.linear(torch.eye(16, k, device=dev, dtype=torch.bfloat16), w, config=cfg, fallback=_refuse,
                             scratch=run.scratch)
             record(f"exact dequant {fmt} gemv asm={cfg.asm} split={cfg.split}", 0.0, 0.0,
                    exact=bool(torch.equal(y.float(), wt[:16])))
         # the GEMV's asm decoders on every column (so every scale group and word), MMA N = 16 and 8
         eye = torch.eye(k, device=dev, dtype=torch.bfloat16)
         for nrows in (16, 8):
-            for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=4), gemv.LARGE_FP4_16_ROWS):
-                same = all(torch.equal(gemm.linear(eye[o:o + nrows], w, config=cfg, fallback=_refuse,
-                                                   scratch=run.scratch).float(), wt[o:o + nrows])
+            for cfg in (GemvConfig(), GemvConfig(split=4), policy.LARGE_FP4_16_ROWS):
+                same = all(torch.equal(dispatch.linear(eye[o:o + nrows], w, config=cfg, fallback=_refuse,
+                                                       scratch=run.scratch).float(), wt[o:o + nrows])
                            for o in range(0, k, nrows))
                 record(f"exact dequant {fmt} gemv all columns rows={nrows} split={cfg.split} BN={cfg.BN}", 0.0, 0.0,
                        exact=same)
@@ -244,7 +244,7 @@ def correctness(run: Run):
     w8 = QWeight("fp8", w8.weight, w8.scale.float() * (1 + 0.3 * torch.rand(w8.scale.shape, device=dev, generator=gen)))
     for m in (1, 16):
         x = run.x(m, k)
-        record(f"linear {big.name} wo_b fp8-f32-scales M={m}", rel_err(gemm.linear(x, w8, fallback=_refuse,
+        record(f"linear {big.name} wo_b fp8-f32-scales M={m}", rel_err(dispatch.linear(x, w8, fallback=_refuse,
                scratch=run.scratch), ref.linear(x, w8)), 1e-2)
     # grouped wo_a (block-diagonal): decode GEMV over all groups; prefill dequantize + bmm
     n, k = big.linears()["wo_a"]
@@ -266,7 +266,7 @@ def correctness(run: Run):
                1e-5, exact=same)
         if run.ops.name != "ref":   # the kernel's warp count changes its schedule, never its bits
             w1, ids1 = moe.route(logits, bias, s.k, 2.5, warps=1)
-            record(f"route {s.name} on 1 warp against {moe.ROUTE_WARPS} (same bits)", rel_err(w1, w_), 0.0,
+            record(f"route {s.name} on 1 warp against {policy.ROUTE_WARPS} (same bits)", rel_err(w1, w_), 0.0,
                    exact=torch.equal(ids1, ids) and torch.equal(w1, w_))
         # exactly tied scores (few distinct logits and biases): the same experts in the same order as the CPU
         # reference, the lower id first on a tie
@@ -294,22 +294,20 @@ def correctness(run: Run):
             want = ref.moe(x, ids, wts, w13, w2, 10.0)
             record(f"moe {s.name} {fmt} T={t}", rel_err(y, want), bound, written=bool(torch.isfinite(y).all()))
             first = 3 if run.toy else 4
-            if run.ops.name != "ref" and first <= t <= moe.DECODE_TOKENS:
-                # the pair over expert blocks at <= 8 tokens too (by default from 9: `moe.auto_block_tokens`)
-                y_blk = moe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, scratch=run.scratch,
-                                block_tokens=(first, moe.DECODE_TOKENS))
+            if run.ops.name != "ref" and first <= t <= policy.DECODE_TOKENS:
+                # the pair over expert blocks at <= 8 tokens too (by default from 9: `policy.auto_block_tokens`)
+                y_blk = dispatch.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, scratch=run.scratch,
+                                     block_tokens=(first, policy.DECODE_TOKENS))
                 record(f"moe {s.name} {fmt} T={t} expert blocks ({ids.numel() - ids.unique().numel()} shared)",
                        rel_err(y_blk, want), bound, written=bool(torch.isfinite(y_blk).all()))
-            # round one's decode tiles (t <= 8) and the sorted path with the top-k sum fused
-            y_fused = run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1", fused_sum=True)
-            record(f"moe {s.name} {fmt} T={t} fused top-k sum (same bits as the sum kernel)",
-                   rel_err(y_fused, want), bound,
-                   exact=torch.equal(y_fused, run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="round1")),
-                   written=bool(torch.isfinite(y_fused).all()))
+            # the decode tiles (t <= 8), the sorted path above
+            y_tiles = run.ops.moe(x, ids, wts, w13, w2, 10.0, decode="tiles")
+            record(f"moe {s.name} {fmt} T={t} decode tiles / sorted", rel_err(y_tiles, want), bound,
+                   written=bool(torch.isfinite(y_tiles).all()))
         del w13, w2
     # MoE with the shared expert in the same two GEMV launches (mixed formats, as the official checkpoints): one row
     # block per token (1), the token columns in one row block (4, 8) and in two (12, 16; over expert blocks); on the
-    # side stream beside the routed experts (`moe.Side`: V4-Pro's 66 MB FP8 shared expert from 4 tokens, every
+    # side stream beside the routed experts (`dispatch.Side`: V4-Pro's 66 MB FP8 shared expert from 4 tokens, every
     # shared expert at 32, where the pair does not carry it)
     for s, fmt, sfmt in ((sh, "mxfp4", "fp8"), (big, "nvfp4", "fp8"), (sh, "nvfp4", "nvfp4")):
         w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
@@ -345,19 +343,19 @@ def correctness(run: Run):
             def chain(x, cfg):
                 h = x
                 for i, w in enumerate(chain_w):
-                    h = gemm.linear(h, w, config=cfg, fallback=_refuse, scratch=run.scratch)
+                    h = dispatch.linear(h, w, config=cfg, fallback=_refuse, scratch=run.scratch)
                     if i == 1:
                         h = h / h.float().abs().amax().clamp_min(1.0).to(h.dtype)
                 return h
 
             for m in (1, 8):
                 x = run.x(m, 4096)
-                plain = chain(x, gemv.GemvConfig(pdl=False))
-                eager = chain(x, gemv.GemvConfig(pdl=True))
+                plain = chain(x, GemvConfig(pdl=False))
+                eager = chain(x, GemvConfig(pdl=True))
                 xs = x.clone()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    graphed = chain(xs, gemv.GemvConfig(pdl=True))
+                    graphed = chain(xs, GemvConfig(pdl=True))
                 g.replay()
                 torch.cuda.synchronize()
                 record(f"pdl chain of 4 dependent gemvs {fmt} M={m} (eager, graph)", 0.0, 0.0,
@@ -381,11 +379,10 @@ def correctness(run: Run):
 
 
 def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
-    """(ms per call, cfg, bytes of one weight) of gemm.linear on rotated weights (one CUDA graph for m <= 256).
-    cfg: a gemm.Config (round one's fused kernel with those tiles), a gemv.GemvConfig (the decode GEMV), or None
+    """(ms per call, cfg, bytes of one weight) of dispatch.linear on rotated weights (one CUDA graph for m <= 256).
+    cfg: a TileConfig (the fused tiles), a GemvConfig (the decode GEMV), or None
     / "default" (exactly what Ops.linear does). groups > 0 times Ops.grouped_linear (x [m, groups, k / groups...
     the weight's K])."""
-    from dsv4.kernels import gemm
     dev, gen = run.device, run.gen
     ws = rotated_qweights(fmt, n, k, dev, gen, (2 if run.toy else None) if (rotate and m <= 256) else 1)
     w0, rot = ws[0], len(ws)
@@ -396,7 +393,7 @@ def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
         calls = [(lambda x=x, w=w: run.ops.grouped_linear(x, w, groups)) for x, w in zip(xs, ws)]
     else:
         xs = [run.x(m, k) for _ in range(rot)]
-        calls = [(lambda x=x, w=w: gemm.linear(x, w, config=conf, fallback=_refuse, scratch=run.scratch))
+        calls = [(lambda x=x, w=w: dispatch.linear(x, w, config=conf, fallback=_refuse, scratch=run.scratch))
                  for x, w in zip(xs, ws)]
     ms = run.timer.per_call_ms(calls, graph=m <= 256)
     del ws
@@ -416,14 +413,13 @@ def grid_plan(run: Run):
     """Decode GEMV variants (M = 1) on three large shapes where launch cost does not hide streaming efficiency:
     V4-Pro wq_b nvfp4 (N = 65536, no split), V4-Pro wo_b nvfp4 (K = 16384, split-K), V4-Flash wo_b fp8.
     Yields (variant, shape, fmt, N, K, GemvConfig)."""
-    from dsv4.kernels import gemv
     shapes = [(run.models[-1], "wq_b", "nvfp4"), (run.models[-1], "wo_b", "nvfp4"), (run.models[0], "wo_b", "fp8"),
               (run.models[-1], "wq_b", "fp8"), (run.models[0], "expert w1/w3", "nvfp4")]
-    variants = {"default": gemv.GemvConfig(), "no register cap": gemv.GemvConfig(maxnreg=0),
-                "no prefetch": gemv.GemvConfig(prefetch=0), "prefetch fp4 too": gemv.GemvConfig(prefetch=3),
-                "prefetch fp4 too, 1 stage": gemv.GemvConfig(prefetch=3, num_stages=1),
-                **{f"cap {r}": gemv.GemvConfig(maxnreg=r) for r in (96, 80)},
-                "stages 3": gemv.GemvConfig(num_stages=3), "bn 32": gemv.GemvConfig(BN=32)}
+    variants = {"default": GemvConfig(), "no register cap": GemvConfig(maxnreg=0),
+                "no prefetch": GemvConfig(prefetch=0), "prefetch fp4 too": GemvConfig(prefetch=3),
+                "prefetch fp4 too, 1 stage": GemvConfig(prefetch=3, num_stages=1),
+                **{f"cap {r}": GemvConfig(maxnreg=r) for r in (96, 80)},
+                "stages 3": GemvConfig(num_stages=3), "bn 32": GemvConfig(BN=32)}
     if run.toy:
         variants = {k: variants[k] for k in ("default", "cap 80")}
     for vname, cfg in variants.items():
@@ -469,14 +465,13 @@ def sweep(run: Run):
 
 def prefill_compare(run: Run):
     """M = 4096: the fused Triton tiles vs the default prefill path (Triton dequantize + cuBLAS)."""
-    from dsv4.kernels import gemm
     rows = []
     run.res["prefill_compare"] = rows
     sh = run.models[0]
     for name, fmt in (("expert w1/w3", "nvfp4"), ("expert w2", "mxfp4"), ("wo_b", "fp8"), ("wq_b", "nvfp4")):
         n, k = sh.linears()[name]
         m = 70 if run.toy else 4096
-        fused, cfg, _ = time_linear(run, fmt, n, k, m, cfg=gemm.pick_config(m, n, k, fmt, run.device))
+        fused, cfg, _ = time_linear(run, fmt, n, k, m, cfg=policy.tile_config(m, n, k, fmt, num_sms(run.device)))
         default, _, _ = time_linear(run, fmt, n, k, m, cfg="default")
         cb = time_cublas(run, n, k, m)
         fl = 2 * m * n * k
@@ -487,7 +482,7 @@ def prefill_compare(run: Run):
 
 
 def crossover(run: Run):
-    """Fused decode kernel vs Triton dequantize + cuBLAS around the switch-over (gemm.prefers_cublas)."""
+    """Fused decode kernel vs Triton dequantize + cuBLAS around the switch-over (policy.prefers_cublas)."""
     from dsv4.kernels import gemm
     rows = []
     run.res["crossover"] = rows
@@ -495,7 +490,7 @@ def crossover(run: Run):
                           (run.models[-1], "wo_b", "nvfp4"), (run.models[-1], "expert w2", "mxfp4")):
         n, k = sh.linears()[name]
         for m in ((16, 33) if run.toy else (16, 24, 32, 48, 64)):
-            fused, _, _ = time_linear(run, fmt, n, k, m, cfg=gemm.pick_config(m, n, k, fmt, run.device))
+            fused, _, _ = time_linear(run, fmt, n, k, m, cfg=policy.tile_config(m, n, k, fmt, num_sms(run.device)))
             ws = [random_qweight(fmt, (), n, k, run.device, run.gen) for _ in range(4)]
             xs = [run.x(m, k) for _ in range(4)]
             deq = run.timer.per_call_ms([(lambda x=x, w=w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype)))
@@ -507,7 +502,6 @@ def crossover(run: Run):
 
 
 def linear_table(run: Run):
-    from dsv4.kernels import gemv
     rows = []
     run.res["linear"] = rows
     copy = run.res.get("copy_gbps", 1.0)
@@ -521,7 +515,7 @@ def linear_table(run: Run):
         sh, name, fmt, n, k = cases[i]
         if run.elapsed() > run.args.budget:
             break
-        if run.toy and name == "wo_a" and m > gemv.MAX_ROWS:
+        if run.toy and name == "wo_a" and m > policy.MAX_ROWS:
             continue   # above the GEMV's rows wo_a is Triton dequantize + cuBLAS bmm: CUDA only
         try:  # wo_a runs as the model runs it: Ops.grouped_linear, x [M, groups, K]
             ms, cfg, wbytes = time_linear(run, fmt, n, k, m, groups=sh.o_groups if name == "wo_a" else 0)
@@ -532,8 +526,8 @@ def linear_table(run: Run):
             run.res["errors"].append(f"linear {sh.name} {name} {fmt} M={m}: {e!r}"[:400])
             continue
         gemv_us = None   # below the dispatch threshold: the GEMV forced, for the record
-        if m <= 16 and name != "wo_a" and isinstance(cfg, str) and wbytes < gemv.PREFERRED_BYTES[fmt]:
-            gemv_us = 1e3 * time_linear(run, fmt, n, k, m, cfg=gemv.GemvConfig())[0]
+        if m <= 16 and name != "wo_a" and isinstance(cfg, str) and wbytes < policy.PREFERRED_BYTES[fmt]:
+            gemv_us = 1e3 * time_linear(run, fmt, n, k, m, cfg=GemvConfig())[0]
         cb = cublas[(n, k, m)]
         flops = 2 * m * n * k
         row = dict(model=sh.name, linear=name, fmt=fmt, N=n, K=k, M=m, us=ms * 1e3, weight_mb=wbytes / 1e6,
@@ -551,9 +545,8 @@ def linear_table(run: Run):
 
 def moe_table(run: Run):
     """The whole MoE layer (routing kernel, routed experts, shared expert) vs the bytes of the experts it touches;
-    also the routed experts through the other kernels where there are some (`other us`): round one's decode tiles at
-    up to 8 tokens, its sorted grouped GEMM where the GEMV pair runs over expert blocks (`--moe-block-tokens`)."""
-    from dsv4.kernels import gemv, moe as tmoe
+    also the routed experts through the other kernels where there are some (`other us`): the decode tiles at up to 8
+    tokens, the sorted grouped tiles where the GEMV pair runs over expert blocks (`--moe-block-tokens`)."""
     rows = []
     run.res["moe"] = rows
     blocks = run.moe_block_tokens()
@@ -588,19 +581,16 @@ def moe_table(run: Run):
 
             ms = run.timer.per_call_ms([lambda x=x, lg=lg: layer(x, lg) for x, lg in zip(xs, logits)])
             ms_r = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg) for x, lg in zip(xs, logits)])
-            ms_alt = ms_fused = None
-            if t > 8:   # the sorted path with the top-k sum in the down launch (`moe(fused_sum=True)`)
-                ms_fused = run.timer.per_call_ms([lambda x=x, lg=lg: routed(x, lg, fused_sum=True, block_tokens=None)
-                                                  for x, lg in zip(xs, logits)])
-            in_blocks = tmoe.in_block_range(t, tmoe.resolve_block_tokens(blocks, s.E, s.k))
+            ms_alt = None
+            in_blocks = policy.in_block_range(t, policy.resolve_block_tokens(blocks, s.E, s.k))
             if t <= 8 or in_blocks:
-                # the other kernels on the same inputs, for the record: round one's decode tiles at <= 8 tokens, its
-                # sorted grouped GEMM where the pair over expert blocks runs
+                # the other kernels on the same inputs, for the record: the decode tiles at <= 8 tokens, the sorted
+                # grouped tiles where the pair over expert blocks runs
 
                 def routed_alt(x, lg):
                     wts, ids = run.ops.route(lg, bias, s.k, 1.5)
-                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, block_tokens=None,
-                                    decode="round1" if t <= gemv.MOE_TOKENS else "auto", scratch=run.scratch)
+                    return dispatch.moe(x, ids, wts, w13, w2, 10.0, fallback=_refuse, block_tokens=None,
+                                        decode="tiles" if t <= policy.MOE_TOKENS else "auto", scratch=run.scratch)
 
                 ms_alt = run.timer.per_call_ms([lambda x=x, lg=lg: routed_alt(x, lg) for x, lg in zip(xs, logits)])
             floor_routed = per_expert * sum(touched) / len(touched)
@@ -610,14 +600,12 @@ def moe_table(run: Run):
                        pct_floor=100 * (floor / (copy * 1e9)) / (ms * 1e-3),
                        routed_us=ms_r * 1e3, routed_floor_mb=floor_routed / 1e6,
                        routed_pct_floor=100 * (floor_routed / (copy * 1e9)) / (ms_r * 1e-3),
-                       routed_other_us=None if ms_alt is None else ms_alt * 1e3,
-                       routed_fused_sum_us=None if ms_fused is None else ms_fused * 1e3)
+                       routed_other_us=None if ms_alt is None else ms_alt * 1e3)
             rows.append(row)
             print(f"  {s.name:8s} {fmt:5s} T={t:<4d} experts {row['experts_touched']:6.1f}  layer {row['us']:8.1f} us "
                   f"= {row['pct_floor']:3.0f}% of floor ({row['floor_mb']:.0f} MB)  | routed only "
                   f"{row['routed_us']:8.1f} us = {row['routed_pct_floor']:3.0f}%"
-                  + ("" if ms_alt is None else f" (other kernels: {ms_alt * 1e3:.1f} us)")
-                  + ("" if ms_fused is None else f" (top-k sum fused: {ms_fused * 1e3:.1f} us)"),
+                  + ("" if ms_alt is None else f" (other kernels: {ms_alt * 1e3:.1f} us)"),
                   flush=True)
         del w13, w2, sw13, sw2
 
@@ -654,16 +642,15 @@ def table(run: Run) -> str:
                      f"{x['speedup']:7.2f}" + ("" if x.get("gemv_us") is None else f"  gemv {x['gemv_us']:.1f}"))
     lines.append("")
     if r.get("moe"):
-        lines.append(f"MoE over expert blocks at tokens {r.get('moe_block_tokens') or 'off'} (other us: round one's "
-                     "decode tiles at <= 8 tokens, else the sorted path)")
+        lines.append(f"MoE over expert blocks at tokens {r.get('moe_block_tokens') or 'off'} (other us: the decode "
+                     "tiles at <= 8 tokens, else the sorted path)")
     lines.append(f"{'model':8s} {'fmt':5s} {'T':>4s} {'experts':>7s} {'layer us':>9s} {'floor MB':>8s} {'%floor':>6s} "
-                 f"{'routed us':>9s} {'%floor':>6s} {'other us':>9s} {'fused-sum us':>12s}")
+                 f"{'routed us':>9s} {'%floor':>6s} {'other us':>9s}")
     for x in r.get("moe", []):
-        other, fused = x.get("routed_other_us"), x.get("routed_fused_sum_us")
+        other = x.get("routed_other_us")
         lines.append(f"{x['model']:8s} {x['fmt']:5s} {x['T']:4d} {x['experts_touched']:7.1f} {x['us']:9.1f} "
                      f"{x['floor_mb']:8.0f} {x['pct_floor']:6.0f} {x['routed_us']:9.1f} {x['routed_pct_floor']:6.0f} "
-                     + (f"{other:9.1f} " if other is not None else f"{'-':>9s} ")
-                     + (f"{fused:12.1f}" if fused is not None else f"{'-':>12s}"))
+                     + (f"{other:9.1f}" if other is not None else f"{'-':>9s}"))
     mc = r.get("model_check")
     if mc:
         lines.append("")
@@ -684,7 +671,7 @@ def main():
     ap.add_argument("--moe-tokens", default=MOE_TOKENS, help="tokens of the MoE layer table")
     ap.add_argument("--moe-block-tokens", default="auto",
                     help="FIRST,LAST, off or auto: token counts at which the MoE table runs the GEMV pair over expert "
-                         "blocks (`moe(block_tokens=)`; auto: moe.auto_block_tokens, from 9 tokens to 6 pairs per "
+                         "blocks (`moe(block_tokens=)`; auto: policy.auto_block_tokens, from 9 tokens to 6 pairs per "
                          "expert); its `other us` there is the sorted path (above 8 tokens)")
     ap.add_argument("--layout", choices=("tiled", "row-major"), default="tiled",
                     help="how the benchmarked weights are stored (formats.tiling; the loader tiles on CUDA)")

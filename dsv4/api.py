@@ -28,6 +28,7 @@ from types import MappingProxyType
 import torch
 
 from .checkpoint.loader import load
+from .kernels import ops_for
 from .runtime.chat import encode_messages
 from .runtime.demo import resolve_model
 from .runtime.engine import Engine
@@ -68,7 +69,7 @@ class LLM:
         default, 20)."""
         path = resolve_model(model)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load(path, device, _dtype(dtype, device), kernels, w4a4, progress=progress)
+        self.model = load(path, device, _dtype(dtype, device), ops_for(device, kernels, w4a4), progress=progress)
         tok = None if skip_tokenizer_init else Tokenizer.from_checkpoint(tokenizer or path, self.model.config)
         self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs)

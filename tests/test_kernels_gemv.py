@@ -2,7 +2,7 @@
 
 The interpreter runs the portable decoders (the PTX ones run on GPUs only; bench/run_all.py checks them bit
 for bit there) and fp32 dot operands, so fp32 checks are near-exact. Every test asserts that the GEMV itself
-ran (a call counter on `gemv.launch`), so a silent fallback to another kernel or the reference fails.
+ran (a call counter on `gemv_launch.launch`), so a silent fallback to another kernel or the reference fails.
 """
 
 import re
@@ -13,9 +13,11 @@ import torch.nn.functional as F
 
 from dsv4.formats import QWeight
 from dsv4.formats.wordcode import code_words
-from dsv4.kernels import Ops, decode, gemm, gemv, moe_pair, ops_for, ref
+from dsv4.kernels import Ops, decode, dispatch, gemm, gemv, gemv_launch, moe_pair, ops_for, policy, ref
 from dsv4.kernels import moe as tmoe
 from dsv4.kernels import tiles
+from dsv4.kernels.host import Scratch
+from dsv4.kernels.policy import INTERPRETER, Format, GemvConfig, TileConfig
 from kernel_util import refuse, rel_err, stacked_weight
 
 FORMATS = ("nvfp4", "mxfp4", "fp8", "fp8-f32")
@@ -27,17 +29,17 @@ def launches(monkeypatch):
     """Counts GEMV launches by row mode; the MoE pair (`moe_pair.launch_pair`, one launch or two) counts as its two
     stages."""
     seen = []
-    real, real_pair = gemv.launch, moe_pair.launch_pair
+    real, real_pair = gemv_launch.launch, moe_pair.launch_pair
 
     def counting(*args, **kwargs):
-        seen.append(kwargs.get("rows", gemv.ROWS_DENSE))
+        seen.append(kwargs.get("rows", policy.ROWS_DENSE))
         return real(*args, **kwargs)
 
     def counting_pair(*args, **kwargs):
-        seen.extend([gemv.ROWS_PAIR, gemv.ROWS_TOKEN])
+        seen.extend([policy.ROWS_PAIR, policy.ROWS_TOKEN])
         return real_pair(*args, **kwargs)
 
-    monkeypatch.setattr(gemv, "launch", counting)
+    monkeypatch.setattr(gemv_launch, "launch", counting)
     monkeypatch.setattr(moe_pair, "launch_pair", counting_pair)
     return seen
 
@@ -75,13 +77,13 @@ def test_linear_matches_reference(launches, fmt, m, n, k):
     """Odd N (clamped rows never stored), an odd number of FP4 sub-steps (K = 384), the full 16 rows."""
     w = make_weight(fmt, n, k)
     x = torch.randn(m, k)
-    y = gemm.linear(x, w, fallback=refuse, scratch=gemm.Scratch())
-    assert launches == [gemv.ROWS_DENSE]
+    y = dispatch.linear(x, w, fallback=refuse, scratch=Scratch())
+    assert launches == [policy.ROWS_DENSE]
     assert y.shape == (m, n) and rel_err(y, ref.linear(x, w)) < 1e-6
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("cfg", [gemv.GemvConfig(), gemv.GemvConfig(BN=128, num_warps=4), gemv.LARGE_FP4_16_ROWS],
+@pytest.mark.parametrize("cfg", [GemvConfig(), GemvConfig(BN=128, num_warps=4), policy.LARGE_FP4_16_ROWS],
                          ids=["w2", "w4 bn128", "w2 bn128"])
 def test_dequantization_is_exact(launches, fmt, cfg):
     """x = identity rows: each output is one weight element, so the decoders' nibble and byte order, the K and
@@ -91,16 +93,20 @@ def test_dequantization_is_exact(launches, fmt, cfg):
     exact = w.dequantize(torch.float32).T
     for cols in (torch.arange(16) * 17, torch.arange(8) * 32 + torch.tensor([0, 5, 10, 15, 16, 21, 26, 31])):
         # one column in every scale group (16 rows), then at every offset within a word (8 rows: MMA N = 8)
-        y = gemv.linear(torch.eye(256)[cols], w, cfg)
+        y = dispatch.linear(torch.eye(256)[cols], w, config=cfg, fallback=refuse)
         assert torch.equal(y, exact[cols])
     assert len(launches) == 2
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Every `_gemv_kernel` and `_moe_pair_kernel` launch as a dict: its arguments by name, its constexprs, its
-    grid and which kernel ("gemv" or "pair")."""
+    """Every `_gemv_kernel` and `_moe_pair_kernel` launch as a dict: its unit counts (`gemv_launch.Units`) and layout
+    (`gemv_launch.Layout`) by field name, its other constexprs and launch options, its grid and which kernel ("gemv"
+    or "pair"); a one-launch pair's down stage as the same under "down"."""
     seen = []
+
+    def fields(*bundles) -> dict:
+        return {k: v for b in bundles for k, v in b._asdict().items()}
 
     class Recording:
         def __init__(self, real, name):
@@ -108,7 +114,13 @@ def kernel_calls(monkeypatch):
 
         def __getitem__(self, grid):
             def run(*args, **consts):
-                seen.append(dict(zip(self.real.arg_names, args), **consts, kernel=self.name, grid=grid))
+                a = dict(zip(self.real.arg_names, args), **consts)
+                if self.name == "gemv":
+                    rec = fields(a["units"], a["L"])
+                else:
+                    rec = dict(fields(a["up_units"], a["UP"]), down=fields(a["dn_units"], a["DN"]))
+                options = {k: v for k, v in consts.items() if not hasattr(v, "_asdict")}
+                seen.append(dict(rec, **options, kernel=self.name, grid=grid))
                 return self.real[grid](*args, **consts)
             return run
 
@@ -118,13 +130,12 @@ def kernel_calls(monkeypatch):
 
 
 def stages(calls: list[dict]) -> list[dict]:
-    """`kernel_calls` as one dict per GEMV stage: a `_gemv_kernel` launch is one, the MoE pair in one launch two
-    (its down stage's arguments and constexprs are those prefixed d_ / D_)."""
+    """`kernel_calls` as one dict per GEMV stage: a `_gemv_kernel` launch is one, the MoE pair in one launch two."""
     out = []
     for a in calls:
         out.append(a)
         if a["kernel"] == "pair":
-            out.append({k[2:]: v for k, v in a.items() if k.startswith(("d_", "D_"))})
+            out.append(a["down"])
     return out
 
 
@@ -136,29 +147,29 @@ def test_group_columns_are_exact_for_one_fp4_row(kernel_calls, fmt):
     w = make_weight(fmt, 70, 256)
     exact = w.dequantize(torch.float32).T
     for col in (0, 17, 34, 51, 68, 85, 102, 119, 127, 128, 143, 200, 255):
-        for cfg in (gemv.GemvConfig(group_cols=True), gemv.GemvConfig(group_cols=True, split=2)):
-            y = gemv.linear(torch.eye(256)[col:col + 1], w, cfg, scratch=gemm.Scratch())
+        for cfg in (GemvConfig(group_cols=True), GemvConfig(group_cols=True, split=2)):
+            y = dispatch.linear(torch.eye(256)[col:col + 1], w, config=cfg, fallback=refuse, scratch=Scratch())
             assert torch.equal(y, exact[col:col + 1]), col
-    assert {c["GCOL"] for c in kernel_calls} == {True}
+    assert {c["GROUP_COLS"] for c in kernel_calls} == {True}
 
 
 def test_group_columns_serve_exactly_the_one_row_fp4_launches(kernel_calls):
-    """By default GCOL is on for both MoE launches (one x row per unit) and off for dense calls; asked for, it
+    """By default GROUP_COLS is on for both MoE launches (one x row per unit) and off for dense calls; asked for, it
     serves dense FP4 calls of one row, but not two rows or FP8. Every result matches the reference."""
     x = torch.randn(2, 384)
-    on = gemv.GemvConfig(group_cols=True)
+    on = GemvConfig(group_cols=True)
     for fmt, m, cfg, want in (("nvfp4", 1, on, True), ("mxfp4", 1, on, True),
-                              ("nvfp4", 1, gemv.GemvConfig(), False), ("nvfp4", 2, on, False), ("fp8", 1, on, False)):
+                              ("nvfp4", 1, GemvConfig(), False), ("nvfp4", 2, on, False), ("fp8", 1, on, False)):
         w = make_weight(fmt, 70, 384)
-        y = gemv.linear(x[:m], w, cfg)
-        assert kernel_calls[-1]["GCOL"] is want and rel_err(y, ref.linear(x[:m], w)) < 1e-6, (fmt, m)
+        y = dispatch.linear(x[:m], w, config=cfg, fallback=refuse)
+        assert kernel_calls[-1]["GROUP_COLS"] is want and rel_err(y, ref.linear(x[:m], w)) < 1e-6, (fmt, m)
     E, k, D, I, T = 4, 2, 128, 128, 2
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("mxfp4", D, I, (E,), 0.1)
     xm = torch.randn(T, D)
     rw, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     kernel_calls.clear()
-    y = tmoe.moe(xm, ids, rw, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=gemm.Scratch())
-    assert [c["GCOL"] for c in stages(kernel_calls)] == [True, True]
+    y = dispatch.moe(xm, ids, rw, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=Scratch())
+    assert [c["GROUP_COLS"] for c in stages(kernel_calls)] == [True, True]
     assert rel_err(y, ref.moe(xm, ids, rw, w13, w2, LIMIT)) < 1e-6
 
 
@@ -166,14 +177,14 @@ def test_group_columns_serve_exactly_the_one_row_fp4_launches(kernel_calls):
 def test_split_k_rearms_and_bf16(launches, fmt):
     w = make_weight(fmt, 64, 512)
     x = torch.randn(3, 512)
-    scratch = gemm.Scratch()
+    scratch = Scratch()
     for _ in range(2):  # the second call checks that the semaphores re-armed themselves
-        y = gemv.linear(x, w, gemv.GemvConfig(BN=64, split=3), scratch=scratch)
+        y = dispatch.linear(x, w, config=GemvConfig(BN=64, split=3), fallback=refuse, scratch=scratch)
         assert rel_err(y, ref.linear(x, w)) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     xb = x.bfloat16()
     out = torch.full((3, 64), float("nan"), dtype=torch.bfloat16)
-    gemm.linear(xb, w, out=out, fallback=refuse)
+    dispatch.linear(xb, w, out=out, fallback=refuse)
     assert torch.isfinite(out).all() and rel_err(out, ref.linear(xb, w)) < 1e-2
     assert len(launches) == 3
 
@@ -186,7 +197,8 @@ def test_every_weight_load_schedule_matches_reference(launches, fmt, prefetch):
     for n, k, split in ((70, 384, 0), (64, 640, 3), (64, 256, 2)):
         w = make_weight(fmt, n, k)
         x = torch.randn(3, k)
-        y = gemv.linear(x, w, gemv.GemvConfig(prefetch=prefetch, split=split), scratch=gemm.Scratch())
+        y = dispatch.linear(x, w, config=GemvConfig(prefetch=prefetch, split=split), fallback=refuse,
+                            scratch=Scratch())
         assert rel_err(y, ref.linear(x, w)) < 1e-6, (n, k, split)
         # gated (FP4: gate and up in one K loop), 1 and 3 rows: SwiGLU with the clamp of the dequantized products
         w13 = make_weight(fmt, n, k, (2,), 0.5)
@@ -194,44 +206,45 @@ def test_every_weight_load_schedule_matches_reference(launches, fmt, prefetch):
         want = F.silu(gate.clamp(max=LIMIT / 4)) * up.clamp(-LIMIT / 4, LIMIT / 4)
         for m in (1, 3):
             h = torch.empty(m, n)
-            gemv.launch(x[:m], w13, h, gemv.GemvConfig(prefetch=prefetch, split=split), M=m, gated=True,
-                        limit=LIMIT / 4, scratch=gemm.Scratch())
+            gemv_launch.launch(x[:m], w13, h, GemvConfig(prefetch=prefetch, split=split), M=m, gated=True,
+                        limit=LIMIT / 4, scratch=Scratch())
             assert rel_err(h, want[:m]) < 1e-5, (n, k, split, m)
     assert len(launches) == 9
 
 
 def test_split_choice_weighs_fill_against_unit_cost():
-    assert gemv.choose_split(1024, 12, 1056) == 1     # the tiles fill the grid: no split
-    assert gemv.choose_split(112, 128, 1056) == 8     # V4-Pro wo_b: one wave of 16-step units
-    split = gemv.choose_split(1, 128, 1056)           # one tile, long K: split, >= 2 sub-steps each
+    assert policy.choose_split(1024, 12, 1056) == 1     # the tiles fill the grid: no split
+    assert policy.choose_split(112, 128, 1056) == 8     # V4-Pro wo_b: one wave of 16-step units
+    split = policy.choose_split(1, 128, 1056)           # one tile, long K: split, >= 2 sub-steps each
     assert 1 < split <= 64 and 128 // split >= 2
 
 
 def test_moe_auto_takes_the_gemv_pair_up_to_six_pairs_per_expert(launches):
     """The GEMV pair up to 8 tokens, over expert blocks from 9 tokens while the (token, slot) pairs are at most
-    `moe.BLOCK_PAIRS_PER_EXPERT` (6) per expert (`moe.auto_block_tokens`: 4 experts of 2 per token, 12 tokens), above
+    `policy.BLOCK_PAIRS_PER_EXPERT` (6) per expert (`moe.auto_block_tokens`: 4 experts of 2 per token, 12 tokens), above
     the grouped (sorted) kernels."""
     E, k, D, I = 4, 2, 128, 128
-    assert tmoe.auto_block_tokens(E, k) == (9, 12) and tmoe.auto_block_tokens(256, 6) == (9, 256)
+    assert policy.auto_block_tokens(E, k) == (9, 12) and policy.auto_block_tokens(256, 6) == (9, 256)
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
-    pair = [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
+    pair = [policy.ROWS_PAIR, policy.ROWS_TOKEN]
     for T, want in ((1, pair), (8, pair), (9, pair), (12, pair), (13, [])):
         launches.clear()
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
+        y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=Scratch())
         assert launches == want and rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
     with pytest.raises(ValueError, match="block_tokens 'on'"):
-        tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, block_tokens="on")
+        dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, block_tokens="on")
 
 
 def test_unsupported_calls_leave_the_gemv():
     x = torch.randn(2, 96)
-    assert not gemv.supported(make_weight("nvfp4", 8, 96), x, 2)         # K not a multiple of 128
-    assert not gemv.supported(make_weight("nvfp4", 8, 128), torch.randn(17, 128), 17)  # > 16 rows
-    assert not gemv.supported(QWeight("dense", torch.randn(8, 128)), torch.randn(1, 128), 1)
+    nvfp4 = Format("nvfp4", x.dtype)
+    assert not policy.gemv_takes(nvfp4, 2, 96, INTERPRETER)          # K not a multiple of 128
+    assert not policy.gemv_takes(nvfp4, 17, 128, INTERPRETER)        # > 16 rows
+    assert not policy.gemv_takes(Format("dense", x.dtype), 1, 128, INTERPRETER)
     with pytest.raises(ValueError, match="GemvConfig"):
-        gemm.linear(torch.randn(2, 96), make_weight("nvfp4", 8, 96), config=gemv.GemvConfig(), fallback=refuse)
+        dispatch.linear(torch.randn(2, 96), make_weight("nvfp4", 8, 96), config=GemvConfig(), fallback=refuse)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8"])
@@ -246,24 +259,24 @@ def test_grouped_linear(launches, fmt):
         wd = w.dequantize(torch.float32)
         r = torch.stack([F.linear(x[:, g], wd[g * R:(g + 1) * R]) for g in range(groups)], dim=1)
         assert y.shape == (T, groups, R) and rel_err(y, r) < 1e-6
-    assert launches == [gemv.ROWS_DENSE] * 2
-    y = gemm.grouped_linear(x, w, groups, fallback=refuse, scratch=gemm.Scratch())
+    assert launches == [policy.ROWS_DENSE] * 2
+    y = dispatch.grouped_linear(x, w, groups, fallback=refuse, scratch=Scratch())
     assert rel_err(y, ref.grouped_linear(x, w, groups)) < 1e-6
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 @pytest.mark.parametrize("T", [20, 70])
 def test_grouped_linear_fused_tiles(fmt, T):
-    """Above the GEMV's rows, up to gemm.MID_ROWS: the fused tiles, each N tile reading its group's x columns."""
+    """Above the GEMV's rows, up to policy.MID_ROWS: the fused tiles, each N tile reading its group's x columns."""
     groups, R, c = 3, 128, 256
     w = make_weight(fmt, groups * R, c)
     x = torch.randn(T, groups, c)
-    y = gemm.grouped_linear(x, w, groups, fallback=refuse, scratch=gemm.Scratch())
+    y = dispatch.grouped_linear(x, w, groups, fallback=refuse, scratch=Scratch())
     wd = w.dequantize(torch.float32)
     r = torch.stack([F.linear(x[:, g], wd[g * R:(g + 1) * R]) for g in range(groups)], dim=1)
     assert y.shape == (T, groups, R) and rel_err(y, r) < 1e-6
     with pytest.raises(ValueError, match="multiple of BN"):
-        gemm.launch(x.reshape(T, -1), w, torch.empty(T, groups * R), gemm.Config(16, 128, 128), M=T, group_r=64,
+        gemm.launch(x.reshape(T, -1), w, torch.empty(T, groups * R), TileConfig(16, 128, 128), M=T, group_r=64,
                     x_gstride=c)
 
 
@@ -275,7 +288,7 @@ def test_grouped_linear_reference_and_dispatch():
     with pytest.raises(ValueError, match="grouped_linear"):
         ref.grouped_linear(x, w, 4)
     assert Ops.reference().grouped_linear is ref.grouped_linear
-    assert ops_for("cpu", "triton").grouped_linear.func is gemm.grouped_linear
+    assert ops_for("cpu", "triton").grouped_linear.func is dispatch.grouped_linear
 
 
 @pytest.mark.parametrize("fmt13,fmt2", [("nvfp4", "nvfp4"), ("mxfp4", "fp8")])
@@ -286,8 +299,8 @@ def test_moe_decode(launches, fmt13, fmt2):
     w2 = make_weight(fmt2, D, I, (E,), 0.1)
     x = torch.randn(T, D)
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=gemm.Scratch())
-    assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN]
+    y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode="gemv", scratch=Scratch())
+    assert launches == [policy.ROWS_PAIR, policy.ROWS_TOKEN]
     assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
 
@@ -297,20 +310,20 @@ def test_moe_decode_split_and_shared_mlp(launches):
     w2 = make_weight("mxfp4", D, I, (E,), 0.1)
     x = torch.randn(T, D) * 3
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.0)
-    up, down = gemv.GemvConfig(BN=64, split=2), gemv.GemvConfig(BN=64, split=1)
+    up, down = GemvConfig(BN=64, split=2), GemvConfig(BN=64, split=1)
     h = torch.empty(T * k, I)
     out = torch.empty(T, D)
-    scratch = gemm.Scratch()
-    gemv.launch(x, w13, h, up, M=T * k, rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k, ids=ids,
+    scratch = Scratch()
+    gemv_launch.launch(x, w13, h, up, M=T * k, rows=policy.ROWS_PAIR, R=T * k, gated=True, x_div=k, ids=ids,
                 limit=0.5, scratch=scratch)
-    gemv.launch(h, w2, out, down, M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids, rw=w.reshape(-1),
+    gemv_launch.launch(h, w2, out, down, M=T, rows=policy.ROWS_TOKEN, R=T, topk=k, ids=ids, rw=w.reshape(-1),
                 scratch=scratch)
     assert rel_err(out, ref.moe(x, ids, w, w13, w2, 0.5)) < 1e-5   # split-K order; large pre-activations
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     s13, s2 = make_weight("fp8", 256, D, (2,), 0.5), make_weight("fp8", D, 256)
-    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear, scratch=scratch)
+    y = dispatch.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear, scratch=scratch)
     assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
-    assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN, gemv.ROWS_DENSE, gemv.ROWS_DENSE]
+    assert launches == [policy.ROWS_PAIR, policy.ROWS_TOKEN, policy.ROWS_DENSE, policy.ROWS_DENSE]
 
 
 @pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4")])
@@ -323,20 +336,20 @@ def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared
     x = torch.randn(T, D) * 2
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
-    y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
-    assert launches == [gemv.ROWS_PAIR, gemv.ROWS_TOKEN] and rel_err(y, want) < 1e-6
+    y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch())
+    assert launches == [policy.ROWS_PAIR, policy.ROWS_TOKEN] and rel_err(y, want) < 1e-6
     # forced K splits (FP4 and FP8 split K differently), twice: the semaphores re-arm
-    scratch, P = gemm.Scratch(), T * k
+    scratch, P = Scratch(), T * k
     for _ in range(2):
         h, out = torch.empty(P + T, I), torch.empty(T, D)
-        gemv.launch(x, w13, h, gemv.GemvConfig(split=2), M=P + T, rows=gemv.ROWS_PAIR, R=P + T, gated=True,
+        gemv_launch.launch(x, w13, h, GemvConfig(split=2), M=P + T, rows=policy.ROWS_PAIR, R=P + T, gated=True,
                     x_div=k, ids=ids, limit=LIMIT, shared=shared[0], pairs=P, scratch=scratch)
-        gemv.launch(h, w2, out, gemv.GemvConfig(split=2), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
+        gemv_launch.launch(h, w2, out, GemvConfig(split=2), M=T, rows=policy.ROWS_TOKEN, R=T, topk=k, ids=ids,
                     rw=w.reshape(-1), shared=shared[1], pairs=P, scratch=scratch)
         assert rel_err(out, want) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     with pytest.raises(ValueError, match="shared expert"):
-        gemv.launch(x, w13, h, gemv.GemvConfig(), M=P + T, rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=k,
+        gemv_launch.launch(x, w13, h, GemvConfig(), M=P + T, rows=policy.ROWS_PAIR, R=P + T, gated=True, x_div=k,
                     ids=ids, shared=make_weight(shared_fmt, I + 8, D, (2,)), pairs=P)
 
 
@@ -351,22 +364,22 @@ def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, 
     shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
     x = torch.randn(T, D) * 2
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    plain = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
-    first = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+    plain = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch())
+    first = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch(),
                      after_route=True)
     # the pair in one launch (its down projection is more than one wave of the interpreter's 4 slots)
     assert [(c["kernel"], c["X_READY"]) for c in kernel_calls] == [("pair", False), ("pair", True)]
     assert torch.equal(first, plain) and rel_err(first, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
-    tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch(), after_route=True)
+    dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=Scratch(), after_route=True)
     assert [c["X_READY"] for c in kernel_calls[-1:]] == [False]
     P = T * k
     for split in (1, 2):
         hs = []
         for x_ready in (False, True):
             hs.append(torch.empty(P + T, I))
-            gemv.launch(x, w13, hs[-1], gemv.GemvConfig(split=split), M=P + T, rows=gemv.ROWS_PAIR, R=P + T,
+            gemv_launch.launch(x, w13, hs[-1], GemvConfig(split=split), M=P + T, rows=policy.ROWS_PAIR, R=P + T,
                         gated=True, x_div=k, ids=ids, limit=LIMIT, shared=shared[0], pairs=P,
-                        scratch=gemm.Scratch(), x_ready=x_ready)
+                        scratch=Scratch(), x_ready=x_ready)
         assert kernel_calls[-1]["X_READY"] and (kernel_calls[-1]["SPLIT"] > 1) == (split > 1)
         assert torch.equal(hs[0], hs[1]), split
 
@@ -384,7 +397,7 @@ def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt,
     shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
     x = torch.randn(T, D) * 2
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
+    cfg, scratch = GemvConfig(split=split), Scratch()
     runs = []
     for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, False)):
         runs.append(pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, x_ready=x_ready, fused=fused,
@@ -403,7 +416,7 @@ def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
     block have no pairs. Up to 240 pairs: several of the kernel's chunks of 64, experts whose pairs span them. The
     table has `moe.block_rows` rows: fewer than the pairs where experts are few, every one used where each expert
     has one pair more than a multiple of MP (3 experts x 9 pairs: 6 blocks)."""
-    MP = gemv.mma_n(1)
+    MP = policy.mma_n(1)
     gen = torch.Generator().manual_seed(1)
     for ids, E in ((torch.tensor([[3, 1], [1, 4], [3, 1], [0, 2]]), 5), (torch.tensor([[5, 2, 7]] * 11), 8),
                    (torch.randint(0, 9, (8, 6), generator=gen), 9), (torch.tensor([[4]]), 6),
@@ -442,18 +455,18 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
     x = torch.randn(T, D, generator=gen) * 2
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     assert ids.unique().numel() < ids.numel()   # experts shared between tokens
-    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+    got = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch(),
                    block_tokens=(4, 8))
     assert kernel_calls[-1]["BLOCKS"]
     assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
     E2 = 2 * T
     w13u, w2u = make_weight(fmt, I, D, (E2, 2), 0.5), make_weight(fmt, D, I, (E2,), 0.1)
     distinct = torch.randperm(E2, generator=gen)[:T * k].reshape(T, k)
-    blocks = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+    blocks = dispatch.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=Scratch(),
                       block_tokens=(T, T))
     assert kernel_calls[-1]["BLOCKS"]
     for off in ((T + 1, 8), None):
-        plain = tmoe.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+        plain = dispatch.moe(x, distinct, w, w13u, w2u, LIMIT, fallback=refuse, shared=shared, scratch=Scratch(),
                          block_tokens=off)
         assert not kernel_calls[-1].get("BLOCKS", False) and torch.equal(blocks, plain)
 
@@ -461,7 +474,7 @@ def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T)
 def test_moe_beyond_eight_tokens_runs_the_pair_over_expert_blocks(kernel_calls):
     """From 9 tokens (`moe.auto_block_tokens`) `moe` runs the routed experts as the GEMV pair over expert blocks (up
     to 8 pairs of one expert per block) and adds the shared expert with `mlp_op` (token columns hold at most 8
-    tokens); past the range, round one's sorted grouped GEMM: both against the reference."""
+    tokens); past the range, the sorted grouped tiles: both against the reference."""
     E, k, D, I, T = 8, 4, 256, 128, 12   # (at most 6 pairs per expert: blocks up to 12 tokens)
     gen = torch.Generator().manual_seed(T)
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
@@ -470,12 +483,12 @@ def test_moe_beyond_eight_tokens_runs_the_pair_over_expert_blocks(kernel_calls):
     logits = torch.randn(T, E, generator=gen)
     logits[:, 0] += 8   # every token routes to expert 0: more pairs than one block holds
     w, ids = ref.route(logits, torch.zeros(E), k, 1.5)
-    assert int(ids.flatten().bincount().max()) > gemv.mma_n(1)
+    assert int(ids.flatten().bincount().max()) > policy.mma_n(1)
     want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
-    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    got = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch())
     assert any(c.get("BLOCKS") for c in kernel_calls) and rel_err(got, want) < 1e-6
     kernel_calls.clear()
-    past = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch(),
+    past = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch(),
                     block_tokens=(T + 1, 64))
     assert not any(c.get("BLOCKS") for c in kernel_calls) and rel_err(past, want) < 1e-2
 
@@ -493,7 +506,7 @@ def test_expert_block_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     table = tmoe.expert_blocks(ids, E)
     assert int(table[:, 1].max()) > 1   # a block of several pairs
-    cfg, scratch = gemv.GemvConfig(split=split), gemm.Scratch()
+    cfg, scratch = GemvConfig(split=split), Scratch()
     runs = []
     for fused, x_ready in ((False, False), (True, False), (True, True)):
         runs.append(pair_into_nan(x, w13, w2, ids, w, shared, cfg, scratch, x_ready=x_ready, fused=fused,
@@ -515,13 +528,13 @@ def test_expert_blocks_must_fit_the_launch():
     table = tmoe.expert_blocks(ids, E)
     shared = make_weight("nvfp4", I, D, (2,))   # 2 tokens: a row block per token, not token columns
     with pytest.raises(ValueError, match="expert blocks"):
-        gemv.launch(torch.randn(T, D), w13, torch.empty(T * k + T, I), gemv.GemvConfig(), M=T * k + T,
-                    rows=gemv.ROWS_PAIR, R=T * k + T, gated=True, x_div=k, limit=LIMIT, shared=shared, pairs=T * k,
+        gemv_launch.launch(torch.randn(T, D), w13, torch.empty(T * k + T, I), GemvConfig(), M=T * k + T,
+                    rows=policy.ROWS_PAIR, R=T * k + T, gated=True, x_div=k, limit=LIMIT, shared=shared, pairs=T * k,
                     blocks=table)
     for bad in (torch.cat([table, table]), table[:, :-1], table.long()):   # more rows than pairs, columns, dtype
         with pytest.raises(ValueError, match="expert blocks"):
-            gemv.launch(torch.randn(T * k, D), w13, torch.empty(T * k, I), gemv.GemvConfig(), M=T * k,
-                        rows=gemv.ROWS_PAIR, R=T * k, gated=True, x_div=k, limit=LIMIT, pairs=T * k, blocks=bad)
+            gemv_launch.launch(torch.randn(T * k, D), w13, torch.empty(T * k, I), GemvConfig(), M=T * k,
+                        rows=policy.ROWS_PAIR, R=T * k, gated=True, x_div=k, limit=LIMIT, pairs=T * k, blocks=bad)
 
 
 @pytest.mark.parametrize("split,shared_fmt", [(2, "nvfp4"), (3, None), (4, "fp8")])
@@ -534,8 +547,8 @@ def test_down_projection_sums_many_partials(kernel_calls, split, shared_fmt):
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     h = torch.randn(T * k + (T if s2 else 0), I)
     out = torch.empty(T, D)
-    gemv.launch(h, w2, out, gemv.GemvConfig(split=split), M=T, rows=gemv.ROWS_TOKEN, R=T, topk=k, ids=ids,
-                rw=w.reshape(-1), shared=s2, pairs=T * k, scratch=gemm.Scratch())
+    gemv_launch.launch(h, w2, out, GemvConfig(split=split), M=T, rows=policy.ROWS_TOKEN, R=T, topk=k, ids=ids,
+                rw=w.reshape(-1), shared=s2, pairs=T * k, scratch=Scratch())
     parts = kernel_calls[-1]["SPLIT"] * k + (kernel_calls[-1]["SPLIT_S"] if s2 else 0)
     assert parts > 8, parts
     experts = w2.dequantize(torch.float64)[ids.reshape(-1)]                    # [T * k, D, I]
@@ -548,18 +561,18 @@ def test_down_projection_sums_many_partials(kernel_calls, split, shared_fmt):
 def test_pair_runs_in_one_launch_where_the_down_projection_takes_more_than_one_wave(monkeypatch, kernel_calls):
     """`launch_pair(fused=None)`: one launch where the down projection's units exceed the CTAs that fit at once
     (round nine: 2-5 % faster at 4-8 tokens), two launches where both stages are single waves (1 token). In two
-    launches gate/up streams with 3 pipeline stages up to `moe.THREE_STAGE_UP_TOKENS` tokens (`up_alone`), down and
+    launches gate/up streams with 3 pipeline stages up to `policy.THREE_STAGE_UP_TOKENS` tokens (`up_alone`), down and
     the one-launch pair with 2."""
     E, k, D, I = 5, 2, 256, 128
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
-    assert tmoe.THREE_STAGE_UP_TOKENS == 2
+    assert policy.THREE_STAGE_UP_TOKENS == 2
     for sms, T, kernels, stages in ((1024, 1, ["gemv"] * 2, [3, 2]), (1024, 2, ["gemv"] * 2, [3, 2]),
                                     (1024, 3, ["gemv"] * 2, [2, 2]), (4, 1, ["pair"], [2]), (4, 3, ["pair"], [2])):
-        monkeypatch.setattr(gemv, "num_sms", lambda device: sms)
+        monkeypatch.setattr(gemv_launch, "num_sms", lambda device: sms)
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         kernel_calls.clear()
-        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=gemm.Scratch())
+        y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, scratch=Scratch())
         assert [c["kernel"] for c in kernel_calls] == kernels, (sms, T)
         assert [c["num_stages"] for c in kernel_calls] == stages, (sms, T)
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
@@ -572,17 +585,17 @@ def test_large_experts_stream_their_down_projection_in_128_rows_up_to_2_tokens(f
     V4-Flash's (4.7 / 4.5 MB) and 3+ tokens keep the defaults."""
     pro = stored_weight(fmt, 7168, 3072, (2,)).nbytes() / 2
     flash = stored_weight(fmt, 4096, 2048, (2,)).nbytes() / 2
-    assert flash < tmoe.WIDE_DOWN_EXPERT_BYTES <= pro
-    assert tmoe.WIDE_DOWN_TOKENS == 2 and tmoe.WIDE_DOWN.BN == 128
+    assert flash < policy.WIDE_DOWN_EXPERT_BYTES <= pro
+    assert policy.WIDE_DOWN_TOKENS == 2 and policy.WIDE_DOWN.BN == 128
     for overlap in (False, True):
-        default, three = gemv.GemvConfig(pdl=overlap), gemv.GemvConfig(pdl=overlap, num_stages=3)
-        plain_down = gemv.GemvConfig(pdl=False)
-        assert tmoe.DOWN_PDL_TOKENS == 2 and not tmoe.WIDE_DOWN.pdl
+        default, three = GemvConfig(pdl=overlap), GemvConfig(pdl=overlap, num_stages=3)
+        plain_down = GemvConfig(pdl=False)
+        assert policy.DOWN_PDL_TOKENS == 2 and not policy.WIDE_DOWN.pdl
         for T in (1, 2):   # the 64-row down launch under PDL where gate/up streams the shared expert under it
-            assert tmoe.pair_configs(T, pro, overlap) == (three, tmoe.WIDE_DOWN, None, False)
-            assert tmoe.pair_configs(T, flash, overlap) == (default, gemv.GemvConfig(pdl=overlap), three, None)
+            assert policy.pair_configs(T, pro, overlap) == (three, policy.WIDE_DOWN, None, False)
+            assert policy.pair_configs(T, flash, overlap) == (default, GemvConfig(pdl=overlap), three, None)
         for T in (3, 4, 8):
-            assert tmoe.pair_configs(T, pro, overlap) == tmoe.pair_configs(T, flash, overlap) == \
+            assert policy.pair_configs(T, pro, overlap) == policy.pair_configs(T, flash, overlap) == \
                 (default, plain_down, None, None)
 
 
@@ -591,8 +604,8 @@ def test_moe_with_128_row_down_units_matches_reference(monkeypatch, kernel_calls
     """The 128-row down projection through `moe.moe` (the byte threshold lowered to reach it at toy sizes): two
     launches, gate/up 64 rows with 3 stages, down 128 rows (3 units over D = 384), the shared expert in both;
     against the reference at 1-2 tokens, and the defaults again at 3."""
-    monkeypatch.setattr(tmoe, "WIDE_DOWN_EXPERT_BYTES", 0)
-    monkeypatch.setattr(gemv, "num_sms", lambda device: 1024)   # single waves: two launches at 3 tokens too
+    monkeypatch.setattr(policy, "WIDE_DOWN_EXPERT_BYTES", 0)
+    monkeypatch.setattr(gemv_launch, "num_sms", lambda device: 1024)   # single waves: two launches at 3 tokens too
     E, k, D, I = 5, 2, 384, 256
     w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
     shared = (make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)) if shared_fmt else None
@@ -600,7 +613,7 @@ def test_moe_with_128_row_down_units_matches_reference(monkeypatch, kernel_calls
         x = torch.randn(T, D) * 2
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         kernel_calls.clear()
-        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+        y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch())
         assert [c["kernel"] for c in kernel_calls] == ["gemv", "gemv"], T
         assert [c["BN"] for c in kernel_calls] == bns and [c["num_stages"] for c in kernel_calls] == stages, T
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6, T
@@ -613,8 +626,8 @@ def test_pair_refuses_a_two_launch_gate_up_of_another_tile_height():
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     with pytest.raises(ValueError, match="up_alone.BN 128"):
         moe_pair.launch_pair(torch.randn(T, D), w13, torch.empty(T * k, I), w2, torch.empty(T, D),
-                             gemv.GemvConfig(), gemv.GemvConfig(), tokens=T, topk=k, ids=ids, rw=w.reshape(-1),
-                             limit=LIMIT, up_alone=gemv.GemvConfig(BN=128))
+                             GemvConfig(), GemvConfig(), tokens=T, topk=k, ids=ids, rw=w.reshape(-1),
+                             limit=LIMIT, up_alone=GemvConfig(BN=128))
 
 
 def test_one_launch_pair_needs_the_ptx_build_on_a_gpu(monkeypatch):
@@ -626,7 +639,7 @@ def test_one_launch_pair_needs_the_ptx_build_on_a_gpu(monkeypatch):
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     with pytest.raises(ValueError, match="GemvConfig.asm"):
         moe_pair.launch_pair(torch.randn(T, D), w13, torch.empty(T * k, I), w2, torch.empty(T, D),
-                             gemv.GemvConfig(asm=False), gemv.GemvConfig(asm=False), tokens=T, topk=k, ids=ids,
+                             GemvConfig(asm=False), GemvConfig(asm=False), tokens=T, topk=k, ids=ids,
                              rw=w.reshape(-1), limit=LIMIT, fused=True)
 
 
@@ -676,7 +689,7 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
     experts of the same shape. Where all units still fit in one wave (256 SMs here) it gets twice the K
     splits, so each of its units streams as many bytes as a routed one; with more waves (4 SMs) it keeps the
     routed split. An FP4 shared expert always keeps it. Results are the reference's either way."""
-    monkeypatch.setattr(gemv, "num_sms", lambda device: sms)
+    monkeypatch.setattr(gemv_launch, "num_sms", lambda device: sms)
     E, k, D, I, T = 5, 2, 512, 256, 2
     for shared_fmt, ratio in (("fp8", 2 if sms == 256 else 1), ("nvfp4", 1)):
         w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
@@ -684,7 +697,7 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         kernel_calls.clear()
-        y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+        y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch())
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-6
         assert len(stages(kernel_calls)) == 2
         assert [a["kernel"] for a in kernel_calls] == (["pair"] if sms == 4 else ["gemv"] * 2)
@@ -702,19 +715,19 @@ def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_f
     launches and in one (the same bits, the shared units first or last, the down units in either order),
     with forced K splits, and the semaphores and row flags re-arm. An FP8 shared expert gets twice the FP4
     experts' splits even over several waves (4 SMs here)."""
-    monkeypatch.setattr(gemv, "num_sms", lambda device: 4)
+    monkeypatch.setattr(gemv_launch, "num_sms", lambda device: 4)
     E, k, D, I = 6, 2, 512, 256
     w13, w2 = make_weight(fmt, I, D, (E, 2), 0.5), make_weight(fmt, D, I, (E,), 0.1)
     shared = make_weight(shared_fmt, I, D, (2,), 0.5), make_weight(shared_fmt, D, I, (), 0.1)
     x = torch.randn(T, D) * 2
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
     want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
-    assert rel_err(tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch()),
+    assert rel_err(dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch()),
                    want) < 1e-6
     assert kernel_calls and all(a["COLS"] for a in kernel_calls)
     if shared_fmt == "fp8" and fmt != "fp8":
         assert all(a["SPLIT_S"] == 2 * a["SPLIT"] and a["CHUNK_S"] == a["CHUNK"] for a in stages(kernel_calls))
-    scratch, cfg = gemm.Scratch(), gemv.GemvConfig(split=2)
+    scratch, cfg = Scratch(), GemvConfig(split=2)
     runs = []
     for fused, x_ready, order in ((False, False, True), (True, False, True), (True, True, False), (False, True, True)):
         kernel_calls.clear()
@@ -743,12 +756,12 @@ def test_shared_expert_as_token_columns_of_several_row_blocks(kernel_calls, fmt,
     x = torch.randn(T, D, generator=gen) * 2
     w, ids = ref.route(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1.5)
     want = ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
-    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=gemm.Scratch())
+    got = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=shared, scratch=Scratch())
     assert rel_err(got, want) < 1e-6
     assert kernel_calls and all(a["COLS"] and a["BLOCKS"] for a in kernel_calls)
     if T > 12:
         return   # (the launch modes once, at 12 tokens: two row blocks, the second part-filled)
-    scratch, cfg = gemm.Scratch(), gemv.GemvConfig(split=2)
+    scratch, cfg = Scratch(), GemvConfig(split=2)
     table = tmoe.expert_blocks(ids, E)
     runs = []
     for fused, x_ready, blocks in ((False, False, table), (True, True, table), (True, False, None),
@@ -770,18 +783,18 @@ def test_shared_expert_keeps_a_row_block_per_token_below_four_tokens_and_without
     """`shared_cols`: the per-token layout at 1-3 tokens (measured faster there), in dense launches and without
     a shared expert; the token columns from 4 to SHARED_COLS_MAX (16) tokens, 8 per row block."""
     s13 = make_weight("fp8", 128, 256, (2,))
-    assert gemv.SHARED_COLS_MAX == 16
-    for rows, R, pairs, want in ((gemv.ROWS_PAIR, 3 * 3, 3 * 2, False), (gemv.ROWS_PAIR, 4 * 3, 4 * 2, True),
-                                 (gemv.ROWS_TOKEN, 16, 32, True), (gemv.ROWS_TOKEN, 17, 34, False),
-                                 (gemv.ROWS_DENSE, 4, 0, False)):
-        assert gemv.shared_cols(rows, R, pairs, s13) == want, (rows, R)
-        assert not gemv.shared_cols(rows, R, pairs, None)
+    assert policy.SHARED_COLS_MAX == 16
+    for rows, R, pairs, want in ((policy.ROWS_PAIR, 3 * 3, 3 * 2, False), (policy.ROWS_PAIR, 4 * 3, 4 * 2, True),
+                                 (policy.ROWS_TOKEN, 16, 32, True), (policy.ROWS_TOKEN, 17, 34, False),
+                                 (policy.ROWS_DENSE, 4, 0, False)):
+        assert policy.shared_cols(rows, R, pairs, s13) == want, (rows, R)
+        assert not policy.shared_cols(rows, R, pairs, None)
     E, k, D, I, T = 4, 2, 256, 128, 3
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.5), make_weight("nvfp4", D, I, (E,), 0.1)
     x = torch.randn(T, D)
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=(s13, make_weight("fp8", D, I)),
-             scratch=gemm.Scratch())
+    dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, shared=(s13, make_weight("fp8", D, I)),
+             scratch=Scratch())
     assert kernel_calls and not any(a["COLS"] for a in kernel_calls)
 
 
@@ -789,13 +802,16 @@ def test_large_fp4_weights_stream_with_three_stages():
     """`default_config`: 3 pipeline stages for FP4 weights from THREE_STAGE_FP4_BYTES (V4-Pro wq_b / wo_b), with
     units of 128 rows from 9 rows; the plain config for smaller ones and for FP8 (measured: bench/RESULTS.md, runs
     51-53, 70 and 100-101)."""
+    def default_config(w, rows=1):   # the dense GEMV's configuration for this weight
+        return policy.gemv_config(w.fmt, w.nbytes(), rows)
+
     pro_wq_b = stored_weight("nvfp4", 65536, 1536)
-    assert pro_wq_b.nbytes() >= gemv.THREE_STAGE_FP4_BYTES
-    assert gemv.default_config(pro_wq_b) == gemv.default_config(pro_wq_b, 8) == gemv.GemvConfig(num_stages=3)
-    assert gemv.default_config(pro_wq_b, 9) == gemv.default_config(pro_wq_b, 16) == \
-        gemv.GemvConfig(BN=128, maxnreg=0, num_stages=3)   # MMA N = 16: half the x traffic per weight byte
-    assert gemv.default_config(stored_weight("nvfp4", 8192, 4096)) == gemv.GemvConfig()   # V4-Flash wq_b, 19 MB
-    assert gemv.default_config(stored_weight("fp8", 65536, 1536)) == gemv.GemvConfig()
+    assert pro_wq_b.nbytes() >= policy.THREE_STAGE_FP4_BYTES
+    assert default_config(pro_wq_b) == default_config(pro_wq_b, 8) == GemvConfig(num_stages=3)
+    assert default_config(pro_wq_b, 9) == default_config(pro_wq_b, 16) == \
+        GemvConfig(BN=128, maxnreg=0, num_stages=3)   # MMA N = 16: half the x traffic per weight byte
+    assert default_config(stored_weight("nvfp4", 8192, 4096)) == GemvConfig()   # V4-Flash wq_b, 19 MB
+    assert default_config(stored_weight("fp8", 65536, 1536)) == GemvConfig()
 
 
 H200_SLOTS = 132 * 8   # SMs x resident CTAs of the default GEMV
@@ -803,30 +819,30 @@ H200_SLOTS = 132 * 8   # SMs x resident CTAs of the default GEMV
 
 @pytest.mark.parametrize("case,args,want", [
     # V4-Flash gate/up at 1 token: FP4 experts split 4, the FP8 shared expert 8: every unit 8 sub-steps
-    ("flash up T=1", (gemv.ROWS_PAIR, 7, 6, 6, 32, 32, 64), (1024, 8, 4, 8, 8, 8)),
+    ("flash up T=1", (policy.ROWS_PAIR, 7, 6, 6, 32, 32, 64), (1024, 8, 4, 8, 8, 8)),
     # V4-Pro gate/up: split 3 leaves 40-step shared units, balanced 3 / 6 needs two waves: 2 / 4 wins
-    ("pro up T=1", (gemv.ROWS_PAIR, 7, 6, 6, 48, 56, 112), (768, 4, 2, 28, 4, 28)),
-    ("flash down T=1", (gemv.ROWS_TOKEN, 1, 1, 6, 64, 16, 32), (1024, 16, 2, 8, 4, 8)),
-    ("pro down T=1", (gemv.ROWS_TOKEN, 1, 1, 6, 112, 24, 48), (896, 8, 1, 24, 2, 24)),
+    ("pro up T=1", (policy.ROWS_PAIR, 7, 6, 6, 48, 56, 112), (768, 4, 2, 28, 4, 28)),
+    ("flash down T=1", (policy.ROWS_TOKEN, 1, 1, 6, 64, 16, 32), (1024, 16, 2, 8, 4, 8)),
+    ("pro down T=1", (policy.ROWS_TOKEN, 1, 1, 6, 112, 24, 48), (896, 8, 1, 24, 2, 24)),
     # more than one wave: the shared expert keeps the routed split (balancing measured slower there)
-    ("pro down T=4", (gemv.ROWS_TOKEN, 4, 4, 6, 112, 24, 48), (3136, 7, 1, 24, 1, 48)),
-    ("flash up T=8", (gemv.ROWS_PAIR, 56, 48, 6, 32, 32, 64), (1792, 1, 1, 32, 1, 64)),
+    ("pro down T=4", (policy.ROWS_TOKEN, 4, 4, 6, 112, 24, 48), (3136, 7, 1, 24, 1, 48)),
+    ("flash up T=8", (policy.ROWS_PAIR, 56, 48, 6, 32, 32, 64), (1792, 1, 1, 32, 1, 64)),
 ])
 def test_split_plans_at_v4_shapes(case, args, want):
     """(units, partials, split, chunk, split_s, chunk_s) at V4 MoE shapes on an H200's 1056 slots."""
-    assert gemv.plan_splits(*args, H200_SLOTS) == want
+    assert policy.plan_splits(*args, H200_SLOTS) == want
 
 
 def test_split_plans_with_the_shared_expert_as_token_columns():
     """`cols`: one shared row block for all tokens, and an FP8 shared expert always split twice as finely as the
     FP4 experts, so that its units are as long as theirs. V4-Flash gate/up at 8 tokens: 49 row blocks instead
     of 56 per N tile, so the routed split is 2 (3 waves of 16 steps) instead of 1 (2 waves of 32)."""
-    assert gemv.plan_splits(gemv.ROWS_PAIR, 56, 48, 6, 32, 32, 64, H200_SLOTS, cols=True) == (3200, 4, 2, 16, 4, 16)
-    assert gemv.plan_splits(gemv.ROWS_TOKEN, 4, 4, 6, 112, 24, 48, H200_SLOTS, cols=True) == \
+    assert policy.plan_splits(policy.ROWS_PAIR, 56, 48, 6, 32, 32, 64, H200_SLOTS, cols=True) == (3200, 4, 2, 16, 4, 16)
+    assert policy.plan_splits(policy.ROWS_TOKEN, 4, 4, 6, 112, 24, 48, H200_SLOTS, cols=True) == \
         (2912, 8, 1, 24, 2, 24)
     # an FP4 shared expert keeps the routed split; a forced split is taken by both
-    assert gemv.plan_splits(gemv.ROWS_TOKEN, 8, 8, 6, 64, 16, 16, H200_SLOTS, cols=True)[2:5:2] == (1, 1)
-    assert gemv.plan_splits(gemv.ROWS_TOKEN, 8, 8, 6, 64, 16, 32, H200_SLOTS, forced=2, cols=True) == \
+    assert policy.plan_splits(policy.ROWS_TOKEN, 8, 8, 6, 64, 16, 16, H200_SLOTS, cols=True)[2:5:2] == (1, 1)
+    assert policy.plan_splits(policy.ROWS_TOKEN, 8, 8, 6, 64, 16, 32, H200_SLOTS, forced=2, cols=True) == \
         (64 * (48 * 2 + 2), 14, 2, 8, 2, 16)
 
 
@@ -836,21 +852,21 @@ def test_split_plans_over_expert_blocks_count_the_table_rows():
     112 rows' units fewer, the split (1) the same; with twice the sub-steps gate/up would split in 2."""
     rows = tmoe.block_rows(384, 256)
     assert rows == 272
-    assert gemv.plan_splits(gemv.ROWS_PAIR, 384, 384, 1, 32, 32, 0, H200_SLOTS) == (384 * 32, 1, 1, 32, 1, 2)
-    assert gemv.plan_splits(gemv.ROWS_PAIR, 384, 384, 1, 32, 32, 0, H200_SLOTS, blocks=rows) == \
+    assert policy.plan_splits(policy.ROWS_PAIR, 384, 384, 1, 32, 32, 0, H200_SLOTS) == (384 * 32, 1, 1, 32, 1, 2)
+    assert policy.plan_splits(policy.ROWS_PAIR, 384, 384, 1, 32, 32, 0, H200_SLOTS, blocks=rows) == \
         (rows * 32, 1, 1, 32, 1, 2)
-    assert gemv.plan_splits(gemv.ROWS_TOKEN, 64, 64, 6, 64, 16, 0, H200_SLOTS) == (384 * 64, 6, 1, 16, 1, 2)
-    assert gemv.plan_splits(gemv.ROWS_TOKEN, 64, 64, 6, 64, 16, 0, H200_SLOTS, blocks=rows) == \
+    assert policy.plan_splits(policy.ROWS_TOKEN, 64, 64, 6, 64, 16, 0, H200_SLOTS) == (384 * 64, 6, 1, 16, 1, 2)
+    assert policy.plan_splits(policy.ROWS_TOKEN, 64, 64, 6, 64, 16, 0, H200_SLOTS, blocks=rows) == \
         (rows * 64, 6, 1, 16, 1, 2)
-    assert gemv.plan_splits(gemv.ROWS_PAIR, 384, 384, 1, 32, 64, 0, H200_SLOTS, blocks=rows)[:3] == (rows * 64, 2, 2)
+    assert policy.plan_splits(policy.ROWS_PAIR, 384, 384, 1, 32, 64, 0, H200_SLOTS, blocks=rows)[:3] == (rows * 64, 2, 2)
 
 
 def test_split_plans_without_a_shared_expert_or_with_a_forced_split():
-    assert gemv.plan_splits(gemv.ROWS_DENSE, 1, 1, 1, 1024, 12, 0, H200_SLOTS)[:4] == (1024, 1, 1, 12)
-    assert gemv.plan_splits(gemv.ROWS_DENSE, 1, 1, 1, 64, 32, 0, H200_SLOTS)[2] == \
-        gemv.choose_split(64, 32, H200_SLOTS)
+    assert policy.plan_splits(policy.ROWS_DENSE, 1, 1, 1, 1024, 12, 0, H200_SLOTS)[:4] == (1024, 1, 1, 12)
+    assert policy.plan_splits(policy.ROWS_DENSE, 1, 1, 1, 64, 32, 0, H200_SLOTS)[2] == \
+        policy.choose_split(64, 32, H200_SLOTS)
     # forced: the shared expert takes the same split, nothing is balanced
-    assert gemv.plan_splits(gemv.ROWS_PAIR, 7, 6, 6, 32, 32, 64, H200_SLOTS, forced=2) == (448, 2, 2, 16, 2, 32)
+    assert policy.plan_splits(policy.ROWS_PAIR, 7, 6, 6, 32, 32, 64, H200_SLOTS, forced=2) == (448, 2, 2, 16, 2, 32)
 
 
 def test_moe_with_an_unfit_shared_expert_adds_the_mlp(launches):
@@ -995,7 +1011,7 @@ def test_raw_fp4_decoder_asm_is_the_decoder_without_its_multiply(coded):
 
 @pytest.mark.parametrize("coded", [False, True])
 def test_tile_fp4_decoder_asm_splits_low_and_high_nibbles(coded):
-    """The PTX of round one's `tiles._fp4_tile` (`FP4_HALVES_PTX` / `FP4_CODED_HALVES_PTX`), run the same way:
+    """The PTX of the fused tiles' `tiles._fp4_tile` (`FP4_HALVES_PTX` / `FP4_CODED_HALVES_PTX`), run the same way:
     outputs 0 / 1 hold the low nibbles of bytes (0, 1) / (2, 3), outputs 2 / 3 their high nibbles; each output
     pair takes its own multiplier operand."""
     asm = (tiles.FP4_CODED_HALVES_PTX if coded else tiles.FP4_HALVES_PTX).value
@@ -1020,7 +1036,7 @@ def test_large_shared_expert_runs_beside_the_pair_from_four_tokens(monkeypatch, 
     E, k, D, I = 4, 2, 128, 128
     w13, w2 = make_weight("nvfp4", I, D, (E, 2), 0.1), make_weight("nvfp4", D, I, (E,), 0.1)
     shared = make_weight("fp8", I, D, (2,), 0.1), make_weight("fp8", D, I, (), 0.1)
-    monkeypatch.setattr(tmoe, "SIDE_SHARED_BYTES", sum(w.nbytes() for w in shared))
+    monkeypatch.setattr(policy, "SIDE_SHARED_BYTES", sum(w.nbytes() for w in shared))
     ops = Ops.triton(strict=True)
     for T, beside in ((3, False), (4, True)):
         kernel_calls.clear()
@@ -1028,8 +1044,8 @@ def test_large_shared_expert_runs_beside_the_pair_from_four_tokens(monkeypatch, 
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         y = ops.moe(x, ids, w, w13, w2, LIMIT, shared=shared)
         assert rel_err(y, ref.moe(x, ids, w, w13, w2, LIMIT, shared=shared)) < 1e-5
-        moe_rows = [c for c in kernel_calls if c["ROWS"] != gemv.ROWS_DENSE]
-        dense = [c for c in kernel_calls if c["ROWS"] == gemv.ROWS_DENSE]
+        moe_rows = [c for c in kernel_calls if c["ROWS"] != policy.ROWS_DENSE]
+        dense = [c for c in kernel_calls if c["ROWS"] == policy.ROWS_DENSE]
         assert moe_rows and all(c["SHARED"] == (not beside) for c in moe_rows)   # the pair: one launch or two
         assert len(dense) == (2 if beside else 0)
 
@@ -1042,7 +1058,7 @@ def test_side_rule_keeps_small_shared_experts_in_the_pair_and_takes_every_one_it
         half = QWeight("fp8", torch.empty(128, cols, dtype=torch.float8_e4m3fn),
                        torch.ones(1, -(-cols // 128)))
         return half, half
-    pro, flash = shared(66_000_000), shared(25_100_000)
-    assert [tmoe.beside_pair(t, pro, True) for t in (1, 3, 4, 16)] == [False, False, True, True]
-    assert [tmoe.beside_pair(t, flash, True) for t in (1, 4, 16)] == [False] * 3
-    assert tmoe.beside_pair(1, flash, False) and tmoe.beside_pair(32, flash, False)
+    pro, flash = (sum(w.nbytes() for w in shared(n)) for n in (66_000_000, 25_100_000))
+    assert [policy.beside_pair(t, pro, True) for t in (1, 3, 4, 16)] == [False, False, True, True]
+    assert [policy.beside_pair(t, flash, True) for t in (1, 4, 16)] == [False] * 3
+    assert policy.beside_pair(1, flash, False) and policy.beside_pair(32, flash, False)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dsv4.formats import QWeight, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
-from dsv4.kernels import Ops, ops_for, ref
-from dsv4.kernels import gemm
-from dsv4.kernels import moe as tmoe
+from dsv4.kernels import Ops, dispatch, gemm, ops_for, policy, ref
+from dsv4.kernels.host import Scratch, num_sms
+from dsv4.kernels.policy import TileConfig
 from kernel_util import refuse, rel_err, stacked_weight, strict_ops
 
 
@@ -72,16 +72,16 @@ def test_fused_tiles_decode_fp4_exactly_in_both_k_orders(fmt):
     w = make_weight(fmt, 40, 64)
     want = w.dequantize(torch.float32).T
     for bm in (16, 64, 128):
-        y = gemm.linear(torch.eye(64), w, config=gemm.Config(bm, 32, 64), fallback=refuse)
+        y = dispatch.linear(torch.eye(64), w, config=TileConfig(bm, 32, 64), fallback=refuse)
         assert torch.equal(y, want), bm
     x = torch.randn(3, 64)
     r = ref.linear(x, w)
     w13, w2 = stacked_weight(fmt, 32, 64, (2,), 0.5), stacked_weight(fmt, 64, 32, (), 0.1)
     want_mlp = ref.mlp(x, w13, w2, 3.0)
     for bm in (32, 128):
-        cfg = gemm.Config(bm, 16, 32, split_k=2)
-        assert rel_err(gemm.linear(x, w, config=cfg, fallback=refuse), r) < 1e-6
-        y = tmoe.mlp(x, w13, w2, 3.0, fallback=refuse, linear=ops_for("cpu", "triton").linear, config=cfg)
+        cfg = TileConfig(bm, 16, 32, split_k=2)
+        assert rel_err(dispatch.linear(x, w, config=cfg, fallback=refuse), r) < 1e-6
+        y = dispatch.mlp(x, w13, w2, 3.0, fallback=refuse, linear=ops_for("cpu", "triton").linear, config=cfg)
         assert rel_err(y, want_mlp) < 1e-6, bm
 
 
@@ -90,16 +90,16 @@ def test_split_k_and_prefill_tiles(fmt):
     w = make_weight(fmt, 40, 256)
     x = torch.randn(3, 256)
     r = ref.linear(x, w)
-    split = gemm.Config(16, 16, 64, split_k=3)
-    scratch = gemm.Scratch()
+    split = TileConfig(16, 16, 64, split_k=3)
+    scratch = Scratch()
     for _ in range(2):  # the second call checks that the semaphores re-armed themselves
-        y = gemm.linear(x, w, config=split, fallback=refuse, scratch=scratch)
+        y = dispatch.linear(x, w, config=split, fallback=refuse, scratch=scratch)
         assert rel_err(y, r) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
     xp = torch.randn(70, 256)  # M > 64: the prefill tiles, two row blocks, grouped program order
-    prefill = gemm.pick_config(70, 40, 256, w.fmt, xp.device)
+    prefill = policy.tile_config(70, 40, 256, w.fmt, num_sms(xp.device))
     assert prefill.BM == 64 and prefill.group_m == 8
-    assert rel_err(gemm.linear(xp, w, config=prefill, fallback=refuse), ref.linear(xp, w)) < 1e-6
+    assert rel_err(dispatch.linear(xp, w, config=prefill, fallback=refuse), ref.linear(xp, w)) < 1e-6
 
 
 # (model linear, fmt, M, N, K) -> the tiles bench/lab/profile_tiles.py measured fastest or within 3 % of it on an H200
@@ -117,7 +117,7 @@ MEASURED_TILES = [
 
 @pytest.mark.parametrize("name,fmt,m,n,k,tiles", MEASURED_TILES)
 def test_dense_tiles_keep_the_measured_winners(name, fmt, m, n, k, tiles):
-    cfg = gemm.dense_tiles(m, n, k, fmt, 132)
+    cfg = policy.dense_tiles(m, n, k, fmt, 132)
     assert (cfg.BM, cfg.BN, cfg.split_k) == tiles, name
 
 
@@ -127,25 +127,26 @@ def test_dense_tiles_one_wave_of_long_enough_programs(fmt):
     without a split the K loop is whole. Over the benchmark linears' sizes and every row count up to MID_ROWS."""
     seen_split = seen_plain = 0
     for n, k in ((2048, 4096), (4096, 2048), (32768, 1024), (7168, 16384), (3072, 7168), (8192, 1536), (40, 256)):
-        for m in range(1, gemm.MID_ROWS + 1, 7):
-            cfg = gemm.dense_tiles(m, n, k, fmt, 132)   # an H200's SMs
+        for m in range(1, policy.MID_ROWS + 1, 7):
+            cfg = policy.dense_tiles(m, n, k, fmt, 132)   # an H200's SMs
             chunks = -(-k // cfg.BK)
             programs = -(-m // cfg.BM) * -(-n // cfg.BN) * cfg.split_k
             assert cfg.BM >= min(m, 64) and (cfg.BN in (64, 128) or cfg.BN >= n)
             if cfg.split_k > 1:
                 seen_split += 1
-                assert chunks // cfg.split_k >= gemm.MID_MIN_STEPS and programs <= gemm.MID_CTAS_PER_SM * 132
+                assert chunks // cfg.split_k >= policy.MID_MIN_STEPS and programs <= policy.MID_CTAS_PER_SM * 132
             else:
                 seen_plain += 1
     assert seen_split and seen_plain
 
 
 def test_fused_beats_cublas_only_for_large_weights_and_mid_rows():
-    assert gemm.fused_beats_cublas("nvfp4", 56.6e6, 256) and gemm.fused_beats_cublas("mxfp4", 18.9e6, 65)
-    assert not gemm.fused_beats_cublas("nvfp4", 4.7e6, 128)          # small: dequantize + cuBLAS
-    assert not gemm.fused_beats_cublas("nvfp4", 56.6e6, gemm.MID_ROWS + 1)   # prefill
-    assert gemm.fused_beats_cublas("fp8", 117e6, 256) and not gemm.fused_beats_cublas("fp8", 117e6, gemm.MID_ROWS + 1)
-    assert not gemm.fused_beats_cublas("fp8", 22e6, 100) and not gemm.fused_beats_cublas("dense", 1e9, 100)
+    assert policy.fused_beats_cublas("nvfp4", 56.6e6, 256) and policy.fused_beats_cublas("mxfp4", 18.9e6, 65)
+    assert not policy.fused_beats_cublas("nvfp4", 4.7e6, 128)          # small: dequantize + cuBLAS
+    assert not policy.fused_beats_cublas("nvfp4", 56.6e6, policy.MID_ROWS + 1)   # prefill
+    assert policy.fused_beats_cublas("fp8", 117e6, 256) and \
+        not policy.fused_beats_cublas("fp8", 117e6, policy.MID_ROWS + 1)
+    assert not policy.fused_beats_cublas("fp8", 22e6, 100) and not policy.fused_beats_cublas("dense", 1e9, 100)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
@@ -153,16 +154,16 @@ def test_fused_beats_cublas_only_for_large_weights_and_mid_rows():
 def test_dense_tiles_with_split_k_match_the_reference(fmt, m):
     w = make_weight(fmt, 40, 2048)   # 16 K steps of 128 / 32 of 64: dense_tiles splits K on the interpreter's 4 SMs
     x = torch.randn(m, 2048)
-    cfg = gemm.pick_config(m, 40, 2048, fmt, x.device)
+    cfg = policy.tile_config(m, 40, 2048, fmt, num_sms(x.device))
     assert cfg.split_k > 1
-    assert rel_err(gemm.linear(x, w, fallback=refuse, scratch=gemm.Scratch()), ref.linear(x, w)) < 1e-6
+    assert rel_err(dispatch.linear(x, w, fallback=refuse, scratch=Scratch()), ref.linear(x, w)) < 1e-6
 
 
 def test_every_output_is_written(ops):
     w = make_weight("nvfp4", 50, 64)
     x = torch.randn(5, 64)
     out = torch.full((5, 50), float("nan"))
-    gemm.linear(x, w, out=out, fallback=refuse)
+    dispatch.linear(x, w, out=out, fallback=refuse)
     assert torch.isfinite(out).all() and rel_err(out, ref.linear(x, w)) < 1e-6
 
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from dsv4.formats import QWeight
-from dsv4.kernels import gemm, ops_for, ref
+from dsv4.kernels import dispatch, gemm, ops_for, policy, ref
 from dsv4.kernels import moe as tmoe
+from dsv4.kernels.host import Scratch
+from dsv4.kernels.policy import TileConfig
 from kernel_util import refuse, rel_err, stacked_weight, strict_ops
 
 
@@ -94,7 +96,7 @@ def test_align_groups_pairs_by_expert():
 
 
 @pytest.mark.parametrize("fmt13,fmt2", [("nvfp4", "nvfp4"), ("mxfp4", "mxfp4"), ("fp8", "fp8")])
-@pytest.mark.parametrize("T", [3, 11])  # 3: decode path (pairs, fused top-k sum); 11: sorted grouped path
+@pytest.mark.parametrize("T", [3, 11])  # 3: decode path (pairs); 11: sorted grouped path
 def test_moe_matches_reference(ops, fmt13, fmt2, T):
     E, k, D, I = 6, 3, 64, 32 if fmt13 != "fp8" else 48
     w13 = stacked(fmt13, (E, 2), I, D)
@@ -148,8 +150,8 @@ def test_shared_expert_mlp(ops, fmt):
         assert rel_err(ops.mlp(x, w13, w2, LIMIT), ref.mlp(x, w13, w2, LIMIT)) < 1e-6
 
 
-def test_moe_round_one_decode_path():
-    """K = 64 does not suit the GEMV (K a multiple of 128), so decode runs round one's tiles: gate/up over the
+def test_moe_decode_tiles_path():
+    """K = 64 does not suit the GEMV (K a multiple of 128), so decode runs the decode tiles: gate/up over the
     pairs, the routed down projection over the pairs, then the row sum."""
     E, k, D, I, T = 5, 3, 64, 32, 4
     w13 = stacked("mxfp4", (E, 2), I, D)
@@ -157,8 +159,8 @@ def test_moe_round_one_decode_path():
     x = torch.randn(T, D)
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 2.5)
     r = ref.moe(x, ids, w, w13, w2, LIMIT)
-    assert rel_err(tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse), r) < 1e-6
-    assert rel_err(tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode="round1"), r) < 1e-6
+    assert rel_err(dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse), r) < 1e-6
+    assert rel_err(dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode="tiles"), r) < 1e-6
 
 
 def test_split_k_in_every_row_mode():
@@ -168,109 +170,38 @@ def test_split_k_in_every_row_mode():
     E, k, D, I = 5, 2, 128, 64
     w13 = stacked("nvfp4", (E, 2), I, D)
     w2 = stacked("mxfp4", (E,), D, I)
-    scratch = gemm.Scratch()
-    split = {"up": gemm.Config(16, 32, 32, split_k=3), "down": gemm.Config(16, 32, 32, split_k=2)}
+    scratch = Scratch()
+    split = (TileConfig(16, 32, 32, split_k=3), TileConfig(16, 32, 32, split_k=2))   # (up, down)
     for T in (3, 11):  # pair rows (decode) and sorted rows
         x = torch.randn(T, D)
         w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
         r = ref.moe(x, ids, w, w13, w2, LIMIT)
         for _ in range(2):
-            y = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, configs=split, scratch=scratch)
+            y = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, tiles=split, scratch=scratch)
             assert rel_err(y, r) < 1e-6
     s13, s2 = stacked("fp8", (2,), 256, D), stacked("fp8", (), D, 256)
     x = torch.randn(2, D)
-    y = tmoe.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear,
-                 config=gemm.Config(16, 32, 32, split_k=4), scratch=scratch)
+    y = dispatch.mlp(x, s13, s2, LIMIT, fallback=refuse, linear=ops_for("cpu", "triton").linear,
+                 config=TileConfig(16, 32, 32, split_k=4), scratch=scratch)
     assert rel_err(y, ref.mlp(x, s13, s2, LIMIT)) < 1e-6
     assert int(scratch.counters(x.device, 1).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("T,fmt13,fmt2,split", [(3, "nvfp4", "mxfp4", False), (21, "mxfp4", "nvfp4", False),
-                                                (11, "nvfp4", "fp8", True), (3, "fp8", "nvfp4", True)],
-                         ids=["decode-pairs", "sorted", "sorted-split-k", "decode-split-k"])
-def test_fused_topk_sum_gives_the_sum_kernels_bits(T, fmt13, fmt2, split):
-    """`moe(fused_sum=True)`: the routed down GEMM adds each token's k rows itself (the last program to write one
-    of them, for each N tile) - the same bits as the separate sum kernel, with split-K too (only the last split's
-    program counts its rows), and the semaphores re-armed (the same Scratch three times, one of them plain).
-    K = 64 keeps decode on round one's tiles (the GEMV pair takes K a multiple of 128)."""
-
-    E, k, D, I = 6, 3, 64, 96
-    w13 = stacked(fmt13, (E, 2), I, D)
-    w2 = stacked(fmt2, (E,), D, I)
-    x = torch.randn(T, D)
-    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    configs = {"up": gemm.Config(16, 32, 32, split_k=2), "down": gemm.Config(16, 32, 32, split_k=3)} if split else None
-    scratch = gemm.Scratch()
-    plain = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, configs=configs, scratch=scratch)
-    assert rel_err(plain, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
-    for _ in range(2):
-        fused = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, configs=configs, scratch=scratch,
-                         fused_sum=True)
-        assert torch.equal(fused, plain)
-    assert int(scratch.counters(x.device, 1).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("mode", ["pairs", "sorted", "sorted-split-k"])
-def test_fused_topk_sum_waits_for_every_row(mode):
-    """The down launch alone, its fp32 rows and sum rows poisoned with NaN beforehand: a token's sum row must be
-    added only after all its k rows are written (by whichever program writes the last), so any early read would
-    carry a NaN. The rows and sums must equal the unfused launch's, summed by `gemm.sum_rows`. (The interpreter
-    runs programs one after another; that the last arrival sees the other programs' rows on a GPU - release /
-    acquire on the semaphore, as split-K's - is bench/run_all.py's check.)"""
-
-    E, k, D, I, T = 6, 3, 64, 96, 9
-    w2 = stacked("nvfp4", (E,), D, I)
-    h = torch.randn(T * k, I)
-    wts, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    P, rw = T * k, wts.reshape(-1)
-    if mode == "pairs":
-        cfg = gemm.Config(16, 32, 32, group_m=P)
-        rows = dict(rows=gemm.ROWS_PAIR, num_m=P, ids=ids)
-    else:
-        cfg = gemm.Config(16, 32, 32, split_k=3 if mode == "sorted-split-k" else 1)
-        rows_idx, blk_e, nblk, nb_max = tmoe.align(ids, E, cfg.BM)
-        cfg = gemm.Config(16, 32, 32, split_k=cfg.split_k, group_m=nb_max)
-        rows = dict(rows=gemm.ROWS_SORTED, num_m=nb_max, ids=blk_e, rows_idx=rows_idx, nblk=nblk)
-    scratch = gemm.Scratch()
-    y, want = torch.empty(P, D), torch.empty(T, D)
-    gemm.launch(h, w2, y, cfg, M=P, epi=gemm.EPI_ROUTED, rw=rw, scratch=scratch, **rows)
-    gemm.sum_rows(y, want, T, D, k, y.stride(0), k * y.stride(0))
-    y_fused, got = torch.full((P, D), float("nan")), torch.full((T, D), float("nan"))
-    gemm.launch(h, w2, y_fused, cfg, M=P, epi=gemm.EPI_ROUTED, rw=rw, scratch=scratch, sum_out=got, topk=k, **rows)
-    assert torch.equal(y_fused, y) and torch.equal(got, want)
-    assert int(scratch.counters(h.device, 1).abs().sum()) == 0
-
-
-def test_fused_topk_sum_refuses_what_it_cannot_sum():
-    """`gemm.launch(sum_out=...)` sums routed rows only, tokens x topk of them: anything else is an error that
-    says what it got."""
-
-    w2 = stacked("nvfp4", (4,), 64, 64)
-    h, y = torch.randn(6, 64), torch.empty(6, 64)
-    ids, rw = torch.zeros(6, dtype=torch.int64), torch.ones(6)
-    cfg = gemm.Config(16, 32, 32)
-    with pytest.raises(ValueError, match="topk 4"):   # 6 rows are not tokens x 4
-        gemm.launch(h, w2, y, cfg, M=6, rows=gemm.ROWS_PAIR, epi=gemm.EPI_ROUTED, num_m=6, ids=ids, rw=rw,
-                    sum_out=torch.empty(1, 64), topk=4)
-    with pytest.raises(ValueError, match="epi 0"):
-        gemm.launch(h, w2, y, cfg, M=6, rows=gemm.ROWS_PAIR, num_m=6, ids=ids, sum_out=torch.empty(2, 64), topk=3)
 
 
 def test_sorted_path_caps_the_fp4_gate_up_registers_at_16_rows(monkeypatch):
     """`sorted_configs`: FP4 gate/up tiles of 16 rows carry SORTED_UP_MAXNREG_FP4 (4 CTAs per SM instead of 2 on
     an H200), FP8 gate/up, 32-row tiles and the down tiles none; `gemm.launch` hands the cap to the compiler on a
     GPU (not to the interpreter, which has no registers) and the path still matches the reference."""
-    cap = tmoe.SORTED_UP_MAXNREG_FP4
+    cap = policy.SORTED_UP_MAXNREG_FP4
     E, k, D, I = 8, 2, 256, 128
     for fmt, pairs, want in (("nvfp4", 12 * E, cap), ("mxfp4", 16 * E, cap), ("fp8", 12 * E, 0),
                              ("nvfp4", 17 * E, 0)):
-        up, down = tmoe.sorted_configs(pairs, E, I, D, D, fmt, fmt)
+        up, down = policy.sorted_configs(pairs, E, I, D, D, fmt, fmt)
         assert (up.BM, up.maxnreg, down.maxnreg) == (16 if pairs <= 16 * E else 32, want, 0), (fmt, pairs)
     w13, w2 = stacked("nvfp4", (E, 2), I, D), stacked("mxfp4", (E,), D, I)
     T = 40
     x = torch.randn(T, D)
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 2.5)
-    got = tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
+    got = dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
     assert rel_err(got, ref.moe(x, ids, w, w13, w2, LIMIT)) < 1e-6
 
     launched = []
@@ -281,7 +212,5 @@ def test_sorted_path_caps_the_fp4_gate_up_registers_at_16_rows(monkeypatch):
 
     monkeypatch.setattr(gemm, "_qgemm_kernel", Recording())
     monkeypatch.setattr(gemm, "interpreting", lambda: False)   # as on a GPU; these tensors stay on the CPU
-    monkeypatch.setattr(gemm, "supported", lambda x, w: True)
-    monkeypatch.setattr(gemm, "weight_supported", lambda w, device: True)
-    tmoe.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
+    dispatch.moe(x, ids, w, w13, w2, LIMIT, fallback=refuse, decode_tokens=0, block_tokens=None)
     assert [kw.get("maxnreg") for kw in launched] == [cap, None]   # gate/up, then down

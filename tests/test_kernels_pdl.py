@@ -14,7 +14,8 @@ bench/run_all.py.
 import pytest
 import torch
 
-from dsv4.kernels import gemv
+from dsv4.kernels import gemv_launch
+from dsv4.kernels.policy import GemvConfig
 from kernel_util import compile_in_subprocess
 
 # compiles the kernel (NVFP4 routed weights, 2 warps, MMA N = 8; an FP8 shared expert where asked) through
@@ -173,15 +174,15 @@ def test_the_pair_in_one_launch_waits_like_its_two_launches(ptx):
 @pytest.mark.parametrize("bad", [3, 6, -1])
 def test_pdl_prefetch_must_be_a_power_of_two(bad):
     with pytest.raises(ValueError, match="pdl_l2"):
-        gemv.GemvConfig(pdl_l2=bad)
-    assert gemv.GemvConfig(pdl_l2=0).pdl_l2 == 0 and gemv.GemvConfig(pdl_l2=8).pdl_l2 == 8
+        GemvConfig(pdl_l2=bad)
+    assert GemvConfig(pdl_l2=0).pdl_l2 == 0 and GemvConfig(pdl_l2=8).pdl_l2 == 8
 
 
 def test_pdl_is_off_where_it_cannot_run():
-    cfg = gemv.GemvConfig()
+    cfg = GemvConfig()
     assert cfg.pdl, "PDL is the default"
-    assert not gemv.pdl_enabled(cfg, torch.device("cpu"))
-    assert not gemv.pdl_enabled(gemv.GemvConfig(pdl=False), torch.device("cpu"))
+    assert not gemv_launch.pdl_enabled(cfg, torch.device("cpu"))
+    assert not gemv_launch.pdl_enabled(GemvConfig(pdl=False), torch.device("cpu"))
 
 
 def test_route_kernel_triggers_its_dependents_first(ptx):

@@ -213,3 +213,41 @@ def test_no_mutable_module_globals(path):
 ])
 def test_mutable_global_checker_catches_what_it_should(source, bad):
     assert bool(mutable_globals(source)) == bad
+
+
+# ---- sizes ------------------------------------------------------------------------------------------------
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_PARAMETERS = 700, 100, 24
+# What is over a limit today, by "path" or "path:function": the list may only shrink (each entry must still be over).
+OVER_LIMITS = frozenset()
+
+
+def oversized(source: str, where: str) -> list[str]:
+    """`where` (a module), and `where:function` for each function, that exceed a size limit."""
+    found = [where] if len(source.splitlines()) > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            params = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + \
+                (a.kwarg is not None)
+            if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES or params > MAX_PARAMETERS:
+                found.append(f"{where}:{node.name}")
+    return found
+
+
+def test_modules_functions_and_signatures_stay_small():
+    found = {o for path in MODULES for o in oversized(path.read_text(), str(path.relative_to(PKG.parent)))}
+    assert found <= OVER_LIMITS, (f"over {MAX_MODULE_LINES} lines per module, {MAX_FUNCTION_LINES} per function or "
+                                  f"{MAX_PARAMETERS} parameters: {sorted(found - OVER_LIMITS)}")
+    assert OVER_LIMITS <= found, f"no longer over a limit, so off the list: {sorted(OVER_LIMITS - found)}"
+
+
+@pytest.mark.parametrize("source,bad", [
+    ("def f(" + ", ".join(f"a{i}" for i in range(24)) + "):\n    pass", False),
+    ("def f(" + ", ".join(f"a{i}" for i in range(24)) + ", *, b=1):\n    pass", True),
+    ("def f():\n" + "    x = 1\n" * 99, False),
+    ("def f():\n" + "    x = 1\n" * 100, True),
+    ("x = 1\n" * 701, True),
+])
+def test_size_checker_catches_what_it_should(source, bad):
+    assert bool(oversized(source, "m")) == bad

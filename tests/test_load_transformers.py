@@ -18,6 +18,7 @@ import dsv4
 from dsv4.checkpoint.audit import audit
 from dsv4.checkpoint.writer import FORMATS, NAMINGS
 from dsv4.config import ModelConfig
+from dsv4.kernels import Ops
 from oracle import hf_logits, oracle_model, rel_err
 
 pytest.importorskip("transformers")
@@ -134,7 +135,7 @@ def test_w4a4_option_applies_to_every_nvfp4_layer_and_only_those(tiny, ids):
     from dsv4.model import QLinear
 
     exact = dsv4.load(tiny("nvfp4"))
-    emulated = dsv4.load(tiny("nvfp4"), w4a4=True)
+    emulated = dsv4.load(tiny("nvfp4"), ops=Ops.reference(w4a4=True))
     layers = {n: m for n, m in emulated.named_modules() if isinstance(m, QLinear)}
     assert {n for n, m in layers.items() if m.w4a4} == {n for n, m in layers.items() if m.format.fmt == "nvfp4"}
     assert not any(m.w4a4 for m in exact.modules() if isinstance(m, QLinear))

@@ -8,9 +8,9 @@ from dsv4.checkpoint.loader import load
 from dsv4.checkpoint.tiny import make_tiny
 from dsv4.config import ModelConfig
 from dsv4.formats import TILE_BYTES, TILE_ROWS, QWeight, scale_chunk, tile_bytes, tile_bytes_, untile_bytes
-from dsv4.kernels import gemm, gemv, ref
-from dsv4.kernels import moe as tmoe
-from dsv4.kernels import w4a4
+from dsv4.kernels import dispatch, gemm, ops_for, policy, ref, w4a4
+from dsv4.kernels.host import Scratch
+from dsv4.kernels.policy import GemvConfig, TileConfig
 from dsv4.model.linear import QLinear
 from kernel_util import refuse, stacked_weight
 
@@ -87,27 +87,28 @@ def test_gemv_reads_tiled_weights(fmt, m):
     """K = 384: an odd number of FP4 sub-steps (the last step re-read); N = 192: three tiles."""
     w, t = both(fmt, 192, 384)
     x = torch.randn(m, 384)
-    for cfg in (gemv.GemvConfig(), gemv.GemvConfig(split=3), gemv.GemvConfig(BN=128, num_warps=4),
-                gemv.LARGE_FP4_16_ROWS, gemv.GemvConfig(prefetch=3)):
-        y = gemm.linear(x, w, config=cfg, fallback=refuse, scratch=gemm.Scratch())
-        assert torch.equal(gemm.linear(x, t, config=cfg, fallback=refuse, scratch=gemm.Scratch()), y)
+    for cfg in (GemvConfig(), GemvConfig(split=3), GemvConfig(BN=128, num_warps=4),
+                policy.LARGE_FP4_16_ROWS, GemvConfig(prefetch=3)):
+        y = dispatch.linear(x, w, config=cfg, fallback=refuse, scratch=Scratch())
+        assert torch.equal(dispatch.linear(x, t, config=cfg, fallback=refuse, scratch=Scratch()), y)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8", "fp8-f32"])
 def test_fused_tiles_and_dequantize_read_tiled_weights(fmt):
     w, t = both(fmt, 128, 512)
-    for m, cfg in [(3, gemm.Config(16, 32, 128)), (3, gemm.Config(16, 64, 256, split_k=2)),
-                   (70, gemm.Config(64, 64, 128))]:
+    for m, cfg in [(3, TileConfig(16, 32, 128)), (3, TileConfig(16, 64, 256, split_k=2)),
+                   (70, TileConfig(64, 64, 128))]:
         x = torch.randn(m, 512)
-        y = gemm.linear(x, w, config=cfg, fallback=refuse, scratch=gemm.Scratch())
-        assert torch.equal(gemm.linear(x, t, config=cfg, fallback=refuse, scratch=gemm.Scratch()), y)
+        y = dispatch.linear(x, w, config=cfg, fallback=refuse, scratch=Scratch())
+        assert torch.equal(dispatch.linear(x, t, config=cfg, fallback=refuse, scratch=Scratch()), y)
     assert torch.equal(gemm.dequantize(t, torch.float32), w.dequantize())
 
 
 def test_grouped_linear_reads_tiled_weights():
     w, t = both("nvfp4", 4 * 64, 128)
     x = torch.randn(3, 4, 128)
-    assert torch.equal(gemm.grouped_linear(x, t, 4, fallback=refuse), gemm.grouped_linear(x, w, 4, fallback=refuse))
+    assert torch.equal(dispatch.grouped_linear(x, t, 4, fallback=refuse),
+                       dispatch.grouped_linear(x, w, 4, fallback=refuse))
 
 
 def test_w4a4_reads_tiled_weights():
@@ -119,16 +120,16 @@ def test_w4a4_reads_tiled_weights():
     assert torch.equal(ref.linear_w4a4(x, w.tile()), ref.linear_w4a4(x, w))
 
 
-@pytest.mark.parametrize("T,kw", [(3, {}), (3, dict(decode="round1")), (11, {})],
-                         ids=["gemv-pair", "round1", "sorted"])
+@pytest.mark.parametrize("T,kw", [(3, {}), (3, dict(decode="tiles")), (11, {})],
+                         ids=["gemv-pair", "tiles", "sorted"])
 def test_moe_reads_tiled_experts(T, kw):
     E, k, D, I = 5, 2, 128, 128
     (w13, t13), (w2, t2) = both("nvfp4", I, D, (E, 2), 0.5), both("mxfp4", D, I, (E,), 0.1)
     (s13, st13), (s2, st2) = both("fp8", I, D, (2,), 0.5), both("nvfp4", D, I, (), 0.1)
     x = torch.randn(T, D)
     w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
-    run = lambda a, b, sh: tmoe.moe(x, ids, w, a, b, LIMIT, fallback=refuse, shared=sh,  # noqa: E731
-                                    scratch=gemm.Scratch(), **kw)
+    run = lambda a, b, sh: dispatch.moe(x, ids, w, a, b, LIMIT, fallback=refuse, shared=sh,  # noqa: E731
+                                        scratch=Scratch(), **kw)
     y = run(w13, w2, (s13, s2))
     assert torch.equal(run(t13, t2, (st13, st2)), y)
     assert torch.equal(run(t13, t2, (s13, s2)), y)          # routed tiled, shared expert row-major
@@ -145,8 +146,8 @@ def test_loaded_model_gives_the_same_logits_tiled(tmp_path, fmt):
     make_tiny(tmp_path / "m", fmt=fmt, cfg=cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 10))
     for kernels in ("ref", "triton"):
-        plain = load(tmp_path / "m", "cpu", torch.float32, kernels)       # CPU: not tiled by default
-        tiled = load(tmp_path / "m", "cpu", torch.float32, kernels, tile_weights=True)
+        plain = load(tmp_path / "m", "cpu", torch.float32, ops_for("cpu", kernels))       # CPU: not tiled by default
+        tiled = load(tmp_path / "m", "cpu", torch.float32, ops_for("cpu", kernels), tile_weights=True)
         layers = [m for m in tiled.modules() if isinstance(m, QLinear) and m.tiled]
         assert not any(m.tiled for m in plain.modules() if isinstance(m, QLinear))
         assert len(layers) >= 40 and any(m.leading for m in layers)    # stacked experts among them

@@ -5,10 +5,10 @@ Same-machine A/B of the MoE decode pair: this tree's kernels against another com
     python bench/lab/ab_moe.py --export COMMIT DIR      # here, with git: COMMIT's package as DIR/dsv4_ref
     python bench/lab/ab_moe.py --ref DIR [--tokens 1,4,8] [--repeats 3] [--layer]      # on the GPU
 
-`--layer` times the routing kernel and `kernels.moe.moe` instead of the bare pair, each package twice: as
+`--layer` times the routing kernel and the package's MoE op instead of the bare pair, each package twice: as
 `model.moe` runs it (`after_route=True`: gate/up streams the shared expert while routing runs; sides "ref" and
 "new") and without that overlap ("ref plain", "plain"); both with the package's side stream for the shared expert
-(`moe.Side`), if it has one. Compare like with like: new/ref and plain/ref plain. (Until
+(`dispatch.Side`), if it has one. Compare like with like: new/ref and plain/ref plain. (Until
 round fourteen the reference ran only without the overlap, so new/ref credited a change with the overlap's 1-2 %.)
 
 Calls on the device tool can land on different H200s (copy bandwidth 4249 vs 4274 GB/s), so a change worth a
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -37,8 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
-from dsv4.kernels import gemm, gemv, moe  # noqa: E402
-from dsv4.kernels import Ops, refuse_fallback  # noqa: E402
+from dsv4.kernels import refuse_fallback  # noqa: E402
 
 
 def export(commit: str, out: Path):
@@ -56,8 +56,25 @@ def export(commit: str, out: Path):
     print(f"{commit} -> {dest}")
 
 
+def entry_points(package: str) -> SimpleNamespace:
+    """The MoE entry points of a dsv4 package (`dsv4` or an exported `dsv4_ref`), in this tree's layout
+    (kernels.dispatch / policy / gemv_launch / host) or the one before it (kernels.moe.moe, kernels.gemv)."""
+    def mod(name):
+        return importlib.import_module(f"{package}.kernels{name}")
+
+    try:
+        policy, launcher, dispatch, host = mod(".policy"), mod(".gemv_launch"), mod(".dispatch"), mod(".host")
+        moe, scratch = dispatch, host.Scratch
+    except ModuleNotFoundError:   # before kernels.policy: every piece in gemv / gemm / moe
+        policy = launcher = mod(".gemv")
+        moe, scratch = mod(".moe"), mod(".gemm").Scratch
+    return SimpleNamespace(GemvConfig=policy.GemvConfig, ROWS_PAIR=policy.ROWS_PAIR, ROWS_TOKEN=policy.ROWS_TOKEN,
+                           launch=launcher.launch, route=mod(".moe").route, moe=moe.moe,
+                           Side=getattr(moe, "Side", None), Scratch=scratch, Ops=mod("").Ops)
+
+
 def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
-    """The MoE decode pair as two launches of package `mod`'s gemv (no PDL; `--layer` times `kernels.moe`
+    """The MoE decode pair as two launches of package `mod`'s GEMV (no PDL; `--layer` times the package's MoE op
     itself, which may run the pair as one launch: `moe_pair.launch_pair`)."""
     T, P = x.shape[0], ids.numel()
     cfg = mod.GemvConfig(pdl=False)
@@ -67,14 +84,13 @@ def pair(mod, x, w13, w2, sw13, sw2, ids, rw, h, out, k, scratch):
                scratch=scratch)
 
 
-def side_of(moe_module) -> dict:
-    """`moe`'s side-stream keyword for a package's kernels.moe, if it has one (strict: no reference fallbacks)."""
-    side = getattr(moe_module, "Side", None)
-    return {"side": side(refuse_fallback, refuse_fallback)} if side is not None else {}
+def side_of(pkg: SimpleNamespace) -> dict:
+    """`moe`'s side-stream keyword for a package, if it has one (strict: no reference fallbacks)."""
+    return {"side": pkg.Side(refuse_fallback, refuse_fallback)} if pkg.Side is not None else {}
 
 
 def layer(mod, x, logits, bias, w13, w2, sw13, sw2, k, scratch, **kwargs):
-    """The routing kernel, then the MoE with its shared expert, through package `mod`'s kernels.moe."""
+    """The routing kernel, then the MoE with its shared expert, through package `mod`'s MoE op."""
     wts, ids = mod.route(logits, bias, k, 1.5, fallback=refuse_fallback)
     return mod.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, shared=(sw13, sw2), scratch=scratch,
                    **kwargs)
@@ -87,29 +103,24 @@ def main():
     ap.add_argument("--tokens", default="1,4,8")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layer", action="store_true",
-                    help="routing + kernels.moe.moe instead of the bare pair; adds this tree without after_route")
+                    help="routing + the MoE op instead of the bare pair; adds this tree without after_route")
     ap.add_argument("--fmts", default="nvfp4", help="the routed experts' formats, e.g. nvfp4,mxfp4")
     ap.add_argument("--toy", action="store_true", help="CPU interpreter dry run at toy shapes (checks the script)")
     args = ap.parse_args()
     if args.export:
         return export(args.export[0], Path(args.export[1]))
     sys.path.insert(0, str(Path(args.ref).resolve()))
-    ref_gemv = importlib.import_module("dsv4_ref.kernels.gemv")
-    ref_gemm = importlib.import_module("dsv4_ref.kernels.gemm")
-    ref_moe = importlib.import_module("dsv4_ref.kernels.moe")
+    ref, new = entry_points("dsv4_ref"), entry_points("dsv4")
     # --layer: where the shared expert runs beside the routed experts (above 8 tokens), each package's own kernels,
-    # as its model runs them (`Ops.triton`)
-    # and its shared expert on a second stream where the package has one (`moe.Side`, from round twenty)
-    ref_mlp = {"mlp_op": importlib.import_module("dsv4_ref.kernels").Ops.triton(strict=True).mlp,
-               **side_of(ref_moe)} if args.layer else {}
-    new_mlp = {"mlp_op": Ops.triton(strict=True).mlp, **side_of(moe)} if args.layer else {}
-    # name: (gemv module, moe module, moe keyword arguments, scratch)
+    # as its model runs them (`Ops.triton`), and on a second stream where the package has one (`Side`)
+    ref_mlp = {"mlp_op": ref.Ops.triton(strict=True).mlp, **side_of(ref)} if args.layer else {}
+    new_mlp = {"mlp_op": new.Ops.triton(strict=True).mlp, **side_of(new)} if args.layer else {}
+    # name: (package, moe keyword arguments, scratch)
     overlap = {"after_route": True} if args.layer else {}
-    sides = {"ref": (ref_gemv, ref_moe, {**overlap, **ref_mlp}, ref_gemm.Scratch()),
-             "new": (gemv, moe, {**overlap, **new_mlp}, gemm.Scratch())}
+    sides = {"ref": (ref, {**overlap, **ref_mlp}, ref.Scratch()), "new": (new, {**overlap, **new_mlp}, new.Scratch())}
     if args.layer:
-        sides["ref plain"] = (ref_gemv, ref_moe, ref_mlp, ref_gemm.Scratch())
-        sides["plain"] = (gemv, moe, new_mlp, gemm.Scratch())
+        sides["ref plain"] = (ref, ref_mlp, ref.Scratch())
+        sides["plain"] = (new, new_mlp, new.Scratch())
     dev, gen, timer, copy = bench_start(args.toy)
     for s, fmt in itertools.product((TOY,) if args.toy else (FLASH, PRO), args.fmts.split(",")):
         w13 = random_qweight(fmt, (s.E, 2), s.I, s.D, dev, gen)
@@ -122,14 +133,14 @@ def main():
             logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
             bias = torch.zeros(s.E, device=dev)
             if args.layer:   # the routings' own experts
-                touched = sum(moe.route(lg, bias, s.k, 1.5)[1].unique().numel() for lg in logits) / rot
+                touched = sum(new.route(lg, bias, s.k, 1.5)[1].unique().numel() for lg in logits) / rot
             floor_bytes = touched * (nbytes(w13) + nbytes(w2)) / s.E + nbytes(sw13) + nbytes(sw2)
 
             def call(name, i):
-                g, m, kw, scratch = sides[name]
+                pkg, kw, scratch = sides[name]
                 if args.layer:
-                    return layer(m, xs[i], logits[i], bias, w13, w2, sw13, sw2, s.k, scratch, **kw)
-                pair(g, xs[i], w13, w2, sw13, sw2, ids[i], rws[i], hs[i], outs[i], s.k, scratch)
+                    return layer(pkg, xs[i], logits[i], bias, w13, w2, sw13, sw2, s.k, scratch, **kw)
+                pair(pkg, xs[i], w13, w2, sw13, sw2, ids[i], rws[i], hs[i], outs[i], s.k, scratch)
                 return outs[i]
 
             got = {name: call(name, 0).float().clone() for name in sides}

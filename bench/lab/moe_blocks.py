@@ -7,10 +7,10 @@ The routed experts of the MoE layer over expert blocks, against the sorted group
 
 For each model, format and token count: the same rotated inputs (x, routing logits -> `route`) through
 `kernels.moe.moe` without the shared expert, two ways: the GEMV pair over expert blocks (`moe.expert_blocks`) and
-round one's sorted grouped GEMM (`block_tokens=None`). The two are timed in turn, `--rounds` times, and the median
+the sorted grouped tiles (`block_tokens=None`). The two are timed in turn, `--rounds` times, and the median
 of each is printed with its share of the byte floor (the bytes of the distinct experts the routings touch, at the
 measured copy bandwidth), their ratio and the blocks' error against the sorted path's output. This decides
-`moe.BLOCK_PAIRS_PER_EXPERT`. (Commit e3ae6b6 also timed blocks of 16 pairs; bench/RESULTS.md run 139.)
+`policy.BLOCK_PAIRS_PER_EXPERT`. (Commit e3ae6b6 also timed blocks of 16 pairs; bench/RESULTS.md run 139.)
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, rel_err  # noqa: E402
 
-from dsv4.kernels import gemm, ref, refuse_fallback  # noqa: E402
+from dsv4.kernels import dispatch, policy, ref, refuse_fallback  # noqa: E402
 from dsv4.kernels import moe as tmoe  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
 
 VARIANTS = {"blocks": dict(block_tokens=(1, 1 << 30)), "sorted": dict(block_tokens=None)}
 
@@ -45,7 +46,7 @@ def main():
     ap.add_argument("--toy", action="store_true", help="CPU interpreter dry run at toy shapes (checks the script)")
     args = ap.parse_args()
     dev, gen, timer, copy = bench_start(args.toy)
-    scratch = gemm.Scratch()
+    scratch = Scratch()
     models = [TOY] if args.toy else [FLASH, PRO]
     fmts = args.fmts.split(",")
     rows = []
@@ -64,7 +65,7 @@ def main():
 
                 def call(x, lg, kw):
                     wts, ids = tmoe.route(lg, bias, s.k, 1.5, fallback=refuse_fallback)
-                    return tmoe.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, scratch=scratch, **kw)
+                    return dispatch.moe(x, ids, wts, w13, w2, 10.0, fallback=refuse_fallback, scratch=scratch, **kw)
 
                 outs = {name: call(xs[0], logits[0], kw) for name, kw in VARIANTS.items()}
                 times = {name: [] for name in VARIANTS}
@@ -83,7 +84,7 @@ def main():
                 row["blocks/sorted"] = row["blocks"]["us"] / row["sorted"]["us"]
                 line += (f" | blocks/sorted {row['blocks/sorted']:.3f}"
                          f" | rel. diff {row['blocks']['rel_err_to_sorted']:.1e}"
-                         f" | in moe's block range: {tmoe.in_block_range(t, tmoe.auto_block_tokens(s.E, s.k))}")
+                         f" | in moe's block range: {policy.in_block_range(t, policy.auto_block_tokens(s.E, s.k))}")
                 print(line, flush=True)
                 rows.append(row)
     out = Path(args.out)

@@ -5,7 +5,7 @@ What experts shared between tokens cost the MoE decode pair: the same pairs with
     python bench/lab/profile_duplicates.py [--tokens 2,4,8] [--rot 8] [--rounds 3]
     TRITON_INTERPRET=1 python bench/lab/profile_duplicates.py --toy      # CPU dry run on a toy shape
 
-`kernels.moe.moe` (the GEMV pair, routed NVFP4 experts and the FP8 shared expert in its launches) reads each
+`dispatch.moe` (the GEMV pair, routed NVFP4 experts and the FP8 shared expert in its launches) reads each
 (token, slot) pair's expert on its own: two tokens routed to one expert read its weights twice. For T tokens of
 k slots each, three routings of the same T * k pairs:
 * random: k distinct experts per token, drawn independently per token (as `common.moe_decode_inputs` and the
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, random_routing  # noqa: E402
 
-from dsv4.kernels import gemm, moe, refuse_fallback  # noqa: E402
+from dsv4.kernels import dispatch, refuse_fallback  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
 
 
 def routings(E: int, T: int, k: int, rot: int, device, gen) -> dict[str, list[torch.Tensor]]:
@@ -52,7 +53,7 @@ def main():
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev, gen, timer, copy = bench_start(args.toy)
-    scratch = gemm.Scratch()
+    scratch = Scratch()
     for s in (TOY,) if args.toy else (FLASH, PRO):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
@@ -69,8 +70,8 @@ def main():
             for name, ids in routings(s.E, T, s.k, rot, dev, gen).items():
                 touched = sum(i.unique().numel() for i in ids) / rot
                 ms = statistics.median(timer.per_call_ms([
-                    lambda i=i: moe.moe(xs[i], ids[i], rws[i], w13, w2, 10.0, shared=shared,
-                                        fallback=refuse_fallback, scratch=scratch)
+                    lambda i=i: dispatch.moe(xs[i], ids[i], rws[i], w13, w2, 10.0, shared=shared,
+                                             fallback=refuse_fallback, scratch=scratch)
                     for i in range(rot)]) for _ in range(args.rounds))
                 floor = touched * per_expert + shared_bytes
                 every = P * per_expert + shared_bytes

@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, Timer, copy_bandwidth, nbytes, random_qweight, rotations  # noqa: E402
 
-from dsv4.kernels import gemm, gemv  # noqa: E402
+from dsv4.kernels import gemv_launch  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
+from dsv4.kernels.policy import GemvConfig  # noqa: E402
 from dsv4.kernels.tiles import byte_offsets  # noqa: E402
 
 SHAPES = [(PRO, "wq_b", "nvfp4"), (PRO, "wo_b", "nvfp4"), (FLASH, "expert w1/w3", "nvfp4"), (PRO, "wo_b", "fp8"),
@@ -67,13 +69,13 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
-    timer, scratch = Timer(dev), gemm.Scratch()
+    timer, scratch = Timer(dev), Scratch()
     copy = copy_bandwidth(dev)
     print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     rows = []
-    variants = {"default": gemv.GemvConfig(), "st3": gemv.GemvConfig(num_stages=3),
-                "no prefetch": gemv.GemvConfig(prefetch=0), "prefetch fp4": gemv.GemvConfig(prefetch=3),
-                "st1": gemv.GemvConfig(num_stages=1), "st1 prefetch fp4": gemv.GemvConfig(num_stages=1, prefetch=3)}
+    variants = {"default": GemvConfig(), "st3": GemvConfig(num_stages=3),
+                "no prefetch": GemvConfig(prefetch=0), "prefetch fp4": GemvConfig(prefetch=3),
+                "st1": GemvConfig(num_stages=1), "st1 prefetch fp4": GemvConfig(num_stages=1, prefetch=3)}
     shapes = [SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else SHAPES
     for sh, name, fmt in shapes:
         n, k = sh.linears()[name]
@@ -105,12 +107,12 @@ def main():
                 try:
                     y0 = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
                     y1 = torch.empty_like(y0)
-                    gemv.launch(xs[0], ws[0], y0, cfg, M=1, scratch=scratch)
-                    gemv.launch(xs[0], wts[0], y1, cfg, M=1, scratch=scratch)
+                    gemv_launch.launch(xs[0], ws[0], y0, cfg, M=1, scratch=scratch)
+                    gemv_launch.launch(xs[0], wts[0], y1, cfg, M=1, scratch=scratch)
                     same = bool(torch.equal(y0, y1)) if tiled else True
                     pairs = list(zip(xs, wts if tiled else ws))
                     y = torch.empty(1, n, dtype=torch.bfloat16, device=dev)
-                    ms = timer.per_call_ms([lambda x=x, w=w: gemv.launch(x, w, y, cfg, M=1, scratch=scratch)
+                    ms = timer.per_call_ms([lambda x=x, w=w: gemv_launch.launch(x, w, y, cfg, M=1, scratch=scratch)
                                             for x, w in pairs])
                     gbps = nbytes(w0) / (ms * 1e-3) / 1e9
                     rows.append(dict(kind="gemv", shape=f"{sh.name} {name} {fmt}", variant=vname, tiled=tiled,

@@ -4,7 +4,7 @@ The MoE decode layer's two GEMV launches timed one by one, with the K split chos
 
     python bench/lab/profile_moe.py [--tokens 1,8] [--splits 0,2,3,4,6,8] [--stages 2,3] [--bns 64,128] [--maxnregs -1,0]
                                 [--pdl] [--pdl-down] [--bn 128]
-                                [--no-gcol] [--route] [--route-warps 1,4] [--fused] [--await-l2 0,16]
+                                [--no-gcol] [--route] [--route-warps 1,4] [--fused]
     TRITON_INTERPRET=1 python bench/lab/profile_moe.py --toy      # CPU dry run on a toy shape
     ncu --clock-control none -k regex:_gemv_kernel -c 4 --section SourceCounters python bench/lab/profile_moe.py --once
 
@@ -12,18 +12,17 @@ For each model (routed NVFP4 experts, FP8 shared expert, as NVIDIA's NVFP4 build
 --format nvfp4-experts`) and
 token count: gate/up (ROWS_PAIR, SwiGLU epilogue, the shared expert's pair included) and down (ROWS_TOKEN,
 routing weights and the top-k sum fused) against the bytes each reads, and both launches back to back with the
-plain `GemvConfig` (`kernels.moe` departs from it where `moe.pair_configs` says: 3-stage gate/up, 128-row down).
-Split 0 is the launch's own choice (`gemv.choose_split`); other splits are forced (per slot for down).
+plain `GemvConfig` (`dispatch.moe` departs from it where `policy.pair_configs` says: 3-stage gate/up, 128-row
+down). Split 0 is the launch's own choice (`policy.choose_split`); other splits are forced (per slot for down).
 --pdl: the pair once more with programmatic dependent launch (`GemvConfig.pdl`); --pdl-down: on the down launch only;
 --bn 128: once more with 128-row units (`GemvConfig.BN`, no register cap); --no-gcol: once more without
 `GemvConfig.group_cols` (a multiply per FP4 weight pair instead). Each variant's output is compared with the plain
 pair's: `=` when bit-identical (PDL must be), else its relative difference (group columns sum in another order).
 --route: the routing kernel alone, then routing + pair, plain and as `moe(after_route=True)` runs it (the
-gate/up launch streams the shared expert while the routing kernel runs: `gemv.launch(x_ready=True)`); with
+gate/up launch streams the shared expert while the routing kernel runs: `gemv_launch.launch(x_ready=True)`); with
 --route-warps, the routing kernel alone and overlapped once per warp count.
 --once: gate/up and down once each, untimed, for a profiler (`bench/lab/ncu_regions.py` reads ncu's source page).
---fused: the pair once more in one launch (`moe_pair.launch_pair(fused=True)`, also where `moe` takes two), for
-each --await-l2 (sub-steps of its weights a down unit prefetches into L2 while it waits for its h row); with
+--fused: the pair once more in one launch (`moe_pair.launch_pair(fused=True)`, also where `moe` takes two); with
 --route also after the routing kernel.
 """
 
@@ -43,14 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 from common import (FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes,  # noqa: E402
                     random_qweight)
 
-from dsv4.kernels import gemm, gemv, moe, moe_pair  # noqa: E402
+from dsv4.kernels import gemv_launch, moe, moe_pair, policy  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
+from dsv4.kernels.policy import GemvConfig  # noqa: E402
 
 
-def config(split: int, pdl: bool, gcol: bool, stages: int, bn: int, reg: int | None) -> gemv.GemvConfig:
+def config(split: int, pdl: bool, gcol: bool, stages: int, bn: int, reg: int | None) -> GemvConfig:
     """A launch's GemvConfig; `reg` None: the register cap `kernels.moe` uses with units of `bn` rows (128 per
     thread for 64 rows, none for 128)."""
-    return gemv.GemvConfig(split=split, pdl=pdl, group_cols=gcol, num_stages=stages, BN=bn,
-                           maxnreg=(-1 if bn == 64 else 0) if reg is None else reg)
+    return GemvConfig(split=split, pdl=pdl, group_cols=gcol, num_stages=stages, BN=bn,
+                      maxnreg=(-1 if bn == 64 else 0) if reg is None else reg)
 
 
 def ints(text: str) -> list[int]:
@@ -67,10 +68,9 @@ def main():
     ap.add_argument("--pdl-down", action="store_true", help="also time the pair with PDL on the down launch only")
     ap.add_argument("--bn", default="", help="also time the pair with these GemvConfig.BN (no register cap), e.g. 128")
     ap.add_argument("--route", action="store_true", help="also time the routing kernel and routing + pair")
-    ap.add_argument("--route-warps", default=str(moe.ROUTE_WARPS),
+    ap.add_argument("--route-warps", default=str(policy.ROUTE_WARPS),
                     help="with --route: the routing kernel's warps (moe.route(warps=)) to time, e.g. 1,4,8")
     ap.add_argument("--fused", action="store_true", help="also time the pair in one launch (moe_pair.launch_pair)")
-    ap.add_argument("--await-l2", default="0", help="with --fused: the launch_pair await_l2 values to time")
     ap.add_argument("--stages", default="2", help="pipeline stages of the per-launch timings (GemvConfig.num_stages)")
     ap.add_argument("--bns", default="64", help="GemvConfig.BN of the per-launch timings (128: no register cap)")
     ap.add_argument("--maxnregs", default="", help="GemvConfig.maxnreg of the per-launch timings instead of BN's "
@@ -81,10 +81,9 @@ def main():
     # the per-launch timings' grid (BN, register cap, stages, split) and the variants' options, parsed once
     grid = list(itertools.product(ints(args.bns), ints(args.maxnregs) or [None], ints(args.stages),
                                   ints(args.splits)))
-    awaits = ints(args.await_l2) if args.fused else []
     route_warps = ints(args.route_warps)
     dev, gen, timer, copy = bench_start(args.toy)
-    scratch = gemm.Scratch()
+    scratch = Scratch()
     for s in ((TOY,) if args.toy else (FLASH, PRO)):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
@@ -98,22 +97,22 @@ def main():
 
             # picked / weights: a routing of rotation i other than moe_decode_inputs' (--route)
             def up(i, split, pdl=False, gcol=True, stages=2, x_ready=False, picked=None, bn=64, reg=None):
-                gemv.launch(xs[i], w13, hs[i], config(split, pdl, gcol, stages, bn, reg), M=P + T,
-                            rows=gemv.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
-                            ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
-                            scratch=scratch, x_ready=x_ready)
+                gemv_launch.launch(xs[i], w13, hs[i], config(split, pdl, gcol, stages, bn, reg), M=P + T,
+                                   rows=policy.ROWS_PAIR, R=P + T, gated=True, x_div=s.k,
+                                   ids=ids[i] if picked is None else picked, limit=10.0, shared=sw13, pairs=P,
+                                   scratch=scratch, x_ready=x_ready)
 
             def down(i, split, pdl=False, gcol=True, stages=2, picked=None, weights=None, bn=64, reg=None):
-                gemv.launch(hs[i], w2, outs[i], config(split, pdl, gcol, stages, bn, reg), M=T,
-                            rows=gemv.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
-                            rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
+                gemv_launch.launch(hs[i], w2, outs[i], config(split, pdl, gcol, stages, bn, reg), M=T,
+                                   rows=policy.ROWS_TOKEN, R=T, topk=s.k, ids=ids[i] if picked is None else picked,
+                                   rw=rws[i] if weights is None else weights, shared=sw2, pairs=P, scratch=scratch)
 
-            def fused(i, pdl=False, x_ready=False, picked=None, weights=None, await_l2=0):
-                cfg = gemv.GemvConfig(pdl=pdl)
+            def fused(i, pdl=False, x_ready=False, picked=None, weights=None):
+                cfg = GemvConfig(pdl=pdl)
                 moe_pair.launch_pair(xs[i], w13, hs[i], w2, outs[i], cfg, cfg, tokens=T, topk=s.k,
                                      ids=ids[i] if picked is None else picked,
                                      rw=rws[i] if weights is None else weights, limit=10.0, shared=(sw13, sw2),
-                                     scratch=scratch, x_ready=x_ready, await_l2=await_l2, fused=True)
+                                     scratch=scratch, x_ready=x_ready, fused=True)
 
             if args.once:
                 up(0, 0), down(0, 0)
@@ -132,14 +131,14 @@ def main():
                 + [("both, no gcol", dict(gcol=False))] * args.no_gcol \
                 + [("down with PDL", dict(pdl_down=True))] * args.pdl_down \
                 + [(f"both, BN {bn}", dict(bn=bn)) for bn in ints(args.bn)]
-            variants += [(f"one launch, L2 {a}", dict(await_l2=a)) for a in awaits]
+            variants += [("one launch", dict(one_launch=True))] * args.fused
             for label, kw in variants:
                 versus = ""   # a variant's output against the plain pair's
                 def two(i, pdl_down=False, **kw):   # gate/up, then down (--pdl-down: PDL on down only)
                     up(i, 0, **kw)
                     down(i, 0, **{**kw, "pdl": kw.get("pdl", False) or pdl_down})
 
-                run = (lambda i, **kw: fused(i, **kw)) if "await_l2" in kw else two
+                run = (lambda i, one_launch, **kw: fused(i, **kw)) if "one_launch" in kw else two
                 if kw:
                     up(0, 0), down(0, 0)
                     plain = outs[0].clone()
@@ -153,10 +152,10 @@ def main():
                 logits = [torch.randn(T, s.E, device=dev, generator=gen) for _ in range(rot)]
                 bias = torch.zeros(s.E, device=dev)
 
-                def routed(i, ready, await_l2=None, warps=moe.ROUTE_WARPS):   # the routing kernel's ids, not
+                def routed(i, ready, one_launch=False, warps=policy.ROUTE_WARPS):   # the routing kernel's ids, not
                     rw, picked = moe.route(logits[i], bias, s.k, 1.5, warps=warps)    # moe_decode_inputs' (same count)
-                    if await_l2 is not None:
-                        fused(i, pdl=ready, x_ready=ready, picked=picked, weights=rw.reshape(-1), await_l2=await_l2)
+                    if one_launch:
+                        fused(i, pdl=ready, x_ready=ready, picked=picked, weights=rw.reshape(-1))
                         return
                     up(i, 0, pdl=ready, x_ready=ready, picked=picked)
                     down(i, 0, picked=picked, weights=rw.reshape(-1))
@@ -169,16 +168,16 @@ def main():
                 plain = outs[0].clone()
                 routed(0, True)
                 same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
-                cases = [("routing + pair", False, None), ("overlapped", True, None)] \
-                    + [(f"overlapped, 1 launch, L2 {a}", True, a) for a in awaits]
-                for label, ready, a in cases:
-                    if a is not None:
-                        routed(0, True, a)
+                cases = [("routing + pair", False, False), ("overlapped", True, False)] \
+                    + [("overlapped, 1 launch", True, True)] * args.fused
+                for label, ready, one in cases:
+                    if one:
+                        routed(0, True, True)
                         same = " =" if torch.equal(outs[0], plain) else " DIFFERS"
-                    ms = timer.per_call_ms([lambda i=i: routed(i, ready, a) for i in range(rot)])
+                    ms = timer.per_call_ms([lambda i=i: routed(i, ready, one) for i in range(rot)])
                     print(f"{s.name:8s} T={T:<3d} {label:18s}: {ms * 1e3:7.1f} us{same if ready else ''}",
                           flush=True)
-                for wp in (w for w in route_warps if w != moe.ROUTE_WARPS):
+                for wp in (w for w in route_warps if w != policy.ROUTE_WARPS):
                     ms = timer.per_call_ms([lambda i=i: routed(i, True, warps=wp) for i in range(rot)])
                     print(f"{s.name:8s} T={T:<3d} {f'overlapped, routing on {wp} warps':18s}: {ms * 1e3:7.1f} us",
                           flush=True)

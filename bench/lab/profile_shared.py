@@ -7,14 +7,14 @@ What the MoE's shared expert costs in the decode pair, and where.
 
 For each model (routed NVFP4 experts and an FP8 shared expert, as NVIDIA's NVFP4 builds store them, `dsv4 convert
 --format nvfp4-experts`; `--shared-fmt nvfp4`: as `--format nvfp4` writes it) and
-token count, `kernels.moe.moe` timed as:
+token count, `dispatch.moe` timed as:
 * routed: the GEMV pair without the shared expert;
-* in pair: with the shared expert in the pair's launches (this tree's layout: `gemv.shared_cols`);
+* in pair: with the shared expert in the pair's launches (this tree's layout: `policy.shared_cols`);
 * per token: the same with the shared expert as one row block per token (`shared_cols` forced off; over expert
-  blocks, from `moe.auto_block_tokens`' first count, the pair cannot carry it so, and it runs as "apart");
-* apart: the routed pair, then the shared expert as its own two dense GEMV launches (`moe.mlp`), then the add;
-* side: the routed pair, and at the same time the shared expert's two launches on a second CUDA stream (`moe.Side`,
-  forced at every token count; `moe` takes it where `moe.beside_pair` says), then the add;
+  blocks, from `policy.auto_block_tokens`' first count, the pair cannot carry it so, and it runs as "apart");
+* apart: the routed pair, then the shared expert as its own two dense GEMV launches (`dispatch.mlp`), then the add;
+* side: the routed pair, and at the same time the shared expert's two launches on a second CUDA stream
+  (`dispatch.Side`, forced at every token count; `moe` takes it where `policy.beside_pair` says), then the add;
 * alone: the shared expert's two dense launches by themselves.
 Outputs of "in pair" and "per token" are compared (`=` when bit-identical).
 """
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, TOY, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
-from dsv4.kernels import Ops, gemm, gemv, moe, refuse_fallback  # noqa: E402
+from dsv4.kernels import Ops, dispatch, gemv_launch, policy, refuse_fallback  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
 
 LIMIT = 10.0
 
@@ -46,10 +47,10 @@ def main():
     ap.add_argument("--toy", action="store_true", help="a toy shape on the CPU (with TRITON_INTERPRET=1)")
     args = ap.parse_args()
     dev, gen, timer, copy = bench_start(args.toy)
-    scratch = gemm.Scratch()
+    scratch = Scratch()
     alone_op = Ops.triton(strict=True).mlp   # the shared expert's two launches, as the model's table runs them
-    real_cols, real_beside = gemv.shared_cols, moe.beside_pair
-    side = moe.Side(refuse_fallback, refuse_fallback)
+    real_cols, real_beside = policy.shared_cols, policy.beside_pair
+    side = dispatch.Side(refuse_fallback, refuse_fallback)
     for s in ((TOY,) if args.toy else (FLASH, PRO)):
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
@@ -63,13 +64,13 @@ def main():
             kw = dict(fallback=refuse_fallback, scratch=scratch, mlp_op=alone_op)
 
             def routed(i):
-                return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, **kw)
+                return dispatch.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, **kw)
 
-            def in_pair(i):
-                return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, **kw)
+            def in_pair(i, **forced):   # forced: a scratch of its own, whose plans follow a forced policy
+                return dispatch.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, **{**kw, **forced})
 
-            def beside(i):
-                return moe.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, side=side, **kw)
+            def beside(i, **forced):
+                return dispatch.moe(xs[i], ids[i], rws[i], w13, w2, LIMIT, shared=shared, side=side, **{**kw, **forced})
 
             def alone(i):
                 return alone_op(xs[i], *shared, LIMIT)
@@ -81,17 +82,20 @@ def main():
             for name, fn in (("routed", routed), ("in pair", in_pair), ("apart", apart), ("alone", alone)):
                 rows[name] = timer.per_call_ms([lambda i=i, fn=fn: fn(i) for i in range(len(xs))]) * 1e3
             cols = in_pair(0)
-            gemv.shared_cols = lambda *a: False
+            policy.shared_cols = gemv_launch.shared_cols = lambda *a: False
             try:
-                rows["per token"] = timer.per_call_ms([lambda i=i: in_pair(i) for i in range(len(xs))]) * 1e3
-                per_token = in_pair(0)
+                own = Scratch()
+                rows["per token"] = timer.per_call_ms([lambda i=i: in_pair(i, scratch=own)
+                                                       for i in range(len(xs))]) * 1e3
+                per_token = in_pair(0, scratch=own)
             finally:
-                gemv.shared_cols = real_cols
-            moe.beside_pair = lambda *a: True
+                policy.shared_cols = gemv_launch.shared_cols = real_cols
+            policy.beside_pair = lambda *a: True
             try:
-                rows["side"] = timer.per_call_ms([lambda i=i: beside(i) for i in range(len(xs))]) * 1e3
+                own = Scratch()
+                rows["side"] = timer.per_call_ms([lambda i=i: beside(i, scratch=own) for i in range(len(xs))]) * 1e3
             finally:
-                moe.beside_pair = real_beside
+                policy.beside_pair = real_beside
             same = "=" if torch.equal(cols, per_token) else \
                 f"{float((cols.double() - per_token.double()).norm() / per_token.double().norm()):.1e}"
             shared_us = {k: rows[k] - rows["routed"] for k in ("in pair", "per token", "apart", "side")}

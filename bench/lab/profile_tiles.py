@@ -1,19 +1,20 @@
 """Question: How far is each dense shape's chosen tile from the fastest one measured, and from cuBLAS?
 
-Round one's fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x) over BM / BN / split-K
-around `gemm.pick_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
+The fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x) over BM / BN / split-K around
+`policy.tile_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
 
     python bench/lab/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
         [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8] [--asms 0,1] [--maxnregs 0,168]
         [--base-only]
     TRITON_INTERPRET=1 python bench/lab/profile_tiles.py --toy      # CPU dry run at a toy shape
 
-Why: `gemm.dense_tiles` chooses these tiles by a rule fitted to this sweep (bench/RESULTS.md round twenty-two); the
+Why: `policy.dense_tiles` chooses these tiles by a rule fitted to this sweep (bench/results/round-22.md); the
 sweep shows how far each shape's choice is from the fastest tiles measured, and where dequantize + cuBLAS or cuBLAS
-bf16 stand. Rows above 64 take pick_config's tiles for them as the base (on CUDA `gemm.linear` runs them only where
-`gemm.fused_beats_cublas`, else dequantize + cuBLAS). Per case and row count it prints pick_config's tiles
-and time, the default path's time (`gemm.linear` as the model calls it: the GEMV where it is preferred), then the fastest variants with their time over pick_config's and the relative difference of their
-output from pick_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
+bf16 stand. Rows above 64 take tile_config's tiles for them as the base (on CUDA `dispatch.linear` runs them only
+where `policy.fused_beats_cublas`, else dequantize + cuBLAS). Per case and row count it prints tile_config's tiles
+and time, the default path's time (`dispatch.linear` as the model calls it: the GEMV where it is preferred), then
+the fastest variants with their time over tile_config's and the relative difference of their output from
+tile_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
 graph per variant (`common.Timer`).
 """
 
@@ -36,17 +37,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, TOY, Timer, nbytes, rel_err, rotated_qweights  # noqa: E402
 
-from dsv4.kernels import gemm, refuse_fallback  # noqa: E402
-from dsv4.kernels.gemv import resident_ctas  # noqa: E402
+from dsv4.kernels import dispatch, gemm, policy, refuse_fallback  # noqa: E402
+from dsv4.kernels.gemv_launch import resident_ctas  # noqa: E402
+from dsv4.kernels.host import Scratch, num_sms  # noqa: E402
+from dsv4.kernels.policy import TileConfig  # noqa: E402
 
 CASES = "V4-Flash:expert w1/w3:nvfp4,V4-Flash:shared w1/w3:fp8,V4-Flash:wq_b:nvfp4,V4-Pro:wo_b:nvfp4"
 
 
-def variants(base: gemm.Config, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
-             splits=None, warps=None, asms=(None,), maxnregs=None) -> list[gemm.Config]:
-    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: pick_config's), the K splits in
-    `splits` (None: pick_config's split, half and twice it), `Config.asm` in `asms` and `Config.maxnreg` in
-    `maxnregs` (None: pick_config's); pick_config's own tiles left out."""
+def variants(base: TileConfig, m: int, k: int, bms=(16, 32, 64), bns=(64, 128),
+             splits=None, warps=None, asms=(None,), maxnregs=None) -> list[TileConfig]:
+    """BM in `bms` (up to the rows), BN in `bns`, warps in `warps` (None: tile_config's), the K splits in
+    `splits` (None: tile_config's split, half and twice it), `TileConfig.asm` in `asms` and `TileConfig.maxnreg` in
+    `maxnregs` (None: tile_config's); tile_config's own tiles left out."""
     out = []
     chunks = triton.cdiv(k, base.BK)
     for bm in bms:
@@ -78,13 +81,13 @@ def main():
     ap.add_argument("--cases", default=CASES, help="MODEL:LINEAR:FORMAT,... (common.Shapes names)")
     ap.add_argument("--bms", default="16,32,64", help="BM values swept (those above the rows are skipped)")
     ap.add_argument("--bns", default="64,128", help="BN values swept")
-    ap.add_argument("--splits", default="", help="K splits swept (default: pick_config's split, half and twice it)")
-    ap.add_argument("--warps", default="", help="num_warps swept (default: pick_config's)")
-    ap.add_argument("--asms", default="", help="Config.asm values swept, 0 / 1 (default: pick_config's, None: the "
+    ap.add_argument("--splits", default="", help="K splits swept (default: tile_config's split, half and twice it)")
+    ap.add_argument("--warps", default="", help="num_warps swept (default: tile_config's)")
+    ap.add_argument("--asms", default="", help="TileConfig.asm values swept, 0 / 1 (default: tile_config's, None: the "
                     "PTX decoders wherever the dot runs in bf16 on a GPU)")
-    ap.add_argument("--maxnregs", default="", help="Config.maxnreg values swept, registers per thread, 0 = the "
-                    "compiler's own count (default: pick_config's)")
-    ap.add_argument("--base-only", action="store_true", help="sweep only --asms and --maxnregs, on pick_config's "
+    ap.add_argument("--maxnregs", default="", help="TileConfig.maxnreg values swept, registers per thread, 0 = the "
+                    "compiler's own count (default: tile_config's)")
+    ap.add_argument("--base-only", action="store_true", help="sweep only --asms and --maxnregs, on tile_config's "
                     "tiles")
     ap.add_argument("--top", type=int, default=4, help="fastest variants printed per case")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds after which no new case starts")
@@ -94,7 +97,7 @@ def main():
     dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.float32 if args.toy else torch.bfloat16   # the interpreter's dot takes fp32 operands
-    timer, scratch, start = Timer(dev), gemm.Scratch(), time.time()
+    timer, scratch, start = Timer(dev), Scratch(), time.time()
     models = {s.name: s for s in (FLASH, PRO, TOY)}
     cases = [("toy", "expert w1/w3", "nvfp4")] if args.toy else [c.split(":") for c in args.cases.split(",")]
     ms = [24] if args.toy else [int(m) for m in args.ms.split(",")]
@@ -117,16 +120,16 @@ def main():
         dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
         for m in ms:
             xs = [torch.randn(m, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
-            base = gemm.pick_config(m, n, k, fmt, dev)
+            base = policy.tile_config(m, n, k, fmt, num_sms(dev))
 
             def fused(cfg):
-                return [lambda x=x, w=w: gemm.linear(x, w, config=cfg, fallback=refuse_fallback, scratch=scratch)
+                return [lambda x=x, w=w: dispatch.linear(x, w, config=cfg, fallback=refuse_fallback, scratch=scratch)
                         for x, w in zip(xs, ws)]
 
             ref = fused(base)[0]().float()
             base_us = timer.per_call_ms(fused(base)) * 1e3
             deq_us = timer.rotated_us(lambda x, w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype)), xs, ws)
-            default_us = timer.rotated_us(partial(gemm.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
+            default_us = timer.rotated_us(partial(dispatch.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
             bf16_us = timer.rotated_us(torch.nn.functional.linear, xs, dense)
             rows = [(base_us, base, 0.0)]
             if args.base_only:
@@ -148,13 +151,13 @@ def main():
                                     asm=cfg.asm, maxnreg=cfg.maxnreg, default_us=default_us,
                                     stages=cfg.num_stages, us=us, base=cfg == base, diff=diff,
                                     resident=resident(xs[0], w0, cfg), deq_us=deq_us, bf16_us=bf16_us))
-            print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: pick_config BM {base.BM} BN {base.BN} "
+            print(f"{model} {name} {fmt} ({nbytes(w0) / 1e6:.1f} MB) M={m}: tile_config BM {base.BM} BN {base.BN} "
                   f"split {base.split_k} ({resident(xs[0], w0, base)} CTAs per SM) {base_us:.1f} us; default path "
                   f"{default_us:.1f}, dequantize + cuBLAS {deq_us:.1f}, cuBLAS bf16 {bf16_us:.1f}", flush=True)
             for us, cfg, diff in [r for r in rows if r[1] != base][:args.top]:
                 print(f"   BM {cfg.BM:2d} BN {cfg.BN:3d} split {cfg.split_k:2d} warps {cfg.num_warps} asm {cfg.asm} "
                       f"maxnreg {cfg.maxnreg} ({resident(xs[0], w0, cfg)} CTAs per SM): {us:7.1f} us "
-                      f"({us / base_us:.3f}), output {diff:.0e} from pick_config's", flush=True)
+                      f"({us / base_us:.3f}), output {diff:.0e} from tile_config's", flush=True)
         del ws, dense
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))

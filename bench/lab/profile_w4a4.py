@@ -1,7 +1,7 @@
 """Question: What does the W4A4 emulation (Blackwell's numerics on Hopper) cost beside the default W4A16 path?
 
 The W4A4 emulation path (`kernels.w4a4`: `stage_activation`, then the fused tiles over FP4 x and FP4 weights with
-alpha in the epilogue) beside the W4A16 path the model runs by default (`gemm.linear`: the GEMV, the fused tiles or
+alpha in the epilogue) beside the W4A16 path the model runs by default (`dispatch.linear`: the GEMV, the fused tiles or
 dequantize + cuBLAS) and cuBLAS bf16, on NVFP4 weights of V4 shapes.
 
     python bench/lab/profile_w4a4.py [--ms 1,16,64,256,4096] [--cases V4-Pro:wq_b,...] [--json out.json]
@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, TOY, Timer, rel_err, rotated_qweights  # noqa: E402
 
-from dsv4.kernels import gemm, ref, refuse_fallback, w4a4  # noqa: E402
+from dsv4.kernels import dispatch, ref, refuse_fallback, w4a4  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
 
 CASES = "V4-Flash:wq_b,V4-Flash:expert w1/w3,V4-Pro:wq_b,V4-Pro:wo_b"
 
@@ -43,7 +44,7 @@ def main():
     dev = torch.device("cpu" if args.toy else "cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     dtype = torch.float32 if args.toy else torch.bfloat16   # the interpreter's dot takes fp32 operands
-    timer, scratch = Timer(dev), gemm.Scratch()
+    timer, scratch = Timer(dev), Scratch()
     models = {s.name: s for s in (FLASH, PRO, TOY)}
     cases = [("toy", "expert w1/w3")] if args.toy else [c.split(":") for c in args.cases.split(",")]
     ms = [3] if args.toy else [int(m) for m in args.ms.split(",")]
@@ -62,7 +63,7 @@ def main():
                           ref.linear_w4a4(xs[0].float(), w0).float())
             stage_us = timer.rotated_us(w4a4.stage_activation, xs, [w.input_scale for w in ws])
             w4a4_us = timer.rotated_us(partial(w4a4.linear_w4a4, fallback=refuse_fallback, scratch=scratch), xs, ws)
-            w4a16_us = timer.rotated_us(partial(gemm.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
+            w4a16_us = timer.rotated_us(partial(dispatch.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
             bf16_us = timer.rotated_us(torch.nn.functional.linear, xs, dense)
             tflops = 2 * m * n * k / (w4a4_us * 1e-6) / 1e12
             rows.append(dict(model=model, linear=name, M=m, N=n, K=k, stage_us=stage_us, w4a4_us=w4a4_us,

@@ -9,9 +9,9 @@ Fingerprints of the decode GEMV's and the MoE pair's PTX, to show that a refacto
 Compiles 27 variants for sm_90 without a GPU (`bench/lab/sass.py`: every format, the dense / pair / token row modes,
 MMA N 8 and 16, 2 and 3 stages, gated, tiled, PDL, group columns, an FP8 shared expert, the shared expert as token
 columns, the pair in one launch), drops debug lines (`.loc`, `.file`, comments, debug sections and their `$L__tmp`
-labels) and hashes the rest. The same hash means the same PTX, so the GPU runs the same code. Used for the split of
-gemv.py into decode.py, sync.py and moe_pair.py (bench/RESULTS.md, round ten) and the split-sum helper
-(`tiles._sum_split_partials`, round eleven).
+labels) and hashes the rest. The same hash means the same PTX, so the GPU runs the same code. Where a change moves
+the kernels' parameters (their operand bundles), the PTX moves with them; `--sass` then records what to compare
+instead: each variant's K-loop SASS instructions, spills in that loop and in the kernel, and registers.
 """
 
 from __future__ import annotations
@@ -64,11 +64,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", help="write the fingerprints here (JSON)")
     ap.add_argument("--compare", help="fingerprints written before (JSON): exit 1 on any difference")
+    ap.add_argument("--sass", help="also write each variant's K-loop SASS instructions, spill instructions in that "
+                    "loop and in the kernel, and registers here (JSON): what to compare where the PTX moved")
     args = ap.parse_args()
-    prints = {}
+    prints, counts = {}, {}
     for name, build in variants():
-        prints[name] = hashlib.sha256(clean(build().asm["ptx"]).encode()).hexdigest()[:16]
-        print(f"{prints[name]}  {name}")
+        kernel = build()
+        prints[name] = hashlib.sha256(clean(kernel.asm["ptx"]).encode()).hexdigest()[:16]
+        line = f"{prints[name]}  {name}"
+        if args.sass:
+            ops, spills, regs = sass.loop_counts(kernel.asm["cubin"])
+            counts[name] = dict(loop=sum(ops.values()), loop_spills=ops["LDL"] + ops["STL"], spills=spills, regs=regs)
+            line += f"  (loop {counts[name]['loop']}, spills in it {counts[name]['loop_spills']}, spills {spills}, " \
+                    f"registers {regs})"
+        print(line)
+    if args.sass:
+        Path(args.sass).write_text(json.dumps(counts, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(prints, indent=1))
     if args.compare:

@@ -29,14 +29,18 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4.kernels import gemv, moe_pair  # noqa: E402
+from dsv4.kernels import gemv, moe_pair, policy  # noqa: E402
+from dsv4.kernels.gemv_launch import Io, Layout, Stored, Units  # noqa: E402
+from dsv4.kernels.host import Operand  # noqa: E402
+from dsv4.kernels.policy import GemvConfig  # noqa: E402
 from dsv4.kernels.tiles import FMT_CODES  # noqa: E402
 
-TYPES = dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", s2_ptr="*fp32", y_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32",
-             ws_ptr="*fp32", cnt_ptr="*i32", limit="fp32", sw_ptr="*u8", ss_ptr="*u8", ss2_ptr="*fp32",
-             trace_ptr="*i64")
-NO_DIVISIBILITY = {"M", "R", "SPLIT", "TOPK", "CHUNK", "n_steps", "X_DIV", "stride_s2e", "stride_s2g", "P", "CHUNK_S",
-                   "n_steps_s", "stride_ss2g"}
+# the runtime arguments' types, by name or bundle field (`gemv_launch.Io`, `Units`, `host.Operand`); the rest are i32
+TYPES = dict(x="*bf16", y="*bf16", ids="*i64", rw="*fp32", ws="*fp32", cnt="*i32", limit="fp32", w="*u8", s="*u8",
+             s2="*fp32", trace_ptr="*i64", sync_ptr="*i32")
+# i32 values compiled without divisibility by 16 (as at V4's shapes; every other specialized i32 is a multiple of 16)
+NO_DIVISIBILITY = {"n_steps", "x_div", "stride_s2e", "stride_s2g", "h_rows"}
+BUNDLES = dict(io=Io, units=Units, w=Operand, sw=Operand)   # (the one-launch pair's prefixed up_ / dn_)
 
 
 def with_defaults(fn, consts: dict) -> dict:
@@ -45,59 +49,74 @@ def with_defaults(fn, consts: dict) -> dict:
     return {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
 
 
+def signature(fn, consts: dict) -> tuple[dict, dict]:
+    """(signature, divisibility attributes) of `fn` for ASTSource: a bundle as its named tuple of types; a pointer,
+    or an i32 that is specialized and not in NO_DIVISIBILITY, divisible by 16."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        bundle = BUNDLES.get(name.removeprefix("up_").removeprefix("dn_"))
+        fields = bundle._fields if bundle else (name,)
+        types = [TYPES.get(f, "i32") for f in fields]
+        sig[name] = bundle(*types) if bundle else types[0]
+        for j, (f, t) in enumerate(zip(fields, types)):
+            if t.startswith("*") or (t == "i32" and name not in fn.do_not_specialize and f not in NO_DIVISIBILITY):
+                attrs[(i, j) if bundle else (i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def gemv_layout(rows: int, gated: bool, bn: int, mp: int, warps: int, prefetch: int, shared: bool, pdl: bool,
+                pdl_l2: int, gcol: bool, x_ready: bool, cols: bool, blocks: bool) -> Layout:
+    return Layout(ROWS=rows, GATED=gated, BN=bn, MMA_N=mp, DOT=tl.bfloat16, ASM=True, WARPS=warps, PREFETCH=prefetch,
+                  SHARED=shared, PDL=pdl, PDL_L2=pdl_l2, GROUP_COLS=gcol, X_READY=x_ready, COLS=cols, BLOCKS=blocks)
+
+
 def compile_gemv(fmt: str, warps: int, bn: int, stages: int, rows: int, gated: bool, maxnreg: int, mp: int = 16,
                  shared: str | None = None, prefetch: int = 1, tiled: bool = False, pdl: bool = False,
-                 pdl_l2: int = gemv.GemvConfig().pdl_l2, gcol: bool = False, x_ready: bool = False,
-                 cols: bool = False, fn=None):
+                 pdl_l2: int = GemvConfig().pdl_l2, gcol: bool = False, x_ready: bool = False,
+                 cols: bool = False, blocks: bool = False, fn=None):
     """`gemv._gemv_kernel`, or `fn`, a kernel with its arguments (and maybe more: `TYPES`), for sm_90."""
     fn = fn or gemv._gemv_kernel
-    consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=rows, GATED=gated, BN=bn, MP=mp, DOT=tl.bfloat16, ASM=True,
-                  W=warps, SHARED=shared is not None, FMT_S=FMT_CODES[shared or fmt], SCALE_F32_S=False, PF=prefetch,
-                  TILED=tiled, TILED_S=tiled, PDL=pdl, PDL_L2=pdl_l2, GCOL=gcol, X_READY=x_ready,
-                  COLS=cols)
+    consts = dict(L=gemv_layout(rows, gated, bn, mp, warps, prefetch, shared is not None, pdl, pdl_l2, gcol, x_ready,
+                                cols, blocks),
+                  F=Stored(FMT_CODES[fmt], False, tiled), FS=Stored(FMT_CODES[shared or fmt], False, tiled))
     consts = with_defaults(fn, consts)
-    sig = {n: ("constexpr" if n in consts else TYPES.get(n, "i32")) for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize
-                                            and n not in NO_DIVISIBILITY)}
+    sig, attrs = signature(fn, consts)
     opts = {"num_warps": warps, "num_stages": stages, **({"maxnreg": maxnreg} if maxnreg else {}),
             **({"launch_pdl": True} if pdl else {})}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: bool = False, x_ready: bool = False,
-                 gcol: bool = True, stages: int = 2, cols: bool = False):
+                 gcol: bool = True, stages: int = 2, cols: bool = False, blocks: bool = False):
     """`moe_pair._moe_pair_kernel` (the MoE decode pair in one launch) as `moe` runs it: 2 warps, BN 64, MMA N 8,
     the routed experts (and the shared expert, if given) in the same format for gate/up and down."""
     fn = moe_pair._moe_pair_kernel
-    fmt_s = FMT_CODES[shared or fmt]
-    consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, ROWS=gemv.ROWS_PAIR, GATED=True, BN=64, MP=8, DOT=tl.bfloat16,
-                  ASM=True, W=2, SHARED=shared is not None, FMT_S=fmt_s, SCALE_F32_S=False, PF=1, TILED=tiled,
-                  TILED_S=tiled, PDL=pdl, GCOL=gcol, X_READY=x_ready, D_FMT=FMT_CODES[fmt], D_SCALE_F32=False, D_BN=64,
-                  D_FMT_S=fmt_s, D_SCALE_F32_S=False, D_TILED=tiled, D_TILED_S=tiled, D_GCOL=gcol, AWAIT_L2=0,
-                  COLS=cols)
-    consts = with_defaults(fn, consts)
-    sig = {n: "constexpr" if n in consts else "*i32" if n == "sync_ptr" else
-           TYPES.get(n.removeprefix("d_"), "i32") for n in fn.arg_names}
-    nodiv = NO_DIVISIBILITY | {"d_" + n for n in NO_DIVISIBILITY} | {"h_rows"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or (sig[n] == "i32" and n not in fn.do_not_specialize and n not in nodiv)}
+    stored, stored_s = Stored(FMT_CODES[fmt], False, tiled), Stored(FMT_CODES[shared or fmt], False, tiled)
+    up = gemv_layout(policy.ROWS_PAIR, True, 64, 8, 2, 1, shared is not None, pdl, 0, gcol, x_ready, cols, blocks)
+    down = up._replace(ROWS=policy.ROWS_TOKEN, GATED=False, X_READY=False)
+    consts = with_defaults(fn, dict(UP=up, UP_F=stored, UP_FS=stored_s, DN=down, DN_F=stored, DN_FS=stored_s))
+    sig, attrs = signature(fn, consts)
     opts = {"num_warps": 2, "num_stages": stages, "maxnreg": 128, **({"launch_pdl": True} if pdl else {})}
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def compile_qgemm(fmt: str, rows: int, epi: int, bm: int = 16, bn: int = 128, bk: int = 128, split: bool = False,
                   warps: int = 4, stages: int = 3):
-    """`gemm._qgemm_kernel` (round one's tiles and the grouped MoE GEMM) with bf16 x, tiled weights and an fp32 y,
-    e.g. the routed down projection with the top-k sum fused (rows=ROWS_SORTED, epi=EPI_ROUTED_SUM)."""
+    """`gemm._qgemm_kernel` (the fused tiles and the grouped MoE GEMM) with bf16 x, tiled weights and an fp32 y,
+    e.g. the sorted path's routed down projection (rows=ROWS_SORTED, epi=EPI_ROUTED); no divisibility hints."""
     from dsv4.kernels import gemm
     fn = gemm._qgemm_kernel
-    consts = dict(FMT=FMT_CODES[fmt], SCALE_F32=False, A_FP4=False, ROWS=rows, GATED=False, EPI=epi, DOT=tl.bfloat16,
-                  PREC="tf32", ASM=True, BM=bm, BN=bn, BK=bk, EVEN_K=True, PROMOTE=True, SPLIT=split, TILED=True)
-    types = dict(TYPES, xs_ptr="*u8", a_ptr="*fp32", y_ptr="*fp32", rows_ptr="*i32", ids_ptr="*i32", nblk_ptr="*i32",
-                 sum_ptr="*bf16", sum_cnt_ptr="*i32")
-    consts = with_defaults(fn, consts)
-    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    consts = dict(T=gemm.Tiles(FMT=FMT_CODES[fmt], SCALE_F32=False, A_FP4=False, ROWS=rows, GATED=False, EPI=epi,
+                               DOT=tl.bfloat16, PREC="tf32", ASM=True, BM=bm, BN=bn, BK=bk, EVEN_K=True, PROMOTE=True,
+                               SPLIT=split, TILED=True))
+    types = dict(x="*bf16", x_sf="*u8", y="*fp32", rw="*fp32", rows="*i32", ids="*i32", nblk="*i32", ws="*fp32",
+                 cnt="*i32", input_scale="*fp32", limit="fp32", w="*u8", s="*u8", s2="*fp32")
+    bundles = dict(io=gemm.TileIo, grid=gemm.TileGrid, w=Operand)
+    sig = {n: "constexpr" if n in consts else bundles[n](*(types.get(f, "i32") for f in bundles[n]._fields))
+           for n in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
@@ -132,7 +151,7 @@ def main():
     ap.add_argument("--bn", type=int, default=64)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=128)
-    ap.add_argument("--rows", type=int, default=gemv.ROWS_DENSE)
+    ap.add_argument("--rows", type=int, default=policy.ROWS_DENSE)
     ap.add_argument("--gated", action="store_true")
     ap.add_argument("--mp", type=int, default=16, help="x rows per unit (the MMA N)")
     ap.add_argument("--prefetch", type=int, default=1, help="GemvConfig.prefetch (bit mask: 1 FP8, 2 FP4)")

@@ -5,12 +5,12 @@ on which SM.
 
     python bench/lab/timeline.py [--models flash,pro] [--tokens 1,2] [--dense wq_b:nvfp4:1] [--out DIR]
 
-Cases: the MoE layer (routing, then `moe.moe(after_route=True)` with NVFP4 experts and an FP8 shared expert, as
-`model.moe` runs it but without the Ops table's side stream, `moe.Side`, which V4-Pro's shared expert would take from
-4 tokens) at each token count, and dense linears (`gemm.linear`, LINEAR:FORMAT:ROWS, `common.Shapes`
+Cases: the MoE layer (routing, then `dispatch.moe(after_route=True)` with NVFP4 experts and an FP8 shared expert,
+as `model.moe` runs it but without the Ops table's side stream, `dispatch.Side`, which V4-Pro's shared expert would
+take from 4 tokens) at each token count, and dense linears (`dispatch.linear`, LINEAR:FORMAT:ROWS, `common.Shapes`
 names). Each case runs as a CUDA graph of rotated calls; during one replay every program of every `_gemv_kernel`
 launch records %globaltimer at its entry and exit, and its %smid (`_traced_gemv`, which calls the kernel itself
-between the two reads: the code and the split plan `kernels.gemv` runs, plus three stores). Per launch it prints
+between the two reads: the code and the split plan `gemv_launch` runs, plus three stores). Per launch it prints
 the programs, their start spread, duration and end quantiles (us from the call's first start), the span, the
 weight bytes over the span as a share of the copy bandwidth, programs per SM, and the mean duration by a
 program's rank among the programs on its SM (by program id, which is the order the hardware starts them in), and
@@ -20,10 +20,10 @@ as one launch (from 3 tokens) the layer shows no launch.
 Under programmatic dependent launch (the dense GEMVs; `GemvConfig.pdl`) a launch's programs start while the launch
 before is still running and wait inside the kernel, so their durations include that wait, spans overlap, and the
 time per call is the figure to read; the MoE pair's launches after routing start when its kernel lets them
-(`gemv.launch(x_ready=True)`), and its down launch runs under PDL at 1-2 tokens (`moe.DOWN_PDL_TOKENS`: its programs
-then start during gate/up's tail and their durations include that wait), without it above. %globaltimer counts ns and moved in steps of
-a few tens of ns on the H200 (its last three digits took 56-67 values over about 2000 reads: bench/RESULTS.md run
-155).
+(`gemv_launch.launch(x_ready=True)`), and its down launch runs under PDL at 1-2 tokens (`policy.DOWN_PDL_TOKENS`:
+its programs then start during gate/up's tail and their durations include that wait), without it above.
+%globaltimer counts ns and moved in steps of a few tens of ns on the H200 (its last three digits took 56-67 values
+over about 2000 reads: bench/results/round-21.md, run 155).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, Timer, bench_start, moe_decode_inputs, nbytes, random_qweight  # noqa: E402
 
-from dsv4.kernels import gemm, gemv, moe, refuse_fallback  # noqa: E402
+from dsv4.kernels import dispatch, gemv, moe, refuse_fallback  # noqa: E402
+from dsv4.kernels.host import Scratch  # noqa: E402
 from dsv4.kernels.gemv import _gemv_kernel  # noqa: E402
 
 RECORD = 3   # int64 per program: start ns, end ns, SM
@@ -61,30 +62,11 @@ def _sm_id():
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["M", "R", "SPLIT", "TOPK", "CHUNK", "P", "NB", "CHUNK_S", "SPLIT_S", "n_steps_s"])
-def _traced_gemv(
-    x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
-    M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
-    stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
-    stride_ym,
-    sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg, stride_ssn,
-    stride_ss2g, trace_ptr,
-    FMT: tl.constexpr, SCALE_F32: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr,
-    MP: tl.constexpr, DOT: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr,
-    SHARED: tl.constexpr, FMT_S: tl.constexpr, SCALE_F32_S: tl.constexpr, PF: tl.constexpr, TILED: tl.constexpr,
-    TILED_S: tl.constexpr, PDL: tl.constexpr, PDL_L2: tl.constexpr, GCOL: tl.constexpr,
-    X_READY: tl.constexpr = False, COLS: tl.constexpr = False, BLOCKS: tl.constexpr = False,
-):
+@triton.jit(do_not_specialize=["units"])
+def _traced_gemv(io, units, w, sw, trace_ptr, L: tl.constexpr, F: tl.constexpr, FS: tl.constexpr):
     """`_gemv_kernel`'s arguments and trace_ptr (int64 [programs, RECORD]): the kernel between two timer reads."""
     start = _timer()
-    _gemv_kernel(x_ptr, w_ptr, s_ptr, s2_ptr, y_ptr, ids_ptr, rw_ptr, ws_ptr, cnt_ptr,
-                 M, N, R, SPLIT, TOPK, CHUNK, n_steps, limit, X_DIV, GROUP_R, X_GSTRIDE,
-                 stride_xm, stride_we, stride_wg, stride_wn, stride_se, stride_sg, stride_sn, stride_s2e, stride_s2g,
-                 stride_ym,
-                 sw_ptr, ss_ptr, ss2_ptr, P, NB, CHUNK_S, SPLIT_S, n_steps_s, stride_swg, stride_swn, stride_ssg,
-                 stride_ssn, stride_ss2g,
-                 FMT, SCALE_F32, ROWS, GATED, BN, MP, DOT, ASM, W, SHARED, FMT_S, SCALE_F32_S, PF, TILED, TILED_S, PDL,
-                 PDL_L2, GCOL, X_READY, COLS, BLOCKS)
+    _gemv_kernel(io, units, w, sw, L, F, FS)
     end = _timer()
     rec = trace_ptr + tl.program_id(0) * RECORD_C
     tl.store(rec, start)
@@ -205,7 +187,7 @@ def main():
     ap.add_argument("--out", default="", help="a folder for the raw records (timeline.json)")
     args = ap.parse_args()
     dev, gen, timer, copy = bench_start(toy=False)
-    scratch, rot, raw = gemm.Scratch(), 8, {}
+    scratch, rot, raw = Scratch(), 8, {}
     for s in [{"flash": FLASH, "pro": PRO}[m] for m in args.models.split(",")]:
         w13 = random_qweight("nvfp4", (s.E, 2), s.I, s.D, dev, gen)
         w2 = random_qweight("nvfp4", (s.E,), s.D, s.I, dev, gen)
@@ -218,8 +200,8 @@ def main():
 
             def layer(i):
                 weights, ids = moe.route(logits[i], bias, s.k, 1.5)
-                return moe.moe(xs[i], ids, weights, w13, w2, 10.0, shared=(sw13, sw2), after_route=True,
-                               scratch=scratch)
+                return dispatch.moe(xs[i], ids, weights, w13, w2, 10.0, shared=(sw13, sw2), after_route=True,
+                                    scratch=scratch)
 
             up = touched * nbytes(w13) / s.E + nbytes(sw13)
             down = touched * nbytes(w2) / s.E + nbytes(sw2)
@@ -232,7 +214,7 @@ def main():
             ws = [random_qweight(fmt, (), n, k, dev, gen) for _ in range(rot)]
             x = torch.randn(int(m), k, device=dev, generator=gen).bfloat16()
             label = f"{s.name} {name} {fmt} M={m}"
-            calls = [lambda w=w: gemm.linear(x, w, fallback=refuse_fallback, scratch=scratch) for w in ws]
+            calls = [lambda w=w: dispatch.linear(x, w, fallback=refuse_fallback, scratch=scratch) for w in ws]
             raw[label] = trace_case(label, calls, [nbytes(ws[0])], timer, copy)
             del ws
     if args.out:

@@ -6,7 +6,7 @@ was never filled (transformers initialises sinks, ape, mHC base and gate biases 
 inside a quantized weight (zero FP4 codes, a zero-amax block) are normal and not reported.
 What a format does make legitimate is reported as such, with the reason:
 * an NVFP4 `input_scale` of zero or inf: only the W4A4 option reads it (weight-only dequantization never
-  does), so it is legitimate unless the model was loaded with w4a4=True;
+  does), so it is legitimate unless the model computes with a W4A4 Ops table (`Ops.triton(w4a4=True)`);
 * no MTP block when the checkpoint holds no `mtp.*` tensor (in any dialect: quantized and converted builds
   often drop it, transformers always does): the main model is complete, speculative decoding unavailable.
 Hash tables are checked for rows that route a token to the same expert twice.

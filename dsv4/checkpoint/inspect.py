@@ -14,6 +14,7 @@ from types import MappingProxyType
 import torch
 
 from ..config import count_parameters
+from ..kernels import Ops
 from .audit import audit
 from .canonical import NO_MTP, NO_MTP_NOTE, Checkpoint, survey_checkpoint
 from .errors import CheckpointError
@@ -139,7 +140,7 @@ def _describe(ckpt: Checkpoint, report: Inspection) -> None:
 def _run_audit(ckpt: Checkpoint, report: Inspection) -> None:
     """Load the model (bf16 compute dtype, quantized weights as stored) and audit every parameter."""
     try:
-        findings = audit(load_checkpoint(ckpt, "cpu", torch.bfloat16, kernels="ref"))
+        findings = audit(load_checkpoint(ckpt, "cpu", torch.bfloat16, Ops.reference()))
     except CheckpointError as e:
         report.refusals.append(str(e))
         return

@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 import torch
 
-from ..kernels import ops_for
+from ..kernels import Ops, ops_for
 from ..model import LinearFormat, QLinear, Transformer, build_model
 from ..model.moe import Gate
 from . import names
@@ -269,9 +269,9 @@ def check_values(model: Transformer, plan: dict[str, list]) -> None:
 
 # ------------------------------------------------------------------------------------------ entry points
 def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    kernels: str = "auto", w4a4: bool = False, progress: bool = False,
-                    tile_weights: bool | None = None) -> Transformer:
+                    ops: Ops | None = None, progress: bool = False, tile_weights: bool | None = None) -> Transformer:
     device = torch.device(device)
+    ops = ops or ops_for(device)
     problems: list[str] = []
     formats = model_formats(ckpt, problems)
     can_build = not problems       # a stacked group in two formats leaves the model's layout undefined
@@ -279,13 +279,13 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
     model = plan = None
     if can_build:
         # Without any mtp.* tensor the model is built without MTP blocks; with some, every block is required.
-        model = build_model(ckpt.config, formats, dtype, ops_for(device, kernels), w4a4, mtp=ckpt.has_mtp())
+        model = build_model(ckpt.config, formats, dtype, ops, mtp=ckpt.has_mtp())
         plan = plan_fill(model, ckpt, problems)
     _raise(ckpt, problems)
     fill(model, plan, device, progress)
     check_values(model, plan)
     if tile_weights is None:   # only the GPU kernels gain from it; the reference would untile at every call
-        tile_weights = device.type == "cuda" and kernels != "ref"
+        tile_weights = device.type == "cuda" and ops.reads_tiled
     if tile_weights:
         model.tile_weights_()
     if ckpt.lacks_mtp:
@@ -294,16 +294,15 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
 
 
 def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         kernels: str = "auto", w4a4: bool = False, progress: bool = False,
-         tile_weights: bool | None = None) -> Transformer:
+         ops: Ops | None = None, progress: bool = False, tile_weights: bool | None = None) -> Transformer:
     """Load a DeepSeek-V4 checkpoint folder (any dialect, any format) as a ready model.
 
     `model.logits(input_ids)` maps LongTensor [B, S] to logits [B, S, vocab] (causal prefill from position 0).
     dtype is the compute dtype (dense weights, activations); quantized weights stay as stored and are
-    dequantized exactly. kernels: "auto" (Triton on CUDA), "ref" or "triton". w4a4=True emulates NVFP4
-    W4A4 GEMMs (Blackwell numerics) for NVFP4 layers that carry an input_scale; the default is exact
-    weight-only dequantization. progress=True shows a progress bar (bytes read) on stderr. tile_weights:
-    store quantized weights tile-major, the order the GPU kernels read (`formats.tiling`; same logits,
-    faster decode); None = on CUDA unless kernels="ref".
+    dequantized exactly. ops: the kernel table the model computes with, the caller's choice (`kernels.ops_for`;
+    `Ops.triton(w4a4=True)` emulates NVFP4 W4A4 GEMMs, Blackwell numerics, for NVFP4 layers that carry an
+    input_scale); None = `ops_for(device)`, the device's exact default. progress=True shows a progress bar (bytes
+    read) on stderr. tile_weights: store quantized weights tile-major, the order the GPU kernels read
+    (`formats.tiling`; same logits, faster decode); None = on CUDA where the table's kernels read them.
     """
-    return load_checkpoint(open_checkpoint(path), device, dtype, kernels, w4a4, progress, tile_weights)
+    return load_checkpoint(open_checkpoint(path), device, dtype, ops, progress, tile_weights)

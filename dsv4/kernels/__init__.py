@@ -1,9 +1,9 @@
-"""Kernel dispatch: one `Ops` table per backend, chosen once and handed to the model (no module globals).
+"""Kernel tables: one `Ops` table per backend, chosen once and handed to the model (no module globals).
 
-`Ops.reference()` runs `kernels.ref` everywhere; `Ops.triton()` runs the Triton kernels (gemm.py with the
-decode GEMV of gemv.py, moe.py with moe_pair.py, w4a4.py), each of which hands a call it does not support
-(format, dtype, K not divisible by its block) to its reference twin. `ops_for(device)` picks Triton on CUDA and
-the reference elsewhere.
+`Ops.reference()` runs `kernels.ref` everywhere; `Ops.triton()` runs the Triton kernels through `dispatch` (each call
+planned once per shape by `policy`), handing a call no kernel takes (format, dtype, layout) to its reference twin.
+`w4a4=True` gives either table's W4A4 variant (`emulation.py`). `ops_for(device)` picks Triton on CUDA and the
+reference elsewhere.
 """
 
 from __future__ import annotations
@@ -15,40 +15,51 @@ from typing import Callable
 
 import torch
 
-from . import ref
+from ..formats import QWeight
+from . import emulation, ref
 
 
 @dataclass(frozen=True)
 class Ops:
     name: str
-    linear: Callable       # (x [..., K], QWeight) -> [..., N]
-    linear_w4a4: Callable  # NVFP4 W4A4 emulation, same signature
-    mlp: Callable          # shared expert (x [T, K], w13 (2,), w2, limit) -> [T, D]
-    route: Callable        # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
-    moe: Callable          # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
-    grouped_linear: Callable = ref.grouped_linear  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
+    linear: Callable          # (x [..., K], QWeight) -> [..., N]
+    linear_w4a4: Callable     # NVFP4 W4A4 emulation of one product, same signature
+    mlp: Callable             # shared expert (x [T, K], w13 (2,), w2, limit) -> [T, D]
+    route: Callable           # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
+    moe: Callable             # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
+    grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
+    w4a4: bool = False        # NVFP4 weights with an input_scale run the W4A4 emulation (Blackwell numerics)
+    reads_tiled: bool = False  # the kernels read tile-major weights (the loader stores them so on CUDA)
 
     @classmethod
-    def reference(cls) -> "Ops":
-        return cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe, ref.grouped_linear)
+    def reference(cls, w4a4: bool = False) -> "Ops":
+        ops = cls("ref", ref.linear, ref.linear_w4a4, ref.mlp, ref.route, ref.moe, ref.grouped_linear)
+        return emulation.variant(ops) if w4a4 else ops
 
     @classmethod
-    def triton(cls, strict: bool = False) -> "Ops":
+    def triton(cls, strict: bool = False, w4a4: bool = False) -> "Ops":
         """strict=True: a call a kernel does not support raises instead of running the reference (tests, benchmarks)."""
-        from . import gemm, moe, w4a4  # triton is imported only when asked for
+        from . import dispatch, moe, w4a4 as w4a4_kernels  # triton is imported only when asked for
+        from .host import Scratch
 
-        def fb(reference: Callable) -> Callable:
+        def fallback(reference: Callable) -> Callable:
             return refuse_fallback if strict else reference
 
-        scratch = gemm.Scratch()  # split-K semaphores, owned by this table
-        linear = partial(gemm.linear, fallback=fb(ref.linear), scratch=scratch)
-        mlp = partial(moe.mlp, fallback=fb(ref.mlp), linear=linear, scratch=scratch)
-        side = moe.Side(fb(ref.mlp), fb(ref.linear))  # the MoE's shared expert on a second stream, own semaphores
-        return cls("triton-strict" if strict else "triton", linear,
-                   partial(w4a4.linear_w4a4, fallback=fb(ref.linear_w4a4), scratch=scratch), mlp,
-                   partial(moe.route, fallback=fb(ref.route)),
-                   partial(moe.moe, fallback=fb(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
-                   partial(gemm.grouped_linear, fallback=fb(ref.grouped_linear), scratch=scratch))
+        scratch = Scratch()   # split-K semaphores and the plans, owned by this table
+        linear = partial(dispatch.linear, fallback=fallback(ref.linear), scratch=scratch)
+        mlp = partial(dispatch.mlp, fallback=fallback(ref.mlp), linear=linear, scratch=scratch)
+        side = dispatch.Side(fallback(ref.mlp), fallback(ref.linear))   # the MoE's shared expert on a second stream
+        ops = cls("triton-strict" if strict else "triton", linear,
+                  partial(w4a4_kernels.linear_w4a4, fallback=fallback(ref.linear_w4a4), scratch=scratch), mlp,
+                  partial(moe.route, fallback=fallback(ref.route)),
+                  partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
+                  partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
+                  reads_tiled=True)
+        return emulation.variant(ops) if w4a4 else ops
+
+    def emulates(self, w: QWeight) -> bool:
+        """Whether this table runs products with `w` as the W4A4 emulation."""
+        return self.w4a4 and emulation.emulated(w)
 
 
 class KernelFallback(RuntimeError):
@@ -59,13 +70,13 @@ def refuse_fallback(*args, **kwargs):
     raise KernelFallback("a call fell back to the reference: no Triton kernel supports it (strict ops)")
 
 
-def ops_for(device: torch.device | str, backend: str = "auto") -> Ops:
-    """backend: "auto" (Triton on CUDA, reference elsewhere), "ref", or "triton"."""
+def ops_for(device: torch.device | str, backend: str = "auto", w4a4: bool = False) -> Ops:
+    """backend: "auto" (Triton on CUDA, reference elsewhere), "ref", or "triton"; w4a4: the W4A4 variant."""
     device = torch.device(device)
     if backend not in ("auto", "ref", "triton"):
         raise ValueError(f"unknown kernel backend {backend!r}; expected auto, ref or triton")
     if backend == "ref" or (backend == "auto" and device.type != "cuda"):
-        return Ops.reference()
+        return Ops.reference(w4a4)
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton backend needs a CUDA device (set TRITON_INTERPRET=1 only in tests)")
-    return Ops.triton()
+    return Ops.triton(w4a4=w4a4)

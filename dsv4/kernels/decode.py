@@ -1,11 +1,10 @@
 """Register decoders of the decode GEMV (`gemv.py`): packed FP4 / FP8 weight words -> exact bf16 operands.
 
 Decode cost per 32-bit word (SASS, sm_90): FP4 8 values = 4 x (shift, LOP3, bf16x2 mul) on the coded words of
-tiled weights (`formats.wordcode`; 631 instead of 791 instructions per NVFP4 loop iteration, bench/RESULTS.md round
-twenty-six), 1 shift + 4 x (prmt, shift, and, bf16x2 mul) on plain words; FP8 4 values = 2 x (prmt, shift, and,
-bf16x2 mul). FP4 block-scale multipliers are formed once per scale
+tiled weights (`formats.wordcode`, docs/tuning.md#word-code), 1 shift + 4 x (prmt, shift, and, bf16x2 mul) on plain
+words; FP8 4 values = 2 x (prmt, shift, and, bf16x2 mul). FP4 block-scale multipliers are formed once per scale
 group. NVFP4: e2m1 as a bf16 subnormal (value * 2^-126) times bf16(scale * 2^117); MXFP4: times
-bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as round one); FP8: e4m3 as bf16 value * 2^-120 times
+bf16(2^(e - 17)) (exact for block scales 2^-116 .. 2^17, as the fused tiles' decoder); FP8: e4m3 as bf16 value * 2^-120 times
 2^120 (an e4m3 NaN byte decodes to a finite value), its 128x128 block scale applied to the fp32 partial of
 each 128-K block. Every value reaching the MMA is exact; the FP4 prescale is undone once in the epilogue
 (`tiles.epilogue_factor`).

@@ -3,7 +3,7 @@ fused MoE pair (`moe_pair.py`).
 
 A dense unit under programmatic dependent launch prefetches its first sub-steps into L2 before
 `griddepcontrol.wait` (`_prefetch_unit_l2`); no kernel writes weights, so that read may overlap the previous
-kernel. In the fused pair, every gate/up output tile written counts into its h row's flag (`_signal_row`:
+kernel. In the one-launch pair, every gate/up output tile written counts into its h row's flag (`_signal_row`:
 a barrier so every thread's stores come first, then a release add) and a down unit polls its row's flag with
 acquire loads and a nanosleep backoff (`_await_row`). Flags sit SYNC_LINE int32s apart: one 128-byte L2 line
 each.
@@ -28,17 +28,17 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _prefetch_unit_l2(w_ptr, s_ptr, u, splits, num_n, SPLIT, CHUNK, n_steps, stride_wn, stride_sn, stride_wg,
-                      stride_sg, FMT: tl.constexpr, GATED: tl.constexpr, BN: tl.constexpr, STEPS: tl.constexpr):
-    """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (clamped to the unit's
-    own sub-steps) and, for FP4, their block scales (tiled alongside)."""
+def _prefetch_unit_l2(w, u, splits, num_n, SPLIT, CHUNK, n_steps, FMT: tl.constexpr, GATED: tl.constexpr,
+                      BN: tl.constexpr, STEPS: tl.constexpr):
+    """Prefetch into L2 the first STEPS sub-steps of dense unit u's tile-major weights (`host.Operand` w;
+    clamped to the unit's own sub-steps) and, for FP4, their block scales (tiled alongside)."""
     j = u % splits
     n0 = ((u // splits) % num_n) * BN
     s0 = (j % SPLIT) * CHUNK
     steps = tl.minimum(tl.minimum(CHUNK, n_steps - s0), STEPS)
-    _prefetch_tiled_run(w_ptr, n0, s0, steps, stride_wn, stride_wg, TILE_BYTES_C, STEPS, GATED)
+    _prefetch_tiled_run(w.w, n0, s0, steps, w.stride_wn, w.stride_wg, TILE_BYTES_C, STEPS, GATED)
     if FMT >= 2:
-        _prefetch_tiled_run(s_ptr, n0, s0, steps, stride_sn, stride_sg, scale_chunk_c(FMT), STEPS, GATED)
+        _prefetch_tiled_run(w.s, n0, s0, steps, w.stride_sn, w.stride_sg, scale_chunk_c(FMT), STEPS, GATED)
 
 
 @triton.jit
@@ -68,20 +68,12 @@ def _load_acquire(ptr):
 
 
 @triton.jit
-def _await_row(flag_ptr, target, wbase, sbase, n0, s0, steps, stride_wn, stride_sn, FMT: tl.constexpr,
-               TILED: tl.constexpr, ASM: tl.constexpr, STEPS: tl.constexpr):
+def _await_row(flag_ptr, target, ASM: tl.constexpr):
     """Wait until the counter at flag_ptr reaches target, each thread with acquire semantics (ASM, the GPU; the
-    interpreter runs programs one after another, so the count is always there). If it has not yet, first
-    prefetch into L2 up to STEPS sub-steps [s0, s0 + steps) of tile row n0 of the unit's tile-major weights (and
-    FP4 scales), which do not depend on what it waits for."""
+    interpreter runs programs one after another, so the count is always there)."""
     if ASM:
         seen = _load_acquire(flag_ptr)
         if seen < target:
-            if STEPS > 0 and TILED:
-                run = tl.minimum(steps, STEPS)
-                _prefetch_tiled_run(wbase, n0, s0, run, stride_wn, 0, TILE_BYTES_C, STEPS, False)
-                if FMT >= 2:
-                    _prefetch_tiled_run(sbase, n0, s0, run, stride_sn, 0, scale_chunk_c(FMT), STEPS, False)
             backoff = seen * 0 + 128   # ns, doubling to 2 us: a poll is an L2 access to the slice of the flag
             while seen < target:
                 _nanosleep(backoff)

@@ -281,18 +281,9 @@ def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_s
                     PREC: tl.constexpr, ASM: tl.constexpr, TILED: tl.constexpr):
     """acc [BM, BN] += x [BM, BK] @ W[offs_n, k0:k0+BK]^T for packed FP4 W: decoded in natural K order at BM 16
     and from BM 128, as even / odd K halves (x split the same way, two dots) at BM 32-64. Plain and coded words
-    take the same order, so row-major and tiled weights give the same bits.
-
-    Why both (sm_90, Triton 3.6, NVFP4, BN 128; bench/RESULTS.md rounds twenty-four and twenty-six): plain words,
-    natural order takes 476 SASS instructions per K step at BM 64 against 512 for halves (BK 128; no prmt
-    splitting x) and 162 registers against 229, but 603 against 513 at BM 16, where mma.sync takes the weight
-    straight from registers in the halves' layout; timed, natural order was 2-14 % faster at BM 128 and up to 10 %
-    slower at BM 64. Coded words decode to natural pairs, which halves regroup by `prmt`: at BM 16 natural order
-    takes 489 instructions and 110 registers against 481 and 140 (the sorted MoE path's gate/up holds 128), and
-    timed 4-14 % faster on the large weights; at BM 32 and 64 halves stay faster (1-8 %). At BM 32 the coded halves
-    take 179 registers against plain words' 168, which costs the third CTA of 4 warps per SM: 4-6 % slower than
-    plain words on the large weights; a cap of 168 regains the CTA but spills and measured 3-11 % slower still
-    (run 190). (Plain FP4 words reach the GPU kernels only where a weight cannot be tiled.)"""
+    take the same order, so row-major and tiled weights give the same bits. Which order is faster depends on BM
+    (SASS and timings: docs/tuning.md#tiles-fp4-order); plain FP4 words reach the GPU kernels only where a weight
+    cannot be tiled."""
     GS: tl.constexpr = group_size_c(FMT)
     b, m = _load_fp4(wbase, sbase, offs_n.to(tl.int64)[:, None], nmask, k0, stride_wn, stride_sn, FMT, BK, ASM, TILED)
     if BM >= 128 or BM <= 16:

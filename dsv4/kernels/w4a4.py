@@ -21,6 +21,8 @@ import triton.language as tl
 
 from ..formats import QWeight
 from . import gemm
+from .host import Scratch, cached, device_info, readable
+from .policy import Format, TileConfig, tile_config, tiles_take
 
 
 @triton.jit
@@ -52,9 +54,7 @@ def _stage_kernel(x_ptr, q_ptr, sf_ptr, in_scale_ptr, glob_ptr, M, G, stride_xm,
                   RB: tl.constexpr, BG: tl.constexpr):
     """x [M, 16G] -> codes [M, 8G] (stored as int32 words: 8 codes each, code i at bits 4i, which is the packed
     byte order `pack_e2m1` gives on a little-endian machine) and e4m3 block scales [M, G]. A program takes RB rows
-    x BG groups as a [RB * BG, 2, 8] tile (group, word, code), so that a thread holds whole words. SASS (Triton
-    3.6, sm_90, RB 4 x BG 64, 4 warps): 816 instructions per warp for 1024 elements; the kernel before (3-D tiles,
-    7 comparisons per code, bytes stored one by one) issued 1.7 per element."""
+    x BG groups as a [RB * BG, 2, 8] tile (group, word, code), so that a thread holds whole words."""
     idx = tl.arange(0, RB * BG)
     row = tl.program_id(0) * RB + idx // BG
     grp = tl.program_id(1) * BG + idx % BG
@@ -84,8 +84,7 @@ def _stage_kernel(x_ptr, q_ptr, sf_ptr, in_scale_ptr, glob_ptr, M, G, stride_xm,
 def stage_activation(x: torch.Tensor, input_scale: torch.Tensor | float, *, block: int = 128, num_warps: int = 2):
     """Same contract as `dsv4.formats.stage_activation`: [..., K] -> (x_fp4 uint8 [..., K/2],
     x_sf float8_e4m3fn [..., K/16], global = 1/input_scale fp32 []). `block` (groups of 16 per program) and
-    `num_warps` only change the launch, never the bits; 128 on 2 warps measured fastest or within 0.3 us of it from 1
-    to 4096 rows (H200, bench/RESULTS.md run 193: 58.8 us for 4096 x 16384 bf16, 2.2x faster than the kernel before)."""
+    `num_warps` only change the launch, never the bits (tuned on H200: docs/tuning.md#stage-activation)."""
     K = x.shape[-1]
     if K % 16:
         raise ValueError(f"stage_activation: K={K} is not a multiple of the NVFP4 block (16)")
@@ -111,9 +110,9 @@ def stage_activation(x: torch.Tensor, input_scale: torch.Tensor | float, *, bloc
     return q.view(torch.uint8).reshape(*lead, K // 2), sf.view(torch.float8_e4m3fn).reshape(*lead, G), glob
 
 
-def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, config: gemm.Config | None = None,
-                scratch: gemm.Scratch | None = None):
-    """Same contract as `ref.linear_w4a4`."""
+def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, config: TileConfig | None = None,
+                scratch: Scratch | None = None):
+    """Same contract as `ref.linear_w4a4`: the activations staged in NVFP4, then the fused tiles over FP4 x and W."""
     if w.fmt != "nvfp4" or w.input_scale is None:
         raise ValueError("W4A4 emulation needs an NVFP4 weight with an input_scale")
     if w.leading:
@@ -121,8 +120,8 @@ def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, config: gemm.Conf
     K, N = w.in_features, w.out_features
     M = x.numel() // max(1, x.shape[-1])
     cfg = None
-    if gemm.supported(x, w) and K % 32 == 0:
-        cfg = config or gemm.pick_config(M, N, K, "nvfp4", x.device, a_fp4=True)
+    if x.shape[-1] == K and K % 32 == 0 and readable(w, x.device):
+        cfg = config or cached(scratch, ("w4a4", x.dtype, M, N, K, x.device), lambda: _tiles(x, M, N, K))
     if cfg is None:
         return fallback(x, w)
     x_fp4, x_sf, _ = stage_activation(x, w.input_scale)
@@ -133,3 +132,10 @@ def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, config: gemm.Conf
         a = w.input_scale.reshape(1) if w.input_scale.dim() == 0 else w.input_scale
         gemm.launch(x_fp4, w, y, cfg, M=M, x_sf=x_sf, input_scale=a, scratch=scratch)
     return y.reshape(*x.shape[:-1], N)
+
+
+def _tiles(x: torch.Tensor, M: int, N: int, K: int) -> TileConfig | None:
+    device = device_info(x.device)
+    if not tiles_take(Format("nvfp4", x.dtype), K, device):
+        return None
+    return tile_config(M, N, K, "nvfp4", device.sms, a_fp4=True)

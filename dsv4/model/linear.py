@@ -57,35 +57,32 @@ DENSE = LinearFormat()
 
 
 class Builder:
-    """What every module of one model is built with: linear formats by module path, compute dtype, ops, options.
+    """What every module of one model is built with: linear formats by module path, compute dtype, ops.
 
     `sub("attn")` is the view a child module gets, so each module names only its own children; paths absent
     from `formats` are dense.
     """
 
-    def __init__(self, formats: dict[str, LinearFormat] | None, dtype: torch.dtype, ops: Ops, w4a4: bool = False,
-                 prefix: str = ""):
-        self.formats, self.dtype, self.ops, self.w4a4, self.prefix = formats or {}, dtype, ops, w4a4, prefix
+    def __init__(self, formats: dict[str, LinearFormat] | None, dtype: torch.dtype, ops: Ops, prefix: str = ""):
+        self.formats, self.dtype, self.ops, self.prefix = formats or {}, dtype, ops, prefix
 
     def sub(self, name: str) -> "Builder":
-        return Builder(self.formats, self.dtype, self.ops, self.w4a4, f"{self.prefix}{name}.")
+        return Builder(self.formats, self.dtype, self.ops, f"{self.prefix}{name}.")
 
     def format(self, name: str) -> LinearFormat:
         return self.formats.get(self.prefix + name, DENSE)
 
     def linear(self, name: str, in_features: int, out_features: int, leading: tuple[int, ...] = ()) -> "QLinear":
-        return QLinear(in_features, out_features, self.format(name), self.dtype, self.ops, leading, self.w4a4)
+        return QLinear(in_features, out_features, self.format(name), self.dtype, self.ops, leading)
 
 
 class QLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, fmt: LinearFormat, dtype: torch.dtype, ops: Ops,
-                 leading: tuple[int, ...] = (), w4a4: bool = False):
+                 leading: tuple[int, ...] = ()):
         super().__init__()
         self.in_features, self.out_features, self.leading = in_features, out_features, tuple(leading)
         self.format, self.ops = fmt, ops
         self.tiled = False   # buffers hold tile-major bytes (`tile_`): set only by the device placement
-        # W4A4 emulation applies only where it is defined: NVFP4 weights with a calibrated input_scale.
-        self.w4a4 = w4a4 and fmt.fmt == "nvfp4" and fmt.input_scale
         for name, (shape, dt) in fmt.buffers(self.leading, out_features, in_features, dtype).items():
             self.register_buffer(name, torch.empty(shape, dtype=dt))
 
@@ -107,8 +104,13 @@ class QLinear(nn.Module):
             self.tiled = True
         return self.tiled
 
+    @property
+    def w4a4(self) -> bool:
+        """Whether this layer's products run the W4A4 emulation (its Ops table's choice, `kernels.emulation`)."""
+        return self.ops.emulates(self.qweight())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.ops.linear_w4a4 if self.w4a4 else self.ops.linear)(x, self.qweight())
+        return self.ops.linear(x, self.qweight())
 
     def logical_numel(self) -> int:
         return math.prod((*self.leading, self.out_features, self.in_features))
@@ -122,13 +124,6 @@ def grouped_linear(x: torch.Tensor, layer: QLinear, groups: int) -> torch.Tensor
     """Block-diagonal projection (wo_a): x [..., g, c] with W [g*r, c] viewed as [g, r, c] -> [..., g, r].
 
     Runs `Ops.grouped_linear` (one bmm over the groups in the reference, as transformers' DeepseekV4GroupedLinear
-    does; one GEMV launch over all groups at decode on GPU). Under the W4A4 option each group's rows go through
-    the emulated GEMM instead.
+    does; one GEMV launch over all groups at decode on GPU).
     """
-    q = layer.qweight()
-    if layer.w4a4:
-        r = q.out_features // groups
-        rows = [slice(g * r, (g + 1) * r) for g in range(groups)]
-        return torch.stack([layer.ops.linear_w4a4(x[..., g, :], q.rows(s.start, s.stop))
-                            for g, s in enumerate(rows)], dim=-2)
-    return layer.ops.grouped_linear(x, q, groups)
+    return layer.ops.grouped_linear(x, layer.qweight(), groups)

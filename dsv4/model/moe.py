@@ -14,13 +14,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.ref import swiglu
 from .linear import Builder, QLinear
 
 
 class Gate(QLinear):
     def __init__(self, cfg: ModelConfig, layer: int, b: Builder):
-        super().__init__(cfg.hidden_size, cfg.n_routed_experts, b.format("gate"), b.dtype, b.ops, (), b.w4a4)
+        super().__init__(cfg.hidden_size, cfg.n_routed_experts, b.format("gate"), b.dtype, b.ops)
         self.hash = cfg.is_hash_layer(layer)
         if self.hash:
             self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
@@ -35,18 +34,6 @@ class Experts(nn.Module):
         super().__init__()
         self.w13 = b.linear("w13", dim, inter, leading=(*lead, 2))
         self.w2 = b.linear("w2", inter, dim, leading=lead)
-
-    @property
-    def w4a4(self) -> bool:
-        return self.w13.w4a4 or self.w2.w4a4
-
-    def one(self, x: torch.Tensor, *index: int, limit: float) -> torch.Tensor:
-        """One expert (W4A4 option): each shard with an input_scale emulates W4A4, the others run weight-only."""
-        def lin(layer: QLinear, h: torch.Tensor, *idx: int) -> torch.Tensor:
-            return (layer.ops.linear_w4a4 if layer.w4a4 else layer.ops.linear)(h, layer.piece(*idx))
-
-        h = swiglu(lin(self.w13, x, *index, 0), lin(self.w13, x, *index, 1), limit).to(x.dtype)
-        return lin(self.w2, h, *index)
 
 
 class MoE(nn.Module):
@@ -66,17 +53,6 @@ class MoE(nn.Module):
         weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
                                       g.tid2eid if g.hash else None, input_ids if g.hash else None)
         ex, sh = self.experts, self.shared_experts
-        fold = sh is not None and not sh.w4a4 and not ex.w4a4   # the shared expert runs inside ops.moe
-        if ex.w4a4:
-            out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
-            for e in ids.unique().tolist():
-                tok, slot = torch.where(ids == e)
-                out.index_add_(0, tok, ex.one(flat[tok], e, limit=self.limit).float() * weights[tok, slot, None])
-            out = out.to(x.dtype)
-        else:
-            out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
-                               shared=(sh.w13.qweight(), sh.w2.qweight()) if fold else None, after_route=True)
-        if sh is not None and not fold:
-            out = out + (sh.one(flat, limit=self.limit) if sh.w4a4 else
-                         self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit))
+        out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
+                           shared=None if sh is None else (sh.w13.qweight(), sh.w2.qweight()), after_route=True)
         return out.view(x.shape)

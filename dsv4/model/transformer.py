@@ -157,7 +157,7 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, formats: dict[str, LinearFormat] | None = None, dtype: torch.dtype = torch.float32,
-                ops: Ops | None = None, w4a4: bool = False, mtp: bool = True,
+                ops: Ops | None = None, mtp: bool = True,
                 device: torch.device | str = "meta") -> Transformer:
     """The model with uninitialised buffers (on the meta device by default: no memory until the loader fills it).
 
@@ -165,7 +165,7 @@ def build_model(cfg: ModelConfig, formats: dict[str, LinearFormat] | None = None
     mtp=False leaves out the MTP block(s) (for checkpoints that never had them, e.g. a transformers save).
     """
     with torch.device(device):
-        model = Transformer(cfg, Builder(formats, dtype, ops or Ops.reference(), w4a4), mtp)
+        model = Transformer(cfg, Builder(formats, dtype, ops or Ops.reference()), mtp)
     unknown = sorted(set(formats or {}) - {n for n, m in model.named_modules() if isinstance(m, QLinear)})
     if unknown:
         raise ValueError(f"formats given for modules the model does not have: {unknown[:8]}")
