@@ -1,0 +1,197 @@
+"""mHC hyper-connections as Triton kernels: the collapse before a block (`hc_pre`), the residual update after it
+(`hc_post`), and the HyperHead's final collapse (`hc_head`). Same contracts as `ref.hc_pre` / `hc_post` / `hc_head`.
+
+Per token, streams X [n, d] (n = hc_mult, R = (2 + n) n mixing rows, or n for the head):
+    m = fn @ X_flat * rsqrt(mean(X_flat^2) + norm_eps)          fn [R, n d] fp32
+    pre, post, comb = sigmoid / 2 sigmoid / Sinkhorn of m * scale + base
+    u = sum_j pre[j] X[j]
+`hc_pre` and `hc_head` are two launches: `_mix_kernel` splits n*d into K chunks over programs (a decode step has
+a few tokens but fn is R x n d: 1.5 MB for V4-Flash) and writes per-chunk partial dot products and sums of squares;
+`_finish_kernel` (one program per token) adds the chunks in a fixed order, normalises, runs the sigmoids and the
+Sinkhorn iterations in registers, and collapses the streams. The RMS factor multiplies the finished dot product
+instead of every input: the same value within fp32 rounding. `hc_post` is one launch,
+X'[k] = post[k] out + sum_j comb[j, k] X[j], accumulated in fp32 and rounded once to the stream dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from .policy import cdiv, next_pow2
+
+MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most): (n d) / 512 programs per token block
+MIX_BK = 64           # columns per inner step of a chunk
+MIX_TOKENS = 4        # tokens per `_mix_kernel` program
+COLLAPSE_BD = 512     # hidden columns per step of the collapse and of `hc_post`
+
+
+@dataclass(frozen=True)
+class HcPlan:
+    """Launch geometry of one (tokens, streams, hidden, mixing rows) shape."""
+    tokens: int
+    streams: int          # n
+    hidden: int           # d
+    rows: int             # R: (2 + n) n for hc_pre, n for hc_head
+    rows_p2: int          # R rounded up to a power of two (register tiles)
+    chunk: int            # columns of n d per `_mix_kernel` program
+    chunks: int           # programs per token block
+    token_blocks: int
+
+
+@lru_cache(maxsize=None)
+def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
+    """The geometry of one shape (pure, cached): the mixing product's chunks are MIX_CHUNK columns, or the largest
+    divisor of n d below it that is a multiple of MIX_BK."""
+    width = streams * hidden
+    chunk = math.gcd(width, MIX_CHUNK)
+    if streams & (streams - 1) or chunk % MIX_BK:
+        raise ValueError(f"hc kernels need a power-of-two hc_mult and hc_mult * hidden divisible by {MIX_BK}, "
+                         f"got {streams} x {hidden}")
+    return HcPlan(tokens, streams, hidden, rows, next_pow2(rows), chunk, width // chunk, cdiv(tokens, MIX_TOKENS))
+
+
+@triton.jit
+def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_pt,
+                RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr):
+    """Partial products of chunk c: part[c, t, r] = sum_{k in chunk} fn[r, k] x[t, k] for r < R, and
+    part[c, t, RP] = sum_{k in chunk} x[t, k]^2 (x = the flattened streams, fp32)."""
+    tb, c = tl.program_id(0), tl.program_id(1)
+    t = tb * BT + tl.arange(0, BT)
+    r = tl.arange(0, RP)
+    tmask, rmask = t < T, r < R
+    acc = tl.zeros([BT, RP], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in range(c * CHUNK, (c + 1) * CHUNK, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=tmask[:, None], other=0.0)
+        x = x.to(tl.float32)
+        w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        ss += tl.sum(x * x, axis=1)
+    base = part_ptr + c * stride_pc + t[:, None] * stride_pt
+    tl.store(base + r[None, :], acc, mask=tmask[:, None])
+    tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
+
+
+@triton.jit
+def _sigmoid(v):
+    return 1.0 / (1.0 + tl.exp(-v))
+
+
+@triton.jit
+def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr, C, D, stride_xt, stride_pc,
+                   stride_pt, stride_ut, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr, RP: tl.constexpr,
+                   HEAD: tl.constexpr, BD: tl.constexpr):
+    """One token: mixes from the chunk partials, then pre (and, unless HEAD, post and the Sinkhorn comb), then
+    u = sum_j pre[j] X[j] in fp32, stored in u's dtype."""
+    t = tl.program_id(0)
+    j = tl.arange(0, N)
+    mix_pre = tl.zeros([N], tl.float32)
+    ss = tl.zeros([], tl.float32)
+    for c in range(C):
+        row = part_ptr + c * stride_pc + t * stride_pt
+        mix_pre += tl.load(row + j)
+        ss += tl.load(row + RP)
+    r = tl.math.rsqrt(ss / (N * D) + norm_eps)
+    pre = _sigmoid(mix_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
+    if not HEAD:
+        mix_post = tl.zeros([N], tl.float32)
+        mix_comb = tl.zeros([N, N], tl.float32)
+        cell = j[:, None] * N + j[None, :]
+        for c in range(C):
+            row = part_ptr + c * stride_pc + t * stride_pt
+            mix_post += tl.load(row + N + j)
+            mix_comb += tl.load(row + 2 * N + cell)
+        post = 2.0 * _sigmoid(mix_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
+        logits = mix_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cell)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = e / tl.sum(e, axis=1)[:, None] + hc_eps                 # row softmax + eps
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)          # then a column normalisation
+        for _ in range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + t * N + j, post)
+        tl.store(comb_ptr + t * N * N + cell, comb)
+    for d0 in range(0, D, BD):
+        dd = d0 + tl.arange(0, BD)
+        dmask = dd < D
+        xs = tl.load(x_ptr + t.to(tl.int64) * stride_xt + j[:, None] * D + dd[None, :], mask=dmask[None, :],
+                     other=0.0).to(tl.float32)
+        u = tl.sum(pre[:, None] * xs, axis=0)
+        tl.store(u_ptr + t.to(tl.int64) * stride_ut + dd, u.to(u_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, stride_ot, stride_xt, stride_yt,
+                 N: tl.constexpr, BD: tl.constexpr):
+    """One token, BD hidden columns: y[k] = post[k] out + sum_j comb[j, k] x[j] (fp32, one rounding)."""
+    t, db = tl.program_id(0), tl.program_id(1)
+    j = tl.arange(0, N)
+    dd = db * BD + tl.arange(0, BD)
+    dmask = dd < D
+    t64 = t.to(tl.int64)
+    out = tl.load(out_ptr + t64 * stride_ot + dd, mask=dmask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + t64 * stride_xt + j[:, None] * D + dd[None, :], mask=dmask[None, :], other=0.0)
+    x = x.to(tl.float32)
+    post = tl.load(post_ptr + t * N + j)
+    y = post[:, None] * out[None, :]
+    for src in range(N):
+        row = tl.sum(tl.where(j[:, None] == src, x, 0.0), axis=0)                  # x[src]
+        y += tl.load(comb_ptr + t * N * N + src * N + j)[:, None] * row[None, :]   # comb[src, k] x[src]
+    tl.store(y_ptr + t64 * stride_yt + j[:, None] * D + dd[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=dmask[None, :])
+
+
+def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+              norm_eps: float, head: bool):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    xt = x.reshape(-1, n * d).contiguous()
+    T, R = xt.shape[0], fn.shape[0]
+    plan = plan_hc(T, n, d, R)
+    dev = x.device
+    part = torch.empty(plan.chunks, T, plan.rows_p2 + 1, dtype=torch.float32, device=dev)
+    u = torch.empty(T, d, dtype=x.dtype, device=dev)
+    post = torch.empty(T, n, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    if T:
+        _mix_kernel[(plan.token_blocks, plan.chunks)](
+            xt, fn.float().contiguous(), part, T, n * d, R, xt.stride(0), part.stride(0), part.stride(1),
+            RP=plan.rows_p2, BT=MIX_TOKENS, CHUNK=plan.chunk, BK=MIX_BK)
+        _finish_kernel[(T,)](
+            xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb, plan.chunks, d,
+            xt.stride(0), part.stride(0), part.stride(1), u.stride(0), norm_eps, hc_eps, ITERS=iters, N=n,
+            RP=plan.rows_p2, HEAD=head, BD=min(COLLAPSE_BD, next_pow2(d)))
+    return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
+           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Streams x [..., n, d] -> (collapsed [..., d] in x.dtype, post fp32 [..., n], comb fp32 [..., n, n])."""
+    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams [..., n, d] -> [..., d] (a `pre` only)."""
+    return _collapse(x, fn, base, scale, 0, hc_eps, norm_eps, head=True)[0]
+
+
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """Block output [..., d] and its input streams [..., n, d] -> new streams [..., n, d] in the streams' dtype."""
+    lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
+    xs = streams.reshape(-1, n * d).contiguous()
+    o = out.reshape(-1, d).contiguous()
+    T = xs.shape[0]
+    y = torch.empty_like(xs)
+    BD = min(COLLAPSE_BD, next_pow2(d))
+    if T:
+        _post_kernel[(T, cdiv(d, BD))](o, xs, post.reshape(T, n).float().contiguous(),
+                                       comb.reshape(T, n, n).float().contiguous(), y, d, o.stride(0),
+                                       xs.stride(0), y.stride(0), N=n, BD=BD)
+    return y.view(*lead, n, d)

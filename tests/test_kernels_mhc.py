@@ -1,0 +1,78 @@
+"""The mHC kernels (`kernels.mhc`) under the interpreter against the model's reference (`model.mhc`), both against
+the reference evaluated in float64: fp32 within rounding of the float64 values, bf16 within one bf16 step of the
+reference (the kernels round once where the reference rounds an intermediate to bf16)."""
+
+import pytest
+import torch
+
+from dsv4.kernels import mhc
+from dsv4.model import mhc as ref
+
+EPS = 1e-6
+SHAPES = [(1, 4, 64), (6, 4, 128), (3, 4, 1024)]      # (tokens, hc_mult, hidden)
+
+
+def params(n: int, d: int, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    fn = torch.randn(rows, n * d, generator=g) * 0.5 / (n * d) ** 0.5
+    return fn, torch.randn(rows, generator=g) * 0.5, torch.rand(3, generator=g) + 0.5
+
+
+def streams(T: int, n: int, d: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(2, T, n, d, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+@pytest.mark.parametrize("T, n, d", SHAPES)
+def test_hc_pre_and_post_fp32(T, n, d):
+    x = streams(T, n, d, seed=T)
+    fn, base, scale = params(n, d, (2 + n) * n, seed=d)
+    u, post, comb = mhc.hc_pre(x, fn, base, scale, 20, EPS, EPS)
+    exact = ref.hc_pre(x.double(), fn.double(), base.double(), scale.double(), 20, EPS, EPS)
+    close = ref.hc_pre(x, fn, base, scale, 20, EPS, EPS)
+    assert u.dtype == x.dtype and post.shape == (2, T, n) and comb.shape == (2, T, n, n)
+    for mine, theirs, want in zip((u, post, comb), close, exact):
+        assert rel(mine, want) < 4e-6 and rel(theirs, want) < 4e-6
+    assert torch.allclose(comb.sum(dim=-2), torch.ones(2, T, n), atol=1e-3)   # Sinkhorn ends on the columns
+    out = torch.randn(2, T, d, generator=torch.Generator().manual_seed(7))
+    y = mhc.hc_post(out, x, post, comb)
+    want = ref.hc_post(out.double(), x.double(), exact[1], exact[2])
+    assert y.dtype == x.dtype and rel(y, want) < 4e-6
+
+
+@pytest.mark.parametrize("T, n, d", SHAPES)
+def test_hc_head_fp32(T, n, d):
+    x = streams(T, n, d, seed=T + 1)
+    fn, base, scale = params(n, d, n, seed=d + 1)
+    got = mhc.hc_head(x, fn, base, scale[:1], EPS, EPS)
+    want = ref.hc_head(x.double(), fn.double(), base.double(), scale[:1].double(), EPS, EPS)
+    assert got.shape == (2, T, d) and rel(got, want) < 4e-6
+
+
+def test_bf16_streams_within_one_bf16_step():
+    T, n, d = 5, 4, 256
+    x = streams(T, n, d, seed=3, dtype=torch.bfloat16)
+    fn, base, scale = params(n, d, (2 + n) * n, seed=4)
+    u, post, comb = mhc.hc_pre(x, fn, base, scale, 20, EPS, EPS)
+    ur, pr, cr = ref.hc_pre(x, fn, base, scale, 20, EPS, EPS)
+    assert u.dtype == torch.bfloat16 and rel(post, pr) < 1e-6 and rel(comb, cr) < 1e-6
+    step = 2.0 ** -7                                     # one bf16 step, relative
+    assert ((u.float() - ur.float()).abs() <= step * ur.float().abs() + 1e-6).all()
+    out = torch.randn(2, T, d, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    y, yr = mhc.hc_post(out, x, post, comb), ref.hc_post(out, x, pr, cr)
+    assert ((y.float() - yr.float()).abs() <= 2 * step * yr.float().abs() + 2 * step).all()
+
+
+def test_plans_and_refusals():
+    flash, pro = mhc.plan_hc(1, 4, 4096, 24), mhc.plan_hc(256, 4, 7168, 24)
+    assert (flash.chunk, flash.chunks, flash.rows_p2, flash.token_blocks) == (512, 32, 32, 1)
+    assert (pro.chunk, pro.chunks, pro.token_blocks) == (512, 56, 64)
+    assert mhc.plan_hc(3, 4, 64, 4).chunk == 256
+    with pytest.raises(ValueError, match="power-of-two hc_mult"):
+        mhc.plan_hc(1, 3, 4096, 15)
+    empty = torch.zeros(0, 4, 64)
+    fn, base, scale = params(4, 64, 24, seed=0)
+    assert mhc.hc_pre(empty, fn, base, scale, 20, EPS, EPS)[0].shape == (0, 64)
