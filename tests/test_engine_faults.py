@@ -55,9 +55,11 @@ def drain(engine):
 
 
 def assert_engine_clean(engine):
-    """No request left behind, every slot free, every free slot reset (no previous window in the CSA state)."""
+    """No request left behind, every slot and page free, every free slot reset (no previous window in the CSA
+    state)."""
     assert not engine.has_unfinished() and not engine._live
     assert sorted(engine.scheduler.free_slots) == list(range(engine.cache.num_slots))
+    assert engine.scheduler.pages.num_free == engine.cache.num_pages
     for name, pool in engine.cache.pools.items():
         if name.endswith("prev_score"):
             assert torch.all(pool == float("-inf")), name

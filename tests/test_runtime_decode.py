@@ -14,7 +14,7 @@ import dsv4
 import runtime_fixtures as rf
 from dsv4.model.attention import ring_positions
 from dsv4.model.state import SeqBatch
-from dsv4.runtime.cache import KVCache, cache_bytes
+from dsv4.runtime.cache import KVCache, cache_bytes, page_bytes
 from oracle import rel_err
 
 TOL = 1e-4
@@ -31,12 +31,17 @@ def ids():
     return torch.tensor([rf.prompt_ids(N, seed=1)])
 
 
+def pages_of(slot: int, per_slot: int = 2) -> tuple[int, ...]:
+    """The test's page table for a slot: its own pages, in an order unlike the positions' (pages are shared)."""
+    return tuple(reversed(range(slot * per_slot, (slot + 1) * per_slot)))
+
+
 def run_chunks(model, cache, ids, chunks, slot=0):
     """Feed one sequence through `cache` slot in the given chunk sizes; logits at every position."""
     out, start = [], 0
     with torch.inference_mode():
         for n in chunks:
-            batch = SeqBatch((slot,), (start,), (n,))
+            batch = SeqBatch((slot,), (start,), (n,), (pages_of(slot),))
             streams = model(ids[:, start:start + n], batch.positions()[None], cache.layers, batch)
             out.append(model.head_logits(streams)[0])
             start += n
@@ -49,7 +54,7 @@ def test_step_by_step_decoding_equals_prefill_at_every_position(name, models, id
     model = models[name]
     gaps = rf.TopkGaps(monkeypatch)
     ref = model.logits(ids)[0]
-    cache = KVCache(model.config, 3, 512, torch.float32)
+    cache = KVCache(model.config, 3, 6, torch.float32)
     got = run_chunks(model, cache, ids, [1] * N, slot=2)
     err = rel_err(got, ref)
     print(f"\n  {name}: step-by-step vs prefill, max rel err {err:.2e}; smallest top-k gap {gaps.min():.1e}")
@@ -74,7 +79,7 @@ def test_chunked_prefill_equals_one_shot(name, models, ids, monkeypatch):
     model = models[name]
     gaps = rf.TopkGaps(monkeypatch)
     ref = model.logits(ids)[0]
-    got = run_chunks(model, KVCache(model.config, 1, 512, torch.float32), ids, CHUNKS)
+    got = run_chunks(model, KVCache(model.config, 1, 2, torch.float32), ids, CHUNKS)
     err = rel_err(got, ref)
     print(f"\n  {name}: chunks {CHUNKS} vs one shot, max rel err {err:.2e}")
     assert err < TOL
@@ -89,7 +94,7 @@ def test_ragged_batch_equals_sequences_alone(models):
     slots = (1, 3, 0)
     # Per step: tokens fed per sequence (0 = not in this step).
     steps = [(100, 140, 0), (150, 0, 30), (5, 0, 40)] + [(1, 0, 0)] * 5
-    cache = KVCache(model.config, 4, 512, torch.float32)
+    cache = KVCache(model.config, 4, 8, torch.float32)
     run_chunks(model, cache, torch.tensor([rf.prompt_ids(50, seed=99)]), [50], slot=0)   # a previous tenant
     cache.reset(0)
     starts, outs = [0, 0, 0], [[], [], []]
@@ -97,7 +102,7 @@ def test_ragged_batch_equals_sequences_alone(models):
         for step in steps:
             members = [i for i, n in enumerate(step) if n]
             batch = SeqBatch(tuple(slots[i] for i in members), tuple(starts[i] for i in members),
-                             tuple(step[i] for i in members))
+                             tuple(step[i] for i in members), tuple(pages_of(slots[i]) for i in members))
             ids = torch.cat([seqs[i][:, starts[i]:starts[i] + step[i]] for i in members], dim=1)
             logits = model.head_logits(model(ids, batch.positions()[None], cache.layers, batch))[0]
             for i, off in zip(members, batch.offsets):
@@ -119,15 +124,29 @@ def test_ring_positions():
 
 def test_cache_layout_and_capacity(models):
     cfg = models["wide"].config
-    cache = KVCache(cfg, 2, 256, torch.float32)
+    cache = KVCache(cfg, 2, 3, torch.float32)
     csa, hca = cache.layers[2], cache.layers[3]
     assert cache.layers[0].compressor is None and hca.indexer is None
-    assert csa.compressor.entries.shape == (2, 64, cfg.head_dim) and csa.indexer.entries.shape == (2, 64, 32)
-    assert hca.compressor.entries.shape == (2, 2, cfg.head_dim) and hca.compressor.open_kv.shape == (2, 128, 64)
+    assert csa.compressor.entries.shape == (3, 64, cfg.head_dim) and csa.indexer.entries.shape == (3, 64, 32)
+    assert hca.compressor.entries.shape == (3, 2, cfg.head_dim) and hca.compressor.open_kv.shape == (2, 128, 64)
     assert csa.compressor.open_score.dtype == torch.float32 and bool((csa.compressor.prev_score == -torch.inf).all())
-    assert cache.nbytes == cache_bytes(cfg, 2, 256, torch.float32) == sum(
+    assert cache.nbytes == cache_bytes(cfg, 2, 3, torch.float32) == sum(
         p.numel() * p.element_size() for p in cache.pools.values())
+    assert cache_bytes(cfg, 2, 3, torch.float32) - cache_bytes(cfg, 2, 2, torch.float32) == page_bytes(cfg, torch.float32)
     # Views, not copies: what the model writes lands in the runtime's pools.
     assert csa.window.untyped_storage().data_ptr() == cache.pools["window"].untyped_storage().data_ptr()
-    with pytest.raises(ValueError, match="compressed-entry cache holds 64 entries"):
-        run_chunks(models["wide"], cache, torch.tensor([rf.prompt_ids(260, seed=3)]), [260])
+    with pytest.raises(ValueError, match="the sequence's 2 cache pages hold 128 entries of ratio 4"):
+        run_chunks(models["wide"], cache, torch.tensor([rf.prompt_ids(520, seed=3)]), [520])
+
+
+def test_entries_land_in_the_sequences_own_pages(models):
+    """A sequence writes entries only into its page table's pages, entry j at row j mod E of page j // E."""
+    model = models["wide"]
+    cache = KVCache(model.config, 2, 5, torch.float32)
+    run_chunks(model, cache, torch.tensor([rf.prompt_ids(300, seed=4)]), [300], slot=1)   # page table (3, 2)
+    csa, hca = cache.layers[2].compressor.entries, cache.layers[3].compressor.entries
+    used = lambda pool: {p for p in range(5) if pool[p].abs().sum() > 0}  # noqa: E731
+    assert used(csa) == {3, 2} and used(hca) == {3}
+    # 75 CSA entries: 64 on the table's first page, 11 on its second; 2 HCA entries (the third is still open)
+    assert (csa[2, :11].abs().sum(-1) > 0).all() and csa[2, 11:].abs().sum() == 0
+    assert (hca[3].abs().sum(-1) > 0).all()

@@ -142,8 +142,8 @@ def test_requests_that_cannot_run_get_a_clear_error(small_engine_model):
 
 
 def test_cache_that_cannot_fit_is_refused_before_allocating():
-    with pytest.raises(CacheCapacityError, match=r"max_num_seqs=1000 x max_model_len=1048576 needs .* GiB"):
-        KVCache(ModelConfig.flash(), 1000, 2**20, torch.bfloat16)
+    with pytest.raises(CacheCapacityError, match=r"max_num_seqs=1000 and 4096000 pages of 256 tokens needs .* GiB"):
+        KVCache(ModelConfig.flash(), 1000, 4096 * 1000, torch.bfloat16)
 
 
 def test_max_model_len_ends_with_length_and_frees_the_slot(small_engine_model):
@@ -167,3 +167,22 @@ def test_abort_frees_the_slot_for_a_waiting_request(small_engine_model):
     while engine.has_unfinished():
         engine.step()
     assert b.output().outputs[0].finish_reason == "length" and len(b.tracker.token_ids) == 3
+
+
+def test_a_full_cache_preempts_and_recomputes_with_unchanged_tokens(small_engine_model):
+    """Four sequences whose generations outgrow a 4-page cache: the youngest are preempted and recomputed, and every
+    one ends with the tokens it gets alone (greedy); afterwards every page is free."""
+    prompts = [rf.prompt_ids(n, seed=40 + i) for i, n in enumerate((200, 150, 120, 60))]
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    alone = [finish_all(Engine(small_engine_model, max_num_seqs=1), [p], [params])[0].token_ids for p in prompts]
+    engine = Engine(small_engine_model, max_num_seqs=4, max_model_len=512, num_cache_pages=4)
+    outs = finish_all(engine, prompts, [params] * 4)
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == alone
+    assert engine.scheduler.pages.num_free == 4 and engine.cache_usage() == 0.0
+
+
+def test_a_cache_smaller_than_one_sequence_is_refused(small_engine_model):
+    with pytest.raises(CacheCapacityError, match=r"holds 1 pages of 256 tokens \(256 tokens\), fewer than one sequence "
+                                                 "of max_model_len=512"):
+        Engine(small_engine_model, max_model_len=512, num_cache_pages=1)

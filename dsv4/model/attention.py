@@ -19,8 +19,8 @@ sequence (a loop here, one batched kernel later), for sequence i with `start` ca
 * window: keys = its ring (row r holds position `ring_positions(start)[r]`, -1 = empty) + its chunk,
   masked by `window_bias`; the chunk's last `window` tokens are then written at rows p mod window;
 * compressor (and the indexer's): `Compressor.append` pools the open rows + the chunk with the saved Ca
-  half and writes the new entries; attention sees every entry emitted so far, HCA all visible ones, CSA
-  the indexer's picks scored against every emitted indexer key.
+  half and writes the new entries into the sequence's pages; attention sees every entry emitted so far, HCA
+  all visible ones, CSA the indexer's picks scored against every emitted indexer key.
 """
 
 from __future__ import annotations
@@ -139,16 +139,16 @@ class Attention(nn.Module):
     def _cached(self, x, qr, q, kv, positions, state: LayerState, batch: SeqBatch) -> torch.Tensor:
         projected = self.compressor.project(x, positions) if self.compressor is not None else None
         out = []
-        for slot, start, tok in batch.spans():
+        for slot, start, tok, pages in batch.spans():
             st, pos, new_kv = state.at(slot), positions[:, tok], kv[:, tok]
             keys = torch.cat((st.window, new_kv), dim=1)                    # [1, window + n, D]
             key_pos = torch.cat((ring_positions(start, self.window, pos.device), pos[0])).unsqueeze(0)
             bias = window_bias(pos, key_pos, self.window)
             if self.compressor is not None:
                 entries = self.compressor.append(projected[0][:, tok], projected[1][:, tok], start,
-                                                 st.compressor, self.rope)
+                                                 st.compressor, pages, self.rope)
                 if self.indexer is not None:
-                    picks = self.indexer(x[:, tok], qr[:, tok], pos, self.rope, st.indexer, start)
+                    picks = self.indexer(x[:, tok], qr[:, tok], pos, self.rope, st.indexer, start, pages)
                     entry_bias = picked_entry_bias(picks, entries.shape[1])
                 else:
                     entry_bias = causal_entry_bias(pos, entries.shape[1], self.ratio)

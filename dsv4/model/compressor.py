@@ -20,6 +20,8 @@ fall anywhere relative to the windows and the entries equal those of a one-shot 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -78,26 +80,32 @@ class Compressor(nn.Module):
         kv, score = kv.unflatten(1, (n, self.ratio)), score.unflatten(1, (n, self.ratio))
         return self.finish(self.pool(kv, score), 0, rope)
 
-    def append(self, kv: torch.Tensor, score: torch.Tensor, start: int, state: CompressorState,
+    def append(self, kv: torch.Tensor, score: torch.Tensor, start: int, state: CompressorState, pages: Sequence[int],
                rope: Rope) -> torch.Tensor:
-        """One sequence's next tokens (`project`ed kv, score [1, S, width] at positions start..start+S-1) into
-        its state; returns every entry emitted so far [1, (start+S) // ratio, head_dim] (a view of the state)."""
+        """One sequence's next tokens (`project`ed kv, score [1, S, width] at positions start..start+S-1) into its
+        state; new entries go to its pages (`state.entries` [pages, E, head_dim]: entry j is row j mod E of page
+        pages[j // E]). Returns every entry emitted so far [1, (start+S) // ratio, head_dim]."""
         m, first = self.ratio, start // self.ratio
         held = start % m                                   # rows of the open window already in the state
         kv = torch.cat((state.open_kv[:, :held], kv), dim=1)
         score = torch.cat((state.open_score[:, :held], score), dim=1)
         n = kv.shape[1] // m
-        if first + n > state.entries.shape[1]:
-            raise ValueError(f"compressed-entry cache holds {state.entries.shape[1]} entries of ratio {m}; "
-                             f"position {start + kv.shape[1] - held - 1} needs entry {first + n - 1}")
+        per_page = state.entries.shape[1]
+        if -(-(first + n) // per_page) > len(pages):
+            raise ValueError(f"the sequence's {len(pages)} cache pages hold {len(pages) * per_page} entries of "
+                             f"ratio {m}; position {start + kv.shape[1] - held - 1} needs entry {first + n - 1}")
         if n:
             win_kv, win_score = kv[:, :n * m].unflatten(1, (n, m)), score[:, :n * m].unflatten(1, (n, m))
             prev = (state.prev_kv, state.prev_score) if self.overlap else None
-            state.entries[:, first:first + n] = self.finish(self.pool(win_kv, win_score, prev), first, rope)
+            new = self.finish(self.pool(win_kv, win_score, prev), first, rope)[0]
+            j = torch.arange(first, first + n)
+            page = torch.tensor(pages, dtype=torch.long)[j // per_page]
+            state.entries[page.to(new.device), (j % per_page).to(new.device)] = new
             if self.overlap:                               # the Ca half of the last window feeds the next entry
                 state.prev_kv.copy_(win_kv[:, -1, :, :self.head_dim])
                 state.prev_score.copy_(win_score[:, -1, :, :self.head_dim])
         rest = kv.shape[1] - n * m
         state.open_kv[:, :rest] = kv[:, n * m:]
         state.open_score[:, :rest] = score[:, n * m:]
-        return state.entries[:, :first + n]
+        used = torch.tensor(pages[:-(-(first + n) // per_page)], dtype=torch.long, device=state.entries.device)
+        return state.entries[used].flatten(0, 1)[None, :first + n]

@@ -53,11 +53,12 @@ class Indexer(nn.Module):
         return picks.masked_fill(picks >= limit, -1)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope,
-                state: CompressorState | None = None, start: int = 0) -> torch.Tensor:
+                state: CompressorState | None = None, start: int = 0, pages: tuple[int, ...] = ()) -> torch.Tensor:
         """Picks [B, S, k] for queries at `positions`. state=None: a fresh prefill (keys from this chunk only);
-        otherwise one sequence whose first `start` tokens are in `state`, scored against every emitted key."""
+        otherwise one sequence whose first `start` tokens are in `state` (keys in its `pages`), scored against
+        every emitted key."""
         if state is None:
             keys = self.compressor(x, positions, rope)
         else:
-            keys = self.compressor.append(*self.compressor.project(x, positions), start, state, rope)
+            keys = self.compressor.append(*self.compressor.project(x, positions), start, state, pages, rope)
         return self.select(self.scores(x, qr, positions, keys, rope), positions)

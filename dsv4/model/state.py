@@ -1,19 +1,20 @@
 """Decode-time state: what one attention layer keeps per sequence, as views into runtime-owned pools.
 
-The runtime allocates every tensor here (one slot per sequence) and hands the model these views; the
-forward reads them and writes the new tokens' rows in place, and never allocates persistent memory. No
-count is stored: a sequence's `start` (tokens already cached) determines which rows are live, so a slot
-needs only `reset` (the CSA Ca half back to "no previous window") before a new sequence uses it.
+The runtime allocates every tensor here and hands the model these views; the forward reads them and writes the new
+tokens' rows in place, and never allocates persistent memory. No count is stored: a sequence's `start` (tokens
+already cached) determines which rows are live, so a slot needs only `reset` (the CSA Ca half back to "no previous
+window") before a new sequence uses it.
 
-Per layer (dsv4-architecture.md §15), for `slots` sequences and up to `max_len` positions each:
+Per layer (dsv4-architecture.md §15), for `slots` sequences:
   window       [slots, window, D]          rotated K=V of the last `window` tokens; token p at row p mod window
-  compressor   rolling state of the open (incomplete) window, its emitted entries, and for CSA the Ca half
-               of the last complete window (the next entry's first `ratio` slots)
+  compressor   rolling state of the open (incomplete) window per slot, for CSA the Ca half of the last complete
+               window (the next entry's first `ratio` slots), and the emitted entries in pages shared by all
+               sequences: entry j of a sequence is row j mod E of page pages[j // E] (E entries per page)
   indexer      (CSA only) the same for the indexer's own ratio-4 compressor, width index_head_dim
 
-`SeqBatch` describes one ragged step: which slots take part, where each sequence starts and how many of
-the flattened tokens are its own. The reference model loops over it; a batched kernel would take the
-same three columns as device tensors.
+`SeqBatch` describes one ragged step: which slots take part, where each sequence starts, how many of the flattened
+tokens are its own, and its page table. The reference model loops over it; a batched kernel takes the same
+columns as device tensors.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ class CompressorState:
     open_score: torch.Tensor             # [slots, ratio, width] fp32: its gate logits incl. ape[p mod ratio]
     prev_kv: torch.Tensor | None         # CSA: [slots, ratio, head_dim] Ca half (kv) of the last complete window
     prev_score: torch.Tensor | None      # CSA: [slots, ratio, head_dim] fp32; -inf = no window yet (weight 0)
-    entries: torch.Tensor                # [slots, max_len // ratio, head_dim] compute dtype: emitted entries
+    entries: torch.Tensor                # [pages, E, head_dim] compute dtype: emitted entries, paged (all slots)
 
     def at(self, slot: int) -> CompressorState:
-        """The views of one slot, keeping a batch axis of 1."""
+        """The views of one slot, keeping a batch axis of 1 (the paged entries stay whole)."""
         pick = lambda t: None if t is None else t[slot:slot + 1]  # noqa: E731
         return CompressorState(pick(self.open_kv), pick(self.open_score), pick(self.prev_kv), pick(self.prev_score),
-                               pick(self.entries))
+                               self.entries)
 
     def reset(self, slot: int) -> None:
         if self.prev_kv is not None:
@@ -67,6 +68,7 @@ class SeqBatch:
     slots: tuple[int, ...]
     starts: tuple[int, ...]              # tokens of the sequence already in its cache slot
     lengths: tuple[int, ...]             # tokens of the sequence in this step (>= 1)
+    pages: tuple[tuple[int, ...], ...] = ()   # page table per sequence, covering starts[i] + lengths[i] tokens
 
     def __post_init__(self):
         if not len(self.slots) == len(self.starts) == len(self.lengths):
@@ -74,6 +76,8 @@ class SeqBatch:
                              f"starts, {len(self.lengths)} lengths")
         if len(set(self.slots)) != len(self.slots):
             raise ValueError(f"SeqBatch: a cache slot appears twice in {self.slots}")
+        if self.pages and len(self.pages) != len(self.slots):
+            raise ValueError(f"SeqBatch: {len(self.pages)} page tables for {len(self.slots)} sequences")
         if any(n < 1 for n in self.lengths) or any(s < 0 for s in self.starts):
             raise ValueError(f"SeqBatch: lengths must be >= 1 and starts >= 0, got {self.lengths} / {self.starts}")
 
@@ -94,6 +98,7 @@ class SeqBatch:
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths)])
 
     def spans(self):
-        """(slot, start, token slice) per sequence."""
-        for slot, start, off, n in zip(self.slots, self.starts, self.offsets, self.lengths):
-            yield slot, start, slice(off, off + n)
+        """(slot, start, token slice, page table) per sequence (an empty table where the batch has none)."""
+        pages = self.pages or ((),) * len(self.slots)
+        for slot, start, off, n, table in zip(self.slots, self.starts, self.offsets, self.lengths, pages):
+            yield slot, start, slice(off, off + n), table

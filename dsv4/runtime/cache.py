@@ -1,31 +1,38 @@
-"""The decode cache: one pool per kind of state, sized for `num_slots` sequences of up to `max_len` tokens,
-handed to the model as per-layer `LayerState` views (nano-vllm's allocate-then-view pattern).
+"""The decode cache: fixed-size state per sequence slot, and the compressed entries in pages of a pool shared by all
+sequences; handed to the model as per-layer `LayerState` views (nano-vllm's allocate-then-view pattern).
 
-Pools (L = layers, n = layers with a compressor of that ratio, D = head_dim, d_I = index_head_dim):
-  window                       [L, slots, sliding_window, D]          compute dtype
-  compressor.r{m}.open_kv      [n, slots, m, width]                   compute dtype (width = 2D for m = 4, else D)
-  compressor.r{m}.open_score   [n, slots, m, width]                   fp32 (gate + ape)
+A page covers PAGE_TOKENS consecutive positions of one sequence: for a layer of ratio m it holds that span's
+PAGE_TOKENS / m compressed entries (64 CSA entries and 64 indexer keys, or 2 HCA entries, at 256 tokens). One page
+id names the same span in every layer's pool, so a sequence needs one page table (`PageTable`), not one per layer.
+Capacity is the number of pages, not `slots x max_model_len`: a long sequence takes many pages, a short one few.
+
+Pools (L = layers, n = layers with a compressor of that ratio, D = head_dim, d_I = index_head_dim, P = pages):
+  window                       [L, slots, sliding_window, D]          compute dtype   per slot
+  compressor.r{m}.open_kv      [n, slots, m, width]                   compute dtype   per slot (width 2D for m = 4)
+  compressor.r{m}.open_score   [n, slots, m, width]                   fp32            per slot (gate + ape)
   compressor.r4.prev_kv/score  [n, slots, 4, D]                       Ca half of the last window (score fp32)
-  compressor.r{m}.entries      [n, slots, max_len // m, D]            compute dtype
+  compressor.r{m}.entries      [n, P, PAGE_TOKENS // m, D]            compute dtype   paged
   indexer.r4.*                 the same for the indexer's compressor, with d_I
-Every slot has room for max_len tokens, so admitting a sequence needs only a free slot.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 
 import torch
 
 from ..config import ModelConfig
 from ..model.state import CompressorState, LayerState
 
+PAGE_TOKENS = 256          # positions per page: a multiple of every compress ratio (4, 128)
+
 
 class CacheCapacityError(ValueError):
     pass
 
 
-def pool_shapes(cfg: ModelConfig, num_slots: int, max_len: int,
+def pool_shapes(cfg: ModelConfig, num_slots: int, num_pages: int,
                 dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Pool name -> (shape, dtype); layer order within a pool is layer order in the model."""
     L, W, D = cfg.num_hidden_layers, cfg.sliding_window, cfg.head_dim
@@ -42,16 +49,26 @@ def pool_shapes(cfg: ModelConfig, num_slots: int, max_len: int,
             if m == 4:
                 shapes[f"{key}.prev_kv"] = ((n, num_slots, m, hd), dtype)
                 shapes[f"{key}.prev_score"] = ((n, num_slots, m, hd), torch.float32)
-            shapes[f"{key}.entries"] = ((n, num_slots, max_len // m, hd), dtype)
+            shapes[f"{key}.entries"] = ((n, num_pages, PAGE_TOKENS // m, hd), dtype)
     return shapes
 
 
-def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype) -> int:
-    shapes = pool_shapes(cfg, num_slots, max_len, dtype).values()
+def cache_bytes(cfg: ModelConfig, num_slots: int, num_pages: int, dtype: torch.dtype) -> int:
+    shapes = pool_shapes(cfg, num_slots, num_pages, dtype).values()
     return sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in shapes)
 
 
-def _free_bytes(device: torch.device) -> int | None:
+def page_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one page adds to the pools (every layer's entries for PAGE_TOKENS positions)."""
+    return cache_bytes(cfg, 0, 1, dtype)
+
+
+def pages_for(tokens: int) -> int:
+    """Pages a sequence of `tokens` positions occupies."""
+    return -(-tokens // PAGE_TOKENS)
+
+
+def free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "cpu" and hasattr(os, "sysconf"):
@@ -62,25 +79,70 @@ def _free_bytes(device: torch.device) -> int | None:
     return None
 
 
+class PageTable:
+    """The pages of one sequence, in position order: page i covers positions [i, i + 1) * PAGE_TOKENS."""
+
+    def __init__(self):
+        self.pages: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.pages)
+
+    def capacity(self) -> int:
+        return len(self.pages) * PAGE_TOKENS
+
+
+class PageAllocator:
+    """The free pages of the pool (host side); `grow` gives a sequence's table the pages for more positions."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.free: deque[int] = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def missing(self, table: PageTable, tokens: int) -> int:
+        """Pages `table` lacks to hold `tokens` positions."""
+        return max(0, pages_for(tokens) - len(table))
+
+    def grow(self, table: PageTable, tokens: int) -> bool:
+        """Give `table` pages until it holds `tokens` positions; False (and no change) if too few are free."""
+        need = self.missing(table, tokens)
+        if need > len(self.free):
+            return False
+        table.pages.extend(self.free.popleft() for _ in range(need))
+        return True
+
+    def release(self, table: PageTable) -> None:
+        self.free.extend(table.pages)
+        table.pages.clear()
+
+
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, num_slots: int, num_pages: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         device = torch.device(device)
-        if num_slots < 1 or max_len < 1:
-            raise CacheCapacityError(f"the cache needs at least one slot and one position; got max_num_seqs="
-                                     f"{num_slots}, max_model_len={max_len}")
-        shapes = pool_shapes(cfg, num_slots, max_len, dtype)
-        need, free = cache_bytes(cfg, num_slots, max_len, dtype), _free_bytes(device)
+        if num_slots < 1 or num_pages < 1:
+            raise CacheCapacityError(f"the cache needs at least one slot and one page; got max_num_seqs={num_slots}, "
+                                     f"{num_pages} pages")
+        shapes = pool_shapes(cfg, num_slots, num_pages, dtype)
+        need, free = cache_bytes(cfg, num_slots, num_pages, dtype), free_bytes(device)
         if free is not None and need > free:
-            raise CacheCapacityError(f"the decode cache for max_num_seqs={num_slots} x max_model_len={max_len} "
-                                     f"needs {need / 2**30:.2f} GiB but {device} has {free / 2**30:.2f} GiB free; "
-                                     "lower max_num_seqs or max_model_len")
-        self.num_slots, self.max_len, self.nbytes = num_slots, max_len, need
+            raise CacheCapacityError(f"the decode cache for max_num_seqs={num_slots} and {num_pages} pages of "
+                                     f"{PAGE_TOKENS} tokens needs {need / 2**30:.2f} GiB but {device} has "
+                                     f"{free / 2**30:.2f} GiB free; lower max_num_seqs or the cache size")
+        self.num_slots, self.num_pages, self.nbytes = num_slots, num_pages, need
         self.pools = {name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in shapes.items()}
         for name, pool in self.pools.items():
             if name.endswith("prev_score"):
                 pool.fill_(float("-inf"))
         self.layers = self._views(cfg)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * PAGE_TOKENS
 
     def _views(self, cfg: ModelConfig) -> list[LayerState]:
         seen: dict[int, int] = {}          # ratio -> layers of that ratio so far
@@ -96,8 +158,11 @@ class KVCache:
         return layers
 
     def _compressor(self, key: str, j: int) -> CompressorState:
-        get = lambda leaf: self.pools[f"{key}.{leaf}"][j] if f"{key}.{leaf}" in self.pools else None  # noqa: E731
-        return CompressorState(get("open_kv"), get("open_score"), get("prev_kv"), get("prev_score"), get("entries"))
+        def leaf(name: str) -> torch.Tensor | None:
+            pool = self.pools.get(f"{key}.{name}")
+            return None if pool is None else pool[j]
+        return CompressorState(leaf("open_kv"), leaf("open_score"), leaf("prev_kv"), leaf("prev_score"),
+                               leaf("entries"))
 
     def reset(self, slot: int) -> None:
         """Make `slot` hold an empty sequence (before its first token is written)."""

@@ -5,7 +5,8 @@ one [1, N] batch described by a `SeqBatch`, runs the model against the runtime-o
 logits only at each sequence's last token when that token completes what is known of it (the last prompt
 token, or the last sampled one), and samples them in one batch with per-request parameters. A sequence
 ends on its SamplingParams (EOS, stop ids/strings, max_tokens) or, with finish_reason "length", when it
-reaches max_model_len; its cache slot is freed in the same step.
+reaches max_model_len; its cache slot and pages are freed in the same step. When the cache's pages run out, the
+scheduler preempts the youngest sequence, which recomputes its tokens later (scheduler.py).
 
 A step is a transaction per sequence. A sequence's step commits when its cache state, `num_cached` and (if
 it is due one) its sampled token have all advanced; until then a failure ends it, frees its slot and resets
@@ -29,7 +30,7 @@ import torch
 
 from ..model import Transformer
 from ..model.state import SeqBatch
-from .cache import KVCache
+from .cache import PAGE_TOKENS, CacheCapacityError, KVCache, PageAllocator, cache_bytes, page_bytes, pages_for
 from .params import (
     OutputTracker,
     RequestError,
@@ -49,6 +50,7 @@ DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 8
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_MAX_LOGPROBS = 20                  # vLLM's max_logprobs
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9       # vLLM's: the share of the GPU's memory this engine may use
 
 
 class TokenIdsOnly:
@@ -67,7 +69,11 @@ class TokenIdsOnly:
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, *, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS):
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, num_cache_pages: int | None = None,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
+        """The cache holds `num_cache_pages` pages of PAGE_TOKENS positions shared by all sequences; by default, on
+        a GPU, as many as fit in `gpu_memory_utilization` of its memory after the weights and the largest step's
+        activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens."""
         cfg = model.config
         self.model = model
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
@@ -82,11 +88,53 @@ class Engine:
         # The head may have more rows than the tokenizer has ids (padding): those are never sampled.
         self.vocab_size = self.tokenizer.vocab_size
         self.max_logprobs = max_logprobs
-        self.cache = KVCache(cfg, max_num_seqs, self.max_model_len, self.dtype, self.device)
         budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-        self.scheduler = Scheduler(max_num_seqs, budget)
+        if num_cache_pages is None:
+            num_cache_pages = self._pages_that_fit(max_num_seqs, budget, gpu_memory_utilization)
+        if num_cache_pages * PAGE_TOKENS < self.max_model_len:
+            raise CacheCapacityError(f"the cache holds {num_cache_pages} pages of {PAGE_TOKENS} tokens "
+                                     f"({num_cache_pages * PAGE_TOKENS} tokens), fewer than one sequence of "
+                                     f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more "
+                                     "memory (gpu_memory_utilization, num_cache_pages)")
+        self.cache = KVCache(cfg, max_num_seqs, num_cache_pages, self.dtype, self.device)
+        self.scheduler = Scheduler(max_num_seqs, budget, PageAllocator(num_cache_pages))
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}      # unfinished requests by id
+
+    def _pages_that_fit(self, slots: int, step_tokens: int, utilization: float) -> int:
+        cfg = self.model.config
+        if self.device.type != "cuda":
+            return slots * pages_for(self.max_model_len)
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = total * utilization - torch.cuda.memory_allocated(self.device) - self._step_workspace(step_tokens)
+        budget -= cache_bytes(cfg, slots, 0, self.dtype)          # the per-slot state
+        return max(0, int(budget // page_bytes(cfg, self.dtype)))
+
+    @torch.inference_mode()
+    def _step_workspace(self, tokens: int) -> int:
+        """Peak bytes the activations of a `tokens`-token prefill step take (one profiling forward on a scratch
+        cache of one sequence)."""
+        tokens = min(tokens, self.max_model_len)
+        scratch = KVCache(self.model.config, 1, pages_for(tokens), self.dtype, self.device)
+        batch = SeqBatch((0,), (0,), (tokens,), (tuple(range(pages_for(tokens))),))
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        streams = self.model(ids, batch.positions(self.device)[None], scratch.layers, batch)
+        self.model.head_logits(streams[:, -1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, streams
+        torch.cuda.empty_cache()
+        return peak
+
+    def cache_usage(self) -> float:
+        """The share of the cache's pages in use."""
+        pages = self.scheduler.pages
+        return 1 - pages.num_free / pages.num_pages
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None,
@@ -171,8 +219,11 @@ class Engine:
             raise
 
     def _step(self, plan: list[tuple[Sequence, int]], uncommitted: dict[str, Sequence]) -> list[Sequence]:
+        for slot in self.scheduler.vacated:       # slots freed by preemption: reset before anyone writes them
+            self.cache.reset(slot)
+        self.scheduler.vacated.clear()
         batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
-                         tuple(n for _, n in plan))
+                         tuple(n for _, n in plan), tuple(tuple(s.page_table.pages) for s, _ in plan))
         ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long, device=self.device)
         positions = batch.positions(self.device)
         try:

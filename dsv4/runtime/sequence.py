@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from .cache import PageTable
 from .params import OutputTracker, RequestOutput, SamplingParams
 
 
@@ -17,7 +18,8 @@ class Sequence:
         self.params, self.tracker, self.generator = params, tracker, generator
         self.on_output = on_output           # called after each new token (Engine.add_request)
         self.slot: int | None = None         # cache slot while running
-        self.num_cached = 0                  # leading tokens whose state is in the slot
+        self.page_table = PageTable()        # cache pages of its compressed entries while running
+        self.num_cached = 0                  # leading tokens whose state is in the slot and pages
 
     @property
     def num_tokens(self) -> int:
