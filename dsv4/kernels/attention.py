@@ -1,0 +1,163 @@
+"""V4's cached attention for every token of a ragged step in one launch: the sliding window (the slot's ring of
+earlier tokens and this step's own rows) and the compressed entries (HCA: every visible entry of the sequence's
+pages; CSA: the indexer's picks), one online softmax with the sink, shared K = V.
+
+Inputs (N tokens of B sequences; D = head_dim, W = window, E entries per page):
+    q        [N, H, D]          rotated queries
+    kv       [N, D]             this step's rotated K = V rows, the step's tokens in order
+    ring     [slots, W, D]      each slot's last W rows before the step: position p at row p mod W
+    entries  [pages, E, D]      compressed entries (None for sliding-only layers)
+    picks    [N, K] int         CSA: entry ids per token, -1 = none (None for HCA and sliding-only layers)
+    steps    `StepTokens`       per token its sequence and position; per sequence its slot, start, first token,
+                                page table
+A program takes one token and BH heads: every key row it loads serves all BH heads (MQA), so a decode step reads
+each sequence's rows H / BH times, not H times. Keys come in blocks of BK: the ring rows holding positions in
+(p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys score -inf.
+The sink joins only the denominator. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16 on the
+GPU; fp32 in the interpreter, whose bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from triton import next_power_of_2 as next_pow2
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """Where each token of a ragged step belongs, as device tensors (int32)."""
+    seq: torch.Tensor          # [N] the token's sequence
+    pos: torch.Tensor          # [N] its absolute position
+    slot: torch.Tensor         # [B] each sequence's cache slot
+    start: torch.Tensor        # [B] its tokens cached before the step
+    first: torch.Tensor        # [B] its first token's index in the step
+    pages: torch.Tensor        # [B, max pages] its page table (rows padded with 0)
+
+    @classmethod
+    def build(cls, slots, starts, lengths, pages, device) -> "StepTokens":
+        """From a step's host columns (a `SeqBatch`'s slots, starts, lengths and page tables)."""
+        seq = [i for i, n in enumerate(lengths) for _ in range(n)]
+        pos = [s + k for s, n in zip(starts, lengths) for k in range(n)]
+        first, total = [], 0
+        for n in lengths:
+            first.append(total)
+            total += n
+        width = max((len(p) for p in pages), default=0) or 1
+        table = [list(p) + [0] * (width - len(p)) for p in pages] or [[0]]
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(torch.tensor(seq, **i32), torch.tensor(pos, **i32), torch.tensor(slots, **i32),
+                   torch.tensor(starts, **i32), torch.tensor(first, **i32), torch.tensor(table, **i32))
+
+
+@triton.jit
+def _online(acc, m_i, l_i, q, k, valid, scale, DOT: tl.constexpr):
+    """One block of keys k [BK, D] (masked by valid [BK]) into the running softmax of q [BH, D]."""
+    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), out_dtype=tl.float32) * scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no key yet: keep exp() away from -inf - -inf
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k.to(DOT), out_dtype=tl.float32)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attention_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, picks_ptr, sink_ptr, o_ptr,
+                      seq_ptr, pos_ptr, slot_ptr, start_ptr, first_ptr, pages_ptr,
+                      H, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_rs, stride_pb, stride_kt,
+                      W: tl.constexpr, D: tl.constexpr, E: tl.constexpr, K: tl.constexpr, RATIO: tl.constexpr,
+                      BH: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    t, hb = tl.program_id(0), tl.program_id(1)
+    b = tl.load(seq_ptr + t)
+    p = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    start = tl.load(start_ptr + b)
+    first = tl.load(first_ptr + b)
+    h = hb * BH + tl.arange(0, BH)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :], mask=(h < H)[:, None],
+                other=0.0)
+    acc = tl.zeros([BH, D], tl.float32)
+    m_i = tl.full([BH], float("-inf"), tl.float32)
+    l_i = tl.zeros([BH], tl.float32)
+    lo = p - W                                     # keys at positions > lo are in the window
+    # the ring: row r holds the latest position < start that is r mod W (none if start - 1 < r)
+    for r0 in range(0, W, BK):
+        r = r0 + tl.arange(0, BK)
+        back = start - 1 - r
+        held = tl.where(back >= 0, start - 1 - back % W, -1)
+        valid = (r < W) & (held >= 0) & (held > lo)
+        k = tl.load(ring_ptr + slot * stride_rs + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
+    # this step's rows of the sequence, up to the token itself
+    j_lo = tl.maximum(start, lo + 1)
+    for j0 in range(j_lo, p + 1, BK):
+        j = j0 + tl.arange(0, BK)
+        valid = j <= p
+        row = (first + j - start).to(tl.int64)
+        k = tl.load(kv_ptr + row[:, None] * stride_kt + d[None, :], mask=valid[:, None], other=0.0)
+        acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
+    if RATIO == 128:                               # HCA: every entry j with (j + 1) * 128 <= p + 1
+        for e0 in range(0, (p + 1) // RATIO, BK):
+            j = e0 + tl.arange(0, BK)
+            valid = j < (p + 1) // RATIO
+            page = tl.load(pages_ptr + b * stride_pb + j // E, mask=valid, other=0).to(tl.int64)
+            k = tl.load(ent_ptr + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
+    if RATIO == 4:                                 # CSA: the indexer's picks
+        for i0 in range(0, K, BK):
+            i = i0 + tl.arange(0, BK)
+            j = tl.load(picks_ptr + t.to(tl.int64) * K + i, mask=i < K, other=-1)
+            valid = j >= 0
+            page = tl.load(pages_ptr + b * stride_pb + j // E, mask=valid, other=0).to(tl.int64)
+            k = tl.load(ent_ptr + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
+    sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
+    o = acc / (l_i + tl.exp(sink - m_i))[:, None]
+    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(h < H)[:, None])
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
+                     picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
+                     scale: float, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """o [N, H, D] in q's dtype (module docstring)."""
+    N, H, D = q.shape
+    W = ring.shape[1]
+    if D & (D - 1) or D < 16:
+        raise ValueError(f"sparse_attention needs a power-of-two head_dim >= 16, got {D}")
+    o = torch.empty_like(q)
+    if N == 0:
+        return o
+    if dot_dtype is None:
+        dot_dtype = torch.float32 if q.device.type != "cuda" or q.dtype == torch.float32 else torch.bfloat16
+    dot = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dot_dtype]
+    BH = max(16, min(64, next_pow2(H)))
+    BK = 16 if D > 256 else 32
+    ent = entries if entries is not None else ring              # never read when RATIO = 0
+    E = entries.shape[1] if entries is not None else 1
+    K = picks.shape[1] if picks is not None else 0
+    pk = picks.to(torch.int32).contiguous() if picks is not None else steps.seq
+    kv, ring, ent = kv.contiguous(), ring.contiguous(), ent.contiguous()
+    _attention_kernel[(N, triton.cdiv(H, BH))](
+        q, kv, ring, ent, pk, sinks.float().contiguous(), o, steps.seq, steps.pos, steps.slot, steps.start,
+        steps.first, steps.pages, H, scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0),
+        steps.pages.stride(0), kv.stride(0), W=W, D=D, E=E, K=K, RATIO=ratio if entries is not None else 0,
+        BH=BH, BK=BK, DOT=dot)
+    return o
+
+
+def write_ring(ring: torch.Tensor, kv: torch.Tensor, steps: StepTokens) -> None:
+    """Each sequence's last W rows of this step into its slot's ring (row = position mod W)."""
+    W = ring.shape[1]
+    seq = steps.seq.long()
+    last = steps.start[seq] + (torch.bincount(seq, minlength=steps.slot.shape[0])[seq]) - W   # keep positions >= last
+    keep = steps.pos >= last
+    ring[steps.slot.long()[seq[keep]], (steps.pos[keep] % W).long()] = kv[keep]

@@ -1,0 +1,84 @@
+"""The cached attention kernel (`kernels.attention`) under the interpreter against the model's own per-sequence
+attention (`model.attention.attend` with the ring, window and entry masks the model builds), on ragged steps:
+decode tokens and prefill chunks, starts before and after the ring fills, HCA (all visible entries) and CSA
+(picks with -1 padding), entries spread over pages in any order."""
+
+import pytest
+import torch
+
+from dsv4.kernels.attention import StepTokens, sparse_attention, write_ring
+from dsv4.model.attention import attend, causal_entry_bias, picked_entry_bias, ring_positions, window_bias
+
+W, D, H, E = 16, 32, 3, 8            # window, head_dim, heads, entries per page (ratio 4: 32 positions per page)
+
+
+def make_step(seed, ratio, starts, lengths, pages_per_seq=6, num_pages=20, k=5):
+    g = torch.Generator().manual_seed(seed)
+    B, N = len(starts), sum(lengths)
+    q = torch.randn(N, H, D, generator=g)
+    kv = torch.randn(N, D, generator=g)
+    ring = torch.randn(B + 1, W, D, generator=g)
+    entries = torch.randn(num_pages, E, D, generator=g) if ratio else None
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    pages = [tuple(perm[i * pages_per_seq:(i + 1) * pages_per_seq]) for i in range(B)]
+    slots = tuple(range(1, B + 1))                                    # slot 0 unused
+    steps = StepTokens.build(slots, starts, lengths, pages, "cpu")
+    picks = None
+    if ratio == 4:
+        visible = (steps.pos + 1) // 4
+        picks = torch.full((N, k), -1, dtype=torch.long)
+        for t in range(N):
+            n = int(visible[t])
+            chosen = torch.randperm(n, generator=g)[:k] if n else torch.zeros(0, dtype=torch.long)
+            picks[t, :len(chosen)] = chosen
+    sinks = torch.randn(H, generator=g)
+    return q, kv, ring, entries, picks, steps, pages, sinks
+
+
+def reference(q, kv, ring, entries, picks, steps, pages, sinks, ratio, starts, lengths):
+    out, off = [], 0
+    for b, (start, n) in enumerate(zip(starts, lengths)):
+        pos = torch.arange(start, start + n)
+        keys = torch.cat((ring[b + 1], kv[off:off + n]))
+        key_pos = torch.cat((ring_positions(start, W), pos))
+        bias = window_bias(pos[None], key_pos[None], W)
+        if ratio:
+            per = -(-(start + n) // ratio)
+            seq_entries = entries[list(pages[b])].flatten(0, 1)[:per]
+            if ratio == 4:
+                eb = picked_entry_bias(picks[off:off + n][None], per)
+            else:
+                eb = causal_entry_bias(pos[None], per, ratio)
+            keys, bias = torch.cat((keys, seq_entries)), torch.cat((bias, eb), dim=-1)
+        out.append(attend(q[None, off:off + n], keys[None], bias, sinks, D ** -0.5)[0])
+        off += n
+    return torch.cat(out)
+
+
+CASES = [  # (ratio, starts, lengths)
+    (0, (0, 5, 40), (3, 1, 1)),             # sliding only: fresh chunk, ring partly full, ring wrapped
+    (128, (200, 0, 130), (1, 140, 5)),      # HCA: decode past two entries, a prefill chunk crossing 128
+    (4, (7, 60, 0), (1, 25, 9)),            # CSA: picks with -1 padding, a chunk longer than the window
+]
+
+
+@pytest.mark.parametrize("ratio, starts, lengths", CASES)
+def test_matches_the_models_attention(ratio, starts, lengths):
+    args = make_step(ratio + 1, ratio, starts, lengths)
+    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5)
+    want = reference(*args, ratio, starts, lengths)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_write_ring_keeps_each_sequences_last_window():
+    starts, lengths = (3, 30, 0), (1, 20, 2)
+    q, kv, ring, _, _, steps, _, _ = make_step(9, 0, starts, lengths)
+    want = ring.clone()
+    off = 0
+    for b, (start, n) in enumerate(zip(starts, lengths)):
+        for k in range(max(0, n - W), n):
+            want[b + 1, (start + k) % W] = kv[off + k]
+        off += n
+    write_ring(ring, kv, steps)
+    assert torch.equal(ring, want)
