@@ -60,19 +60,22 @@ class LLM:
                  dtype: str | torch.dtype | None = "auto", kernels: str = "auto", w4a4: bool = False,
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  max_num_seqs: int = 8, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 max_logprobs: int = 20, progress: bool = True):
+                 max_logprobs: int = 20, gpu_memory_utilization: float = 0.9, num_cache_pages: int | None = None,
+                 progress: bool = True):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
         up to max_model_len tokens (default min(max_position_embeddings, 4096)); max_num_batched_tokens is
         the per-step token budget (prefill chunk size). max_logprobs caps SamplingParams.logprobs (vLLM's
-        default, 20)."""
+        default, 20). The cache's pages take gpu_memory_utilization of a GPU's memory after the weights (vLLM's
+        meaning), or num_cache_pages pages of 256 tokens if given; on CPU, max_num_seqs x max_model_len tokens."""
         path = resolve_model(model)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model = load(path, device, _dtype(dtype, device), ops_for(device, kernels, w4a4), progress=progress)
         tok = None if skip_tokenizer_init else Tokenizer.from_checkpoint(tokenizer or path, self.model.config)
         self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs)
+                             max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs,
+                             num_cache_pages=num_cache_pages, gpu_memory_utilization=gpu_memory_utilization)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer if self.engine.text else None

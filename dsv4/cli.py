@@ -115,6 +115,8 @@ def _serve_args(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=8, help="sequences decoded together (cache slots; default 8)")
     s.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (the prefill chunk)")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs (default 20)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and the cache's pages (default 0.9)")
     s.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait for a slot; more get 503 (default 1024)")
     s.add_argument("--max-request-bytes", type=_size, default="32MiB", metavar="SIZE",
@@ -233,7 +235,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     llm = LLM(model, device=args.device, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_logprobs=args.max_logprobs, progress=not args.no_progress)
+              max_logprobs=args.max_logprobs, gpu_memory_utilization=args.gpu_memory_utilization,
+              progress=not args.no_progress)
     run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
         api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_request_bytes)

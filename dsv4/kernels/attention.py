@@ -19,17 +19,16 @@ GPU; fp32 in the interpreter, whose bf16 dot is wrong).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from triton import next_power_of_2 as next_pow2
+from .policy import next_pow2
 
 
-@dataclass(frozen=True)
-class StepTokens:
+class StepTokens(NamedTuple):
     """Where each token of a ragged step belongs, as device tensors (int32)."""
     seq: torch.Tensor          # [N] the token's sequence
     pos: torch.Tensor          # [N] its absolute position
@@ -54,6 +53,38 @@ class StepTokens:
                    torch.tensor(starts, **i32), torch.tensor(first, **i32), torch.tensor(table, **i32))
 
 
+class Tensors(NamedTuple):
+    q: torch.Tensor
+    kv: torch.Tensor
+    ring: torch.Tensor
+    entries: torch.Tensor      # (the ring where the layer has none: never read)
+    picks: torch.Tensor        # int32 (the step's `seq` where there are none: never read)
+    sinks: torch.Tensor        # fp32 [H]
+    out: torch.Tensor
+
+
+class Strides(NamedTuple):
+    q_t: int
+    q_h: int
+    out_t: int
+    out_h: int
+    ring_slot: int
+    pages_seq: int
+    kv_t: int
+
+
+class Shape(NamedTuple):
+    """The launch's compile-time values (one constexpr)."""
+    W: int                     # window
+    D: int                     # head_dim
+    E: int                     # entries per page
+    K: int                     # picks per token (CSA)
+    RATIO: int                 # 0 (sliding only), 4 (CSA) or 128 (HCA)
+    BH: int                    # heads per program
+    BK: int                    # keys per block
+    DOT: object                # operand dtype of the products
+
+
 @triton.jit
 def _online(acc, m_i, l_i, q, k, valid, scale, DOT: tl.constexpr):
     """One block of keys k [BK, D] (masked by valid [BK]) into the running softmax of q [BH, D]."""
@@ -69,21 +100,24 @@ def _online(acc, m_i, l_i, q, k, valid, scale, DOT: tl.constexpr):
 
 
 @triton.jit
-def _attention_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, picks_ptr, sink_ptr, o_ptr,
-                      seq_ptr, pos_ptr, slot_ptr, start_ptr, first_ptr, pages_ptr,
-                      H, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_rs, stride_pb, stride_kt,
-                      W: tl.constexpr, D: tl.constexpr, E: tl.constexpr, K: tl.constexpr, RATIO: tl.constexpr,
-                      BH: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
+    W: tl.constexpr = L.W
+    D: tl.constexpr = L.D
+    E: tl.constexpr = L.E
+    K: tl.constexpr = L.K
+    RATIO: tl.constexpr = L.RATIO
+    BK: tl.constexpr = L.BK
+    BH: tl.constexpr = L.BH
+    DOT: tl.constexpr = L.DOT
     t, hb = tl.program_id(0), tl.program_id(1)
-    b = tl.load(seq_ptr + t)
-    p = tl.load(pos_ptr + t)
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    start = tl.load(start_ptr + b)
-    first = tl.load(first_ptr + b)
+    b = tl.load(steps.seq + t)
+    p = tl.load(steps.pos + t)
+    slot = tl.load(steps.slot + b).to(tl.int64)
+    start = tl.load(steps.start + b)
+    first = tl.load(steps.first + b)
     h = hb * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + h[:, None] * stride_qh + d[None, :], mask=(h < H)[:, None],
-                other=0.0)
+    q = tl.load(T.q + t.to(tl.int64) * S.q_t + h[:, None] * S.q_h + d[None, :], mask=(h < H)[:, None], other=0.0)
     acc = tl.zeros([BH, D], tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
@@ -94,7 +128,7 @@ def _attention_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, picks_ptr, sink_ptr, o_p
         back = start - 1 - r
         held = tl.where(back >= 0, start - 1 - back % W, -1)
         valid = (r < W) & (held >= 0) & (held > lo)
-        k = tl.load(ring_ptr + slot * stride_rs + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(T.ring + slot * S.ring_slot + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     # this step's rows of the sequence, up to the token itself
     j_lo = tl.maximum(start, lo + 1)
@@ -102,26 +136,26 @@ def _attention_kernel(q_ptr, kv_ptr, ring_ptr, ent_ptr, picks_ptr, sink_ptr, o_p
         j = j0 + tl.arange(0, BK)
         valid = j <= p
         row = (first + j - start).to(tl.int64)
-        k = tl.load(kv_ptr + row[:, None] * stride_kt + d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(T.kv + row[:, None] * S.kv_t + d[None, :], mask=valid[:, None], other=0.0)
         acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if RATIO == 128:                               # HCA: every entry j with (j + 1) * 128 <= p + 1
         for e0 in range(0, (p + 1) // RATIO, BK):
             j = e0 + tl.arange(0, BK)
             valid = j < (p + 1) // RATIO
-            page = tl.load(pages_ptr + b * stride_pb + j // E, mask=valid, other=0).to(tl.int64)
-            k = tl.load(ent_ptr + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
+            k = tl.load(T.entries + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if RATIO == 4:                                 # CSA: the indexer's picks
         for i0 in range(0, K, BK):
             i = i0 + tl.arange(0, BK)
-            j = tl.load(picks_ptr + t.to(tl.int64) * K + i, mask=i < K, other=-1)
+            j = tl.load(T.picks + t.to(tl.int64) * K + i, mask=i < K, other=-1)
             valid = j >= 0
-            page = tl.load(pages_ptr + b * stride_pb + j // E, mask=valid, other=0).to(tl.int64)
-            k = tl.load(ent_ptr + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
+            k = tl.load(T.entries + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
-    sink = tl.load(sink_ptr + h, mask=h < H, other=0.0)
+    sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
     o = acc / (l_i + tl.exp(sink - m_i))[:, None]
-    tl.store(o_ptr + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(o_ptr.dtype.element_ty),
+    tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
              mask=(h < H)[:, None])
 
 
@@ -146,11 +180,11 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     K = picks.shape[1] if picks is not None else 0
     pk = picks.to(torch.int32).contiguous() if picks is not None else steps.seq
     kv, ring, ent = kv.contiguous(), ring.contiguous(), ent.contiguous()
-    _attention_kernel[(N, triton.cdiv(H, BH))](
-        q, kv, ring, ent, pk, sinks.float().contiguous(), o, steps.seq, steps.pos, steps.slot, steps.start,
-        steps.first, steps.pages, H, scale, q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0),
-        steps.pages.stride(0), kv.stride(0), W=W, D=D, E=E, K=K, RATIO=ratio if entries is not None else 0,
-        BH=BH, BK=BK, DOT=dot)
+    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o)
+    strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
+                      kv.stride(0))
+    shape = Shape(W, D, E, K, ratio if entries is not None else 0, BH, BK, dot)
+    _attention_kernel[(N, triton.cdiv(H, BH))](tensors, steps, strides, H, scale, shape)
     return o
 
 

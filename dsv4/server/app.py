@@ -38,7 +38,7 @@ OPEN_PATHS = ("/health",)                 # served without the API key
 
 def make_state(engine: Engine, tokenizer: Tokenizer, served_names: tuple[str, ...], root: str, *,
                api_key: str | None = None, max_waiting: int | None = None) -> ServerState:
-    metrics = Metrics(served_names[0], engine.cache.num_slots * engine.max_model_len)
+    metrics = Metrics(served_names[0], engine.cache.capacity_tokens)
     return ServerState(EngineLoop(engine, metrics, max_waiting), tokenizer, served_names, root, api_key)
 
 
@@ -212,9 +212,9 @@ def run(llm, *, served_names: tuple[str, ...], root: str, host: str = "127.0.0.1
     sock = config.bind_socket()
     bound = sock.getsockname()[1]
     cache = engine.cache
-    log.info("model %s (%s), dtype %s on %s; cache %d sequences x %d tokens = %d tokens (%.2f GiB)", root,
-             ", ".join(served_names), str(engine.dtype).removeprefix("torch."), engine.device, cache.num_slots,
-             engine.max_model_len, cache.num_slots * engine.max_model_len, cache.nbytes / 2**30)
+    log.info("model %s (%s), dtype %s on %s; cache %d tokens in %d pages for up to %d sequences of %d tokens "
+             "(%.2f GiB)", root, ", ".join(served_names), str(engine.dtype).removeprefix("torch."), engine.device,
+             cache.capacity_tokens, cache.num_pages, cache.num_slots, engine.max_model_len, cache.nbytes / 2**30)
     log.info("serving at http://%s:%d (OpenAI /v1/completions, /v1/chat/completions; Anthropic /v1/messages)%s",
              host, bound, "; API key required" if api_key else "")
     Server(config, state, shutdown_timeout).run(sockets=[sock])

@@ -193,7 +193,7 @@ class EngineLoop:
         sched = self.engine.scheduler
         self.metrics.running.set(len(sched.running))
         self.metrics.waiting.set(waiting)
-        self.metrics.cache_usage.set(1 - len(sched.free_slots) / self.engine.cache.num_slots)
+        self.metrics.cache_usage.set(self.engine.cache_usage())
 
     def _send(self, live: _Live, now: float) -> None:
         seq, tracker = live.seq, live.seq.tracker

@@ -25,8 +25,8 @@ class Metrics:
 
         self.running = make(Gauge, "num_requests_running", "Requests in a cache slot (prefilling or decoding).")
         self.waiting = make(Gauge, "num_requests_waiting", "Requests accepted and waiting for a cache slot.")
-        self.cache_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of the decode cache's slots in use (0-1).")
-        make(Gauge, "kv_cache_capacity_tokens", "Decode cache capacity: slots x max_model_len.").set(capacity_tokens)
+        self.cache_usage = make(Gauge, "kv_cache_usage_perc", "Fraction of the decode cache's pages in use (0-1).")
+        make(Gauge, "kv_cache_capacity_tokens", "Decode cache capacity in tokens (pages x page tokens).").set(capacity_tokens)
         self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of accepted requests.")
         self.generation_tokens = make(Counter, "generation_tokens", "Generated tokens.")
         self.ttft = make(Histogram, "time_to_first_token_seconds", "From arrival to the first token.",
