@@ -1,13 +1,15 @@
-"""The cached attention kernel (`kernels.attention`) under the interpreter against the model's own per-sequence
-attention (`model.attention.attend` with the ring, window and entry masks the model builds), on ragged steps:
-decode tokens and prefill chunks, starts before and after the ring fills, HCA (all visible entries) and CSA
-(picks with -1 padding), entries spread over pages in any order."""
+"""The cached attention kernel (`kernels.attention`) and its reference twin (`ref.sparse_attention`) under the
+interpreter against per-sequence attention (`ref.attend` with the ring, window and entry masks the model builds), on
+ragged steps: decode tokens and prefill chunks, starts before and after the ring fills, HCA (all visible entries) and
+CSA (picks with -1 padding), entries spread over pages in any order."""
 
 import pytest
 import torch
 
-from dsv4.kernels.attention import StepTokens, sparse_attention, write_ring
-from dsv4.model.attention import attend, causal_entry_bias, picked_entry_bias, ring_positions, window_bias
+from dsv4.kernels import ref
+from dsv4.kernels.attention import sparse_attention
+from dsv4.kernels.ref import attend, causal_entry_bias, picked_entry_bias, ring_positions, window_bias, write_ring
+from dsv4.kernels.steps import StepTokens
 
 W, D, H, E = 16, 32, 3, 8            # window, head_dim, heads, entries per page (ratio 4: 32 positions per page)
 
@@ -67,8 +69,10 @@ def test_matches_the_models_attention(ratio, starts, lengths):
     args = make_step(ratio + 1, ratio, starts, lengths)
     got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5)
     want = reference(*args, ratio, starts, lengths)
-    assert got.shape == want.shape
+    twin = ref.sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5)   # the Ops reference table's
+    assert got.shape == want.shape == twin.shape
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+    assert (twin - want).abs().max() / want.abs().max() < 1e-6
 
 
 def test_write_ring_keeps_each_sequences_last_window():
@@ -82,3 +86,35 @@ def test_write_ring_keeps_each_sequences_last_window():
         off += n
     write_ring(ring, kv, steps)
     assert torch.equal(ring, want)
+
+
+def test_the_model_runs_its_cached_attention_through_the_kernel(monkeypatch):
+    """The tiny model on the Triton table (interpreted; its reference fallback made to fail, so the kernel really
+    runs) against the same model on the reference table: logits of a chunked prefill and decode steps that cross
+    the window and the first HCA entry."""
+    import dsv4
+    import runtime_fixtures as rf
+    from dsv4.kernels import Ops
+    from dsv4.model.state import SeqBatch
+    from dsv4.runtime.cache import KVCache
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the cached attention fell back to the reference")
+
+    monkeypatch.setattr(ref, "sparse_attention", forbidden)
+    kernel_model = dsv4.load(rf.variant("wide"), ops=Ops.triton())
+    monkeypatch.undo()
+    reference_model = dsv4.load(rf.variant("wide"))
+    ids = torch.tensor([rf.prompt_ids(140, seed=2)])
+    logits = []
+    for model in (kernel_model, reference_model):
+        cache, start, out = KVCache(model.config, 2, 4, torch.float32), 0, []
+        with torch.inference_mode():
+            for n in (100, 30, 1, 9):
+                batch = SeqBatch((1,), (start,), (n,), ((3, 2),))
+                streams = model(ids[:, start:start + n], batch.positions()[None], cache.layers, batch)
+                out.append(model.head_logits(streams)[0])
+                start += n
+        logits.append(torch.cat(out))
+    got, want = logits
+    assert (got - want).abs().max() / want.abs().max() < 1e-4

@@ -12,7 +12,7 @@ import torch
 
 import dsv4
 import runtime_fixtures as rf
-from dsv4.model.attention import ring_positions
+from dsv4.kernels.ref import ring_positions
 from dsv4.model.state import SeqBatch
 from dsv4.runtime.cache import KVCache, cache_bytes, page_bytes
 from oracle import rel_err

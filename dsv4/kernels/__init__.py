@@ -28,6 +28,10 @@ class Ops:
     route: Callable           # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
     moe: Callable             # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
     grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
+    # cached attention of a ragged step: (q [N, H, D], kv [N, D], ring, entries, picks, StepTokens, ratio, sinks,
+    # scale) -> [N, H, D]; and the step's rows into the rings
+    sparse_attention: Callable = ref.sparse_attention
+    write_ring: Callable = ref.write_ring
     w4a4: bool = False        # NVFP4 weights with an input_scale run the W4A4 emulation (Blackwell numerics)
     reads_tiled: bool = False  # the kernels read tile-major weights (the loader stores them so on CUDA)
 
@@ -39,7 +43,7 @@ class Ops:
     @classmethod
     def triton(cls, strict: bool = False, w4a4: bool = False) -> "Ops":
         """strict=True: a call a kernel does not support raises instead of running the reference (tests, benchmarks)."""
-        from . import dispatch, moe, w4a4 as w4a4_kernels  # triton is imported only when asked for
+        from . import attention, dispatch, moe, w4a4 as w4a4_kernels  # triton is imported only when asked for
         from .host import Scratch
 
         def fallback(reference: Callable) -> Callable:
@@ -54,6 +58,7 @@ class Ops:
                   partial(moe.route, fallback=fallback(ref.route)),
                   partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
                   partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
+                  partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)), ref.write_ring,
                   reads_tiled=True)
         return emulation.variant(ops) if w4a4 else ops
 

@@ -26,31 +26,7 @@ import triton
 import triton.language as tl
 
 from .policy import next_pow2
-
-
-class StepTokens(NamedTuple):
-    """Where each token of a ragged step belongs, as device tensors (int32)."""
-    seq: torch.Tensor          # [N] the token's sequence
-    pos: torch.Tensor          # [N] its absolute position
-    slot: torch.Tensor         # [B] each sequence's cache slot
-    start: torch.Tensor        # [B] its tokens cached before the step
-    first: torch.Tensor        # [B] its first token's index in the step
-    pages: torch.Tensor        # [B, max pages] its page table (rows padded with 0)
-
-    @classmethod
-    def build(cls, slots, starts, lengths, pages, device) -> "StepTokens":
-        """From a step's host columns (a `SeqBatch`'s slots, starts, lengths and page tables)."""
-        seq = [i for i, n in enumerate(lengths) for _ in range(n)]
-        pos = [s + k for s, n in zip(starts, lengths) for k in range(n)]
-        first, total = [], 0
-        for n in lengths:
-            first.append(total)
-            total += n
-        width = max((len(p) for p in pages), default=0) or 1
-        table = [list(p) + [0] * (width - len(p)) for p in pages] or [[0]]
-        i32 = dict(dtype=torch.int32, device=device)
-        return cls(torch.tensor(seq, **i32), torch.tensor(pos, **i32), torch.tensor(slots, **i32),
-                   torch.tensor(starts, **i32), torch.tensor(first, **i32), torch.tensor(table, **i32))
+from .steps import StepTokens
 
 
 class Tensors(NamedTuple):
@@ -161,11 +137,14 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float, dot_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """o [N, H, D] in q's dtype (module docstring)."""
+                     scale: float, dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
+    """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
+    goes to `fallback` (the reference), or raises without one."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
+        if fallback is not None:
+            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale)
         raise ValueError(f"sparse_attention needs a power-of-two head_dim >= 16, got {D}")
     o = torch.empty_like(q)
     if N == 0:
@@ -186,12 +165,3 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     shape = Shape(W, D, E, K, ratio if entries is not None else 0, BH, BK, dot)
     _attention_kernel[(N, triton.cdiv(H, BH))](tensors, steps, strides, H, scale, shape)
     return o
-
-
-def write_ring(ring: torch.Tensor, kv: torch.Tensor, steps: StepTokens) -> None:
-    """Each sequence's last W rows of this step into its slot's ring (row = position mod W)."""
-    W = ring.shape[1]
-    seq = steps.seq.long()
-    last = steps.start[seq] + (torch.bincount(seq, minlength=steps.slot.shape[0])[seq]) - W   # keep positions >= last
-    keep = steps.pos >= last
-    ring[steps.slot.long()[seq[keep]], (steps.pos[keep] % W).long()] = kv[keep]

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import QWeight, stage_activation, w4a4_matmul_ref
+from .steps import StepTokens
 
 
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
@@ -116,3 +117,90 @@ def moe(
         y = F.linear(h.to(x.dtype).float(), _stacked_dequant(w2, (e,)))
         out.index_add_(0, tok, y * weights[tok, slot, None].float())
     return out.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------- attention
+def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """Number of compressed entries query position t may read: floor((t+1) / ratio). [B, S] -> [B, S]."""
+    return torch.div(positions + 1, ratio, rounding_mode="floor")
+
+
+def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Additive mask [B, S, T]: key at position p is visible to query t iff t - window < p <= t (p >= 0)."""
+    q, k = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
+    ok = (k <= q) & (k > q - window) & (k >= 0)
+    return torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill(~ok, float("-inf"))
+
+
+def ring_positions(start: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Position held by each ring row once `start` tokens are cached: the latest p < start with p = row
+    (mod window), or -1 if there is none yet. -> int64 [window]."""
+    rows = torch.arange(window, device=device)
+    held = start - 1 - torch.remainder(start - 1 - rows, window)
+    return torch.where(held >= 0, held, -1)
+
+
+def causal_entry_bias(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
+    """HCA: entry j is visible to query t iff (j+1)*ratio <= t+1. -> [B, S, n_entries]."""
+    ids = torch.arange(n_entries, device=q_pos.device)
+    hidden = ids >= visible_entries(q_pos, ratio).unsqueeze(-1)
+    return torch.zeros(hidden.shape, dtype=torch.float32, device=q_pos.device).masked_fill(hidden, float("-inf"))
+
+
+def picked_entry_bias(picks: torch.Tensor, n_entries: int) -> torch.Tensor:
+    """CSA: only the indexer's valid picks [B, S, k] (-1 = invalid) are visible. -> [B, S, n_entries]."""
+    B, S, _ = picks.shape
+    bias = torch.full((B, S, n_entries + 1), float("-inf"), device=picks.device)
+    bias.scatter_(-1, torch.where(picks >= 0, picks, n_entries), 0.0)   # invalid picks land in a dropped column
+    return bias[..., :n_entries]
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, S, H, D], shared K=V kv [B, T, D], additive bias [B, S, T], sinks [H] -> o [B, S, H, D].
+
+    The sink is one more logit per head (not scaled) whose probability is dropped.
+    """
+    B, S, H, _ = q.shape
+    logits = torch.matmul(q.transpose(1, 2), kv.transpose(-1, -2).unsqueeze(1)) * scale     # [B, H, S, T]
+    logits = logits + bias.unsqueeze(1).to(logits.dtype)
+    logits = torch.cat((logits, sinks.view(1, H, 1, 1).expand(B, H, S, 1).to(logits.dtype)), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
+    return torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)
+
+
+def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
+                     picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Cached attention of a ragged step (`kernels.attention.sparse_attention`'s contract): per sequence, its ring,
+    its step rows and its entries (HCA: all visible ones; CSA: the picks [N, K], -1 = none) through its page table,
+    with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]."""
+    W, out = ring.shape[1], []
+    slots, starts, firsts = steps.slot.tolist(), steps.start.tolist(), steps.first.tolist()
+    counts = torch.bincount(steps.seq.long(), minlength=len(slots)).tolist()
+    for b, (slot, start, first, n) in enumerate(zip(slots, starts, firsts, counts)):
+        tok = slice(first, first + n)
+        pos = steps.pos[tok].long()
+        keys = torch.cat((ring[slot], kv[tok]))
+        key_pos = torch.cat((ring_positions(start, W, pos.device), pos))
+        bias = window_bias(pos[None], key_pos[None], W)
+        if ratio and entries is not None:
+            count = (start + n) // ratio
+            pages = steps.pages[b, :-(-count // entries.shape[1])].long()
+            seq_entries = entries[pages].flatten(0, 1)[:count]
+            if ratio == 4:
+                entry_bias = picked_entry_bias(picks[tok].long()[None], count)
+            else:
+                entry_bias = causal_entry_bias(pos[None], count, ratio)
+            keys, bias = torch.cat((keys, seq_entries)), torch.cat((bias, entry_bias), dim=-1)
+        out.append(attend(q[None, tok], keys[None], bias, sinks, scale)[0])
+    return torch.cat(out) if out else torch.empty_like(q)
+
+
+def write_ring(ring: torch.Tensor, kv: torch.Tensor, steps: StepTokens) -> None:
+    """Each sequence's last W rows of this step into its slot's ring (row = position mod W), in place."""
+    W = ring.shape[1]
+    seq = steps.seq.long()
+    counts = torch.bincount(seq, minlength=steps.slot.shape[0])
+    keep = steps.pos >= (steps.start + counts)[seq] - W
+    ring[steps.slot.long()[seq[keep]], (steps.pos[keep] % W).long()] = kv[keep]

@@ -29,55 +29,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.ref import attend, causal_entry_bias, picked_entry_bias, window_bias
 from .compressor import Compressor
-from .indexer import Indexer, visible_entries
+from .indexer import Indexer
 from .linear import Builder, grouped_linear
 from .norm_rope import RMSNorm, Rope, apply_rope, rms
 from .state import LayerState, SeqBatch
-
-
-def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Additive mask [B, S, T]: key at position p is visible to query t iff t - window < p <= t (p >= 0)."""
-    q, k = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
-    ok = (k <= q) & (k > q - window) & (k >= 0)
-    return torch.zeros(ok.shape, dtype=torch.float32, device=ok.device).masked_fill(~ok, float("-inf"))
-
-
-def ring_positions(start: int, window: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Position held by each ring row once `start` tokens are cached: the latest p < start with p = row
-    (mod window), or -1 if there is none yet. -> int64 [window]."""
-    rows = torch.arange(window, device=device)
-    held = start - 1 - torch.remainder(start - 1 - rows, window)
-    return torch.where(held >= 0, held, -1)
-
-
-def causal_entry_bias(q_pos: torch.Tensor, n_entries: int, ratio: int) -> torch.Tensor:
-    """HCA: entry j is visible to query t iff (j+1)*ratio <= t+1. -> [B, S, n_entries]."""
-    ids = torch.arange(n_entries, device=q_pos.device)
-    hidden = ids >= visible_entries(q_pos, ratio).unsqueeze(-1)
-    return torch.zeros(hidden.shape, dtype=torch.float32, device=q_pos.device).masked_fill(hidden, float("-inf"))
-
-
-def picked_entry_bias(picks: torch.Tensor, n_entries: int) -> torch.Tensor:
-    """CSA: only the indexer's valid picks [B, S, k] (-1 = invalid) are visible. -> [B, S, n_entries]."""
-    B, S, _ = picks.shape
-    bias = torch.full((B, S, n_entries + 1), float("-inf"), device=picks.device)
-    bias.scatter_(-1, torch.where(picks >= 0, picks, n_entries), 0.0)   # invalid picks land in a dropped column
-    return bias[..., :n_entries]
-
-
-def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, S, H, D], shared K=V kv [B, T, D], additive bias [B, S, T], sinks [H] -> o [B, S, H, D].
-
-    The sink is one more logit per head (not scaled) whose probability is dropped.
-    """
-    B, S, H, _ = q.shape
-    logits = torch.matmul(q.transpose(1, 2), kv.transpose(-1, -2).unsqueeze(1)) * scale     # [B, H, S, T]
-    logits = logits + bias.unsqueeze(1).to(logits.dtype)
-    logits = torch.cat((logits, sinks.view(1, H, 1, 1).expand(B, H, S, 1).to(logits.dtype)), dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(kv.dtype)
-    return torch.matmul(probs, kv.unsqueeze(1)).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -95,6 +52,7 @@ class Attention(nn.Module):
         self.wo_a = b.linear("wo_a", H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = b.linear("wo_b", cfg.o_groups * cfg.o_lora_rank, d)
         self.register_buffer("attn_sink", torch.empty(H, dtype=torch.float32))
+        self.ops = b.ops
         self.rope = Rope(cfg, compress=self.ratio > 0)
         self.compressor = Compressor(cfg, self.ratio, D, b.sub("compressor")) if self.ratio else None
         self.indexer = Indexer(cfg, b.sub("indexer")) if self.ratio == 4 else None
@@ -137,23 +95,25 @@ class Attention(nn.Module):
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
     def _cached(self, x, qr, q, kv, positions, state: LayerState, batch: SeqBatch) -> torch.Tensor:
-        projected = self.compressor.project(x, positions) if self.compressor is not None else None
-        out = []
-        for slot, start, tok, pages in batch.spans():
-            st, pos, new_kv = state.at(slot), positions[:, tok], kv[:, tok]
-            keys = torch.cat((st.window, new_kv), dim=1)                    # [1, window + n, D]
-            key_pos = torch.cat((ring_positions(start, self.window, pos.device), pos[0])).unsqueeze(0)
-            bias = window_bias(pos, key_pos, self.window)
-            if self.compressor is not None:
-                entries = self.compressor.append(projected[0][:, tok], projected[1][:, tok], start,
-                                                 st.compressor, pages, self.rope)
+        """The compressors (and the indexer's picks) per sequence, then attention for every token of the step in
+        one `ops.sparse_attention` over the rings, the step's rows and the paged entries; then the rings."""
+        steps = batch.on(x.device).tokens
+        entries = picks = None
+        if self.compressor is not None:
+            kv_c, score_c = self.compressor.project(x, positions)
+            entries = state.compressor.entries
+            found = []
+            for slot, start, tok, pages in batch.spans():
+                st = state.at(slot)
+                self.compressor.append(kv_c[:, tok], score_c[:, tok], start, st.compressor, pages, self.rope)
                 if self.indexer is not None:
-                    picks = self.indexer(x[:, tok], qr[:, tok], pos, self.rope, st.indexer, start, pages)
-                    entry_bias = picked_entry_bias(picks, entries.shape[1])
-                else:
-                    entry_bias = causal_entry_bias(pos, entries.shape[1], self.ratio)
-                keys, bias = torch.cat((keys, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
-            out.append(attend(q[:, tok], keys, bias, self.attn_sink, self.head_dim ** -0.5))
-            last = pos[0, -self.window:]
-            st.window[0, last % self.window] = new_kv[0, -self.window:]
-        return torch.cat(out, dim=1)
+                    found.append(self.indexer(x[:, tok], qr[:, tok], positions[:, tok], self.rope, st.indexer,
+                                              start, pages)[0])
+            if self.indexer is not None:                  # [N, index_topk], -1 past each sequence's picks
+                picks = torch.full((x.shape[1], self.indexer.topk), -1, dtype=torch.long, device=x.device)
+                for (_, _, tok, _), p in zip(batch.spans(), found):
+                    picks[tok, :p.shape[-1]] = p
+        o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
+                                      self.head_dim ** -0.5)
+        self.ops.write_ring(state.window, kv[0], steps)
+        return o[None]

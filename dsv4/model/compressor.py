@@ -81,10 +81,10 @@ class Compressor(nn.Module):
         return self.finish(self.pool(kv, score), 0, rope)
 
     def append(self, kv: torch.Tensor, score: torch.Tensor, start: int, state: CompressorState, pages: Sequence[int],
-               rope: Rope) -> torch.Tensor:
+               rope: Rope) -> None:
         """One sequence's next tokens (`project`ed kv, score [1, S, width] at positions start..start+S-1) into its
         state; new entries go to its pages (`state.entries` [pages, E, head_dim]: entry j is row j mod E of page
-        pages[j // E]). Returns every entry emitted so far [1, (start+S) // ratio, head_dim]."""
+        pages[j // E])."""
         m, first = self.ratio, start // self.ratio
         held = start % m                                   # rows of the open window already in the state
         kv = torch.cat((state.open_kv[:, :held], kv), dim=1)
@@ -107,5 +107,10 @@ class Compressor(nn.Module):
         rest = kv.shape[1] - n * m
         state.open_kv[:, :rest] = kv[:, n * m:]
         state.open_score[:, :rest] = score[:, n * m:]
-        used = torch.tensor(pages[:-(-(first + n) // per_page)], dtype=torch.long, device=state.entries.device)
-        return state.entries[used].flatten(0, 1)[None, :first + n]
+
+    @staticmethod
+    def emitted(state: CompressorState, pages: Sequence[int], count: int) -> torch.Tensor:
+        """The first `count` entries of the sequence whose page table is `pages` -> [1, count, head_dim]."""
+        per_page = state.entries.shape[1]
+        used = torch.tensor(pages[:-(-count // per_page)], dtype=torch.long, device=state.entries.device)
+        return state.entries[used].flatten(0, 1)[None, :count]

@@ -14,15 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.ref import visible_entries
 from .compressor import Compressor
 from .linear import Builder
 from .norm_rope import Rope, apply_rope
 from .state import CompressorState
-
-
-def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Number of compressed entries query position t may read: floor((t+1) / ratio). [B, S] -> [B, S]."""
-    return torch.div(positions + 1, ratio, rounding_mode="floor")
 
 
 class Indexer(nn.Module):
@@ -60,5 +56,6 @@ class Indexer(nn.Module):
         if state is None:
             keys = self.compressor(x, positions, rope)
         else:
-            keys = self.compressor.append(*self.compressor.project(x, positions), start, state, pages, rope)
+            self.compressor.append(*self.compressor.project(x, positions), start, state, pages, rope)
+            keys = self.compressor.emitted(state, pages, (start + x.shape[1]) // self.compressor.ratio)
         return self.select(self.scores(x, qr, positions, keys, rope), positions)

@@ -19,9 +19,11 @@ columns as device tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from ..kernels.steps import StepTokens
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class SeqBatch:
     starts: tuple[int, ...]              # tokens of the sequence already in its cache slot
     lengths: tuple[int, ...]             # tokens of the sequence in this step (>= 1)
     pages: tuple[tuple[int, ...], ...] = ()   # page table per sequence, covering starts[i] + lengths[i] tokens
+    tokens: StepTokens | None = field(default=None, compare=False)   # the same columns on the device (`on`)
 
     def __post_init__(self):
         if not len(self.slots) == len(self.starts) == len(self.lengths):
@@ -80,6 +83,12 @@ class SeqBatch:
             raise ValueError(f"SeqBatch: {len(self.pages)} page tables for {len(self.slots)} sequences")
         if any(n < 1 for n in self.lengths) or any(s < 0 for s in self.starts):
             raise ValueError(f"SeqBatch: lengths must be >= 1 and starts >= 0, got {self.lengths} / {self.starts}")
+
+    def on(self, device: torch.device | str) -> SeqBatch:
+        """This batch with its columns also on `device` as `StepTokens` (built once per step, read by every layer)."""
+        if self.tokens is not None and self.tokens.seq.device == torch.device(device):
+            return self
+        return replace(self, tokens=StepTokens.build(self.slots, self.starts, self.lengths, self.pages, device))
 
     @property
     def offsets(self) -> tuple[int, ...]:

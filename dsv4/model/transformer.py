@@ -106,6 +106,8 @@ class Transformer(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
         if states is not None and len(states) != len(self.layers):
             raise ValueError(f"{len(states)} layer states for a model of {len(self.layers)} layers")
+        if batch is not None:
+            batch = batch.on(input_ids.device)
         h = self.embed(input_ids)
         x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         for i, layer in enumerate(self.layers):
