@@ -152,8 +152,10 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     if dot_dtype is None:
         dot_dtype = torch.float32 if q.device.type != "cuda" or q.dtype == torch.float32 else torch.bfloat16
     dot = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dot_dtype]
-    BH = max(16, min(64, next_pow2(H)))
+    # heads per program: the fp32 accumulator [BH, D] stays at 64 values a thread (32 x 512 on 8 warps)
+    BH = max(16, min(64, next_pow2(H), 16384 // D))
     BK = 16 if D > 256 else 32
+    warps = 8 if BH * D >= 16384 else 4
     ent = entries if entries is not None else ring              # never read when RATIO = 0
     E = entries.shape[1] if entries is not None else 1
     K = picks.shape[1] if picks is not None else 0
@@ -163,5 +165,5 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
                       kv.stride(0))
     shape = Shape(W, D, E, K, ratio if entries is not None else 0, BH, BK, dot)
-    _attention_kernel[(N, triton.cdiv(H, BH))](tensors, steps, strides, H, scale, shape)
+    _attention_kernel[(N, triton.cdiv(H, BH))](tensors, steps, strides, H, scale, shape, num_warps=warps)
     return o
