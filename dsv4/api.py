@@ -20,6 +20,7 @@ request that fails while it runs ends with finish_reason "error" and the reason 
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,7 +28,9 @@ from types import MappingProxyType
 
 import torch
 
+from .checkpoint.dummy import dummy_model
 from .checkpoint.loader import load
+from .config import ConfigError, ModelConfig
 from .kernels import ops_for
 from .runtime.chat import encode_messages
 from .runtime.demo import resolve_model
@@ -61,17 +64,34 @@ class LLM:
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  max_num_seqs: int = 8, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_logprobs: int = 20, gpu_memory_utilization: float = 0.9, num_cache_pages: int | None = None,
-                 progress: bool = True):
+                 load_format: str = "auto", dummy_format: str = "nvfp4-experts", hf_overrides: dict | None = None,
+                 seed: int = 0, progress: bool = True):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
         up to max_model_len tokens (default min(max_position_embeddings, 4096)); max_num_batched_tokens is
         the per-step token budget (prefill chunk size). max_logprobs caps SamplingParams.logprobs (vLLM's
         default, 20). The cache's pages take gpu_memory_utilization of a GPU's memory after the weights (vLLM's
-        meaning), or num_cache_pages pages of 256 tokens if given; on CPU, max_num_seqs x max_model_len tokens."""
-        path = resolve_model(model)
+        meaning), or num_cache_pages pages of 256 tokens if given; on CPU, max_num_seqs x max_model_len tokens.
+
+        load_format="dummy" (vLLM's name) reads no weights: model is a preset ("v4-flash", "v4-pro", "tiny"), a
+        config.json or a checkpoint folder, and the weights are drawn at random on the device in `dummy_format`'s
+        storage (bf16, official, nvfp4-experts, nvfp4; `checkpoint.dummy`, reproducible from `seed`), for benchmarks
+        at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the first layers)."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = load(path, device, _dtype(dtype, device), ops_for(device, kernels, w4a4), progress=progress)
+        ops = ops_for(device, kernels, w4a4)
+        if load_format == "dummy":
+            path, cfg = _dummy_config(model, hf_overrides)
+            self.model = dummy_model(cfg, dummy_format, device, _dtype(dtype, device), ops, seed)
+            if ops.reads_tiled and device.type == "cuda":
+                self.model.tile_weights_()
+        elif load_format == "auto":
+            if hf_overrides:
+                raise ValueError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
+            path = resolve_model(model)
+            self.model = load(path, device, _dtype(dtype, device), ops, progress=progress)
+        else:
+            raise ValueError(f"unknown load_format {load_format!r}; expected 'auto' or 'dummy'")
         tok = None if skip_tokenizer_init else Tokenizer.from_checkpoint(tokenizer or path, self.model.config)
         self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs,
@@ -173,6 +193,24 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [s.output() for s in seqs]
+
+
+def _dummy_config(model: str | Path, overrides: dict | None) -> tuple[Path | None, ModelConfig]:
+    """(the folder to look for a tokenizer in, or None; the config) of a dummy model."""
+    where = Path(model)
+    if where.is_dir():
+        path, cfg = where, ModelConfig.from_json(where / "config.json")
+    elif where.suffix == ".json":
+        path, cfg = where.parent, ModelConfig.from_json(where)
+    else:
+        path, cfg = None, ModelConfig.preset(str(model))
+    changes = dict(overrides or {})
+    layers = changes.pop("num_hidden_layers", None)
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ConfigError(f"hf_overrides: {unknown} are not config fields of ModelConfig")
+    cfg = cfg.replace(**changes) if changes else cfg
+    return path, cfg.with_layers(layers) if layers is not None else cfg
 
 
 def _as_batch(prompts) -> list:

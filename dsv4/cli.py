@@ -125,6 +125,7 @@ def _serve_args(sub) -> None:
                    help="on SIGINT / SIGTERM, how long running requests may still take (default 10)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    _load_format_args(s)
 
 
 def _model_args(g: argparse.ArgumentParser) -> None:
@@ -139,6 +140,29 @@ def _model_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    _load_format_args(g)
+
+
+def _load_format_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: read no weights; MODEL is a preset (v4-flash, v4-pro, tiny), a config.json or a "
+                        "checkpoint folder, and random weights are drawn on the device (benchmarks)")
+    g.add_argument("--dummy-format", default="nvfp4-experts", choices=FORMATS,
+                   help="storage of dummy weights (default nvfp4-experts)")
+    g.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
+                   help='config fields to change for dummy weights, e.g. \'{"num_hidden_layers": 4}\'')
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _sampling_args(g: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -156,7 +180,8 @@ def _llm(args: argparse.Namespace):
     from .api import LLM
 
     return LLM(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
-               max_model_len=args.max_model_len, max_num_seqs=1, progress=not args.no_progress)
+               max_model_len=args.max_model_len, max_num_seqs=1, progress=not args.no_progress,
+               load_format=args.load_format, dummy_format=args.dummy_format, hf_overrides=args.hf_overrides)
 
 
 def _params(args: argparse.Namespace):
@@ -236,7 +261,8 @@ def _serve(args: argparse.Namespace) -> int:
     llm = LLM(model, device=args.device, dtype=args.dtype, kernels=args.kernels, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_logprobs=args.max_logprobs, gpu_memory_utilization=args.gpu_memory_utilization,
-              progress=not args.no_progress)
+              progress=not args.no_progress, load_format=args.load_format, dummy_format=args.dummy_format,
+              hf_overrides=args.hf_overrides)
     run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
         api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_request_bytes)

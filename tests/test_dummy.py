@@ -63,3 +63,27 @@ def test_presets_and_layer_counts():
         ModelConfig.preset("v5")
     with pytest.raises(ConfigError, match=r"num_hidden_layers override 44 not in \[1, 43\]"):
         ModelConfig.flash().with_layers(44)
+
+
+def test_llm_with_dummy_weights():
+    """LLM(load_format="dummy"): a preset or a checkpoint's config, hf_overrides applied, weights drawn from the seed
+    (the same seed gives the same greedy tokens), no weight read; bad overrides refused naming them."""
+    import dsv4
+    from dsv4.config import ConfigError
+
+    def tokens(**kw):
+        llm = dsv4.LLM("tiny", load_format="dummy", skip_tokenizer_init=True, progress=False, **kw)
+        return llm, llm.generate([[5, 6, 7]], dsv4.SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
+
+    llm, a = tokens(hf_overrides={"num_hidden_layers": 3}, dummy_format="official")
+    assert llm.model.config.num_hidden_layers == 3 and llm.model.layers[0].attn.wq_a.format.fmt == "fp8"
+    assert tokens(hf_overrides={"num_hidden_layers": 3}, dummy_format="official")[1] == a
+    assert tokens(hf_overrides={"num_hidden_layers": 3}, dummy_format="official", seed=1)[1] != a
+    folder = dsv4.LLM(fx.tiny(), load_format="dummy", skip_tokenizer_init=True, progress=False)
+    assert folder.model.config == ModelConfig.from_json(fx.tiny() / "config.json")
+    with pytest.raises(ConfigError, match=r"hf_overrides: \['layers'\] are not config fields"):
+        dsv4.LLM("tiny", load_format="dummy", hf_overrides={"layers": 2})
+    with pytest.raises(ValueError, match="hf_overrides applies to load_format='dummy' only"):
+        dsv4.LLM(fx.tiny(), hf_overrides={"num_hidden_layers": 2})
+    with pytest.raises(ValueError, match="unknown load_format 'fast'"):
+        dsv4.LLM("tiny", load_format="fast")
