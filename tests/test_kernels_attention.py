@@ -88,10 +88,10 @@ def test_write_ring_keeps_each_sequences_last_window():
     assert torch.equal(ring, want)
 
 
-def test_the_model_runs_its_cached_attention_through_the_kernel(monkeypatch):
-    """The tiny model on the Triton table (interpreted; its reference fallback made to fail, so the kernel really
-    runs) against the same model on the reference table: logits of a chunked prefill and decode steps that cross
-    the window and the first HCA entry."""
+def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeypatch):
+    """The tiny model on the Triton table (interpreted; the reference fallbacks of attention and mHC made to fail,
+    so the kernels really run) against the same model on the reference table: logits of a chunked prefill and
+    decode steps that cross the window and the first HCA entry."""
     import dsv4
     import runtime_fixtures as rf
     from dsv4.kernels import Ops
@@ -99,9 +99,10 @@ def test_the_model_runs_its_cached_attention_through_the_kernel(monkeypatch):
     from dsv4.runtime.cache import KVCache
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("the cached attention fell back to the reference")
+        raise AssertionError("a kernel fell back to the reference")
 
-    monkeypatch.setattr(ref, "sparse_attention", forbidden)
+    for name in ("sparse_attention", "hc_pre", "hc_post", "hc_head"):
+        monkeypatch.setattr(ref, name, forbidden)
     kernel_model = dsv4.load(rf.variant("wide"), ops=Ops.triton())
     monkeypatch.undo()
     reference_model = dsv4.load(rf.variant("wide"))

@@ -1,4 +1,4 @@
-"""The mHC kernels (`kernels.mhc`) under the interpreter against the model's reference (`model.mhc`), both against
+"""The mHC kernels (`kernels.mhc`) under the interpreter against their reference (`ref.hc_*`), both against
 the reference evaluated in float64: fp32 within rounding of the float64 values, bf16 within one bf16 step of the
 reference (the kernels round once where the reference rounds an intermediate to bf16)."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4.kernels import mhc
-from dsv4.model import mhc as ref
+from dsv4.kernels import ref
 
 EPS = 1e-6
 SHAPES = [(1, 4, 64), (6, 4, 128), (3, 4, 1024)]      # (tokens, hc_mult, hidden)

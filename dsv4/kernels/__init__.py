@@ -32,6 +32,11 @@ class Ops:
     # scale) -> [N, H, D]; and the step's rows into the rings
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
+    # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps) -> (collapsed, post, comb); (out, streams,
+    # post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps) -> the HyperHead's collapse
+    hc_pre: Callable = ref.hc_pre
+    hc_post: Callable = ref.hc_post
+    hc_head: Callable = ref.hc_head
     w4a4: bool = False        # NVFP4 weights with an input_scale run the W4A4 emulation (Blackwell numerics)
     reads_tiled: bool = False  # the kernels read tile-major weights (the loader stores them so on CUDA)
 
@@ -43,7 +48,7 @@ class Ops:
     @classmethod
     def triton(cls, strict: bool = False, w4a4: bool = False) -> "Ops":
         """strict=True: a call a kernel does not support raises instead of running the reference (tests, benchmarks)."""
-        from . import attention, dispatch, moe, w4a4 as w4a4_kernels  # triton is imported only when asked for
+        from . import attention, dispatch, mhc, moe, w4a4 as w4a4_kernels  # triton is imported only when asked for
         from .host import Scratch
 
         def fallback(reference: Callable) -> Callable:
@@ -59,7 +64,8 @@ class Ops:
                   partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
                   partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
                   partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)), ref.write_ring,
-                  reads_tiled=True)
+                  partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)), partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
+                  partial(mhc.hc_head, fallback=fallback(ref.hc_head)), reads_tiled=True)
         return emulation.variant(ops) if w4a4 else ops
 
     def emulates(self, w: QWeight) -> bool:

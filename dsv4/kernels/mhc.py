@@ -1,5 +1,6 @@
 """mHC hyper-connections as Triton kernels: the collapse before a block (`hc_pre`), the residual update after it
-(`hc_post`), and the HyperHead's final collapse (`hc_head`). Same contracts as `ref.hc_pre` / `hc_post` / `hc_head`.
+(`hc_post`), and the HyperHead's final collapse (`hc_head`). Same contracts as `ref.hc_pre` / `hc_post` / `hc_head`
+(the math is written out there).
 
 Per token, streams X [n, d] (n = hc_mult, R = (2 + n) n mixing rows, or n for the head):
     m = fn @ X_flat * rsqrt(mean(X_flat^2) + norm_eps)          fn [R, n d] fp32
@@ -170,20 +171,34 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
 
 
+def takes(streams: torch.Tensor) -> bool:
+    """Whether the kernels take streams of this shape (a power-of-two hc_mult; hc_mult * hidden a multiple of
+    MIX_BK); others go to the fallback."""
+    n, d = streams.shape[-2:]
+    return not n & (n - 1) and math.gcd(n * d, MIX_CHUNK) % MIX_BK == 0
+
+
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           hc_eps: float, norm_eps: float, fallback=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Streams x [..., n, d] -> (collapsed [..., d] in x.dtype, post fp32 [..., n], comb fp32 [..., n, n])."""
+    if fallback is not None and not takes(x):
+        return fallback(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
     return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float) -> torch.Tensor:
+            norm_eps: float, fallback=None) -> torch.Tensor:
     """Final collapse of the streams [..., n, d] -> [..., d] (a `pre` only)."""
+    if fallback is not None and not takes(x):
+        return fallback(x, fn, base, scale, hc_eps, norm_eps)
     return _collapse(x, fn, base, scale, 0, hc_eps, norm_eps, head=True)[0]
 
 
-def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            fallback=None) -> torch.Tensor:
     """Block output [..., d] and its input streams [..., n, d] -> new streams [..., n, d] in the streams' dtype."""
+    if fallback is not None and not takes(streams):
+        return fallback(out, streams, post, comb)
     lead, (n, d) = streams.shape[:-2], streams.shape[-2:]
     xs = streams.reshape(-1, n * d).contiguous()
     o = out.reshape(-1, d).contiguous()

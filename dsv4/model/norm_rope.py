@@ -13,11 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-
-
-def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Unweighted RMS normalisation over the last axis (q per head, mHC input): statistics in fp32."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+from ..kernels.ref import rms  # noqa: F401  (the model's unweighted RMS; also mHC's)
 
 
 class RMSNorm(nn.Module):

@@ -16,7 +16,6 @@ from ..config import ModelConfig
 from ..kernels import Ops
 from .attention import Attention
 from .linear import Builder, LinearFormat, QLinear
-from .mhc import hc_head, hc_post, hc_pre
 from .moe import MoE
 from .norm_rope import RMSNorm
 from .state import LayerState, SeqBatch
@@ -49,14 +48,16 @@ class Block(nn.Module):
         _hc_buffers(self, "hc_ffn", cfg.hc_dim, cfg.hc_mult * d, 3)
         self.attn = Attention(cfg, layer, b.sub("attn"))
         self.ffn = MoE(cfg, layer, b.sub("ffn"))
+        self.ops = b.ops
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                 state: LayerState | None = None, batch: SeqBatch | None = None) -> torch.Tensor:
         """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token."""
-        u, post, comb = hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
-        x = hc_post(self.attn(self.attn_norm(u), positions, state, batch), x, post, comb)
-        u, post, comb = hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
-        return hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
+        ops = self.ops
+        u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
+        x = ops.hc_post(self.attn(self.attn_norm(u), positions, state, batch), x, post, comb)
+        u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
+        return ops.hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
 
 
 class MTPBlock(Block):
@@ -86,6 +87,7 @@ class Transformer(nn.Module):
         d, L = cfg.hidden_size, cfg.num_hidden_layers
         self.config = cfg
         self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
+        self.ops = b.ops
         self.embed = Embedding(cfg.vocab_size, d, b.dtype)
         self.layers = nn.ModuleList(Block(cfg, i, b.sub(f"layers.{i}")) for i in range(L))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -118,7 +120,7 @@ class Transformer(nn.Module):
                     norm: RMSNorm | None = None) -> torch.Tensor:
         """Streams [B, S, n, d] -> logits [B, S, vocab] through a HyperHead (the model's, or an MTP block's)."""
         fn, base, scale = hc or (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
-        y = hc_head(streams, fn, base, scale, self.hc_eps, self.norm_eps)
+        y = self.ops.hc_head(streams, fn, base, scale, self.hc_eps, self.norm_eps)
         return self.head((norm or self.norm)(y))
 
     @torch.inference_mode()
