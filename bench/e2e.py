@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict:
     base = (ModelConfig.from_json(args.model) if args.model.endswith(".json") else ModelConfig.preset(args.model))
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     gen = torch.Generator().manual_seed(0)
-    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python", "bench/e2e.py", *sys.argv[1:]]),
+    command = " ".join(["python", "bench/e2e.py", *(sys.argv[1:] if argv is None else argv)])
+    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command,
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
@@ -276,7 +277,8 @@ def table(res: dict) -> str:
     for p in res["per_layer"]:
         lines.append(f"us per layer: {p['format']} batch {p['batch']} context {p['context']}: {p['us_per_layer']:.0f}")
     for p in res["prefill"]:
-        lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: {p['tokens_per_s']:.1f} tok/s")
+        lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: "
+                     f"{p['tokens_per_s']:.1f} tok/s")
     if "hf" in res:
         lines.append(f"transformers eager, batch 1: {res['hf']}")
     if res["errors"]:

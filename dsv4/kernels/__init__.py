@@ -64,7 +64,8 @@ class Ops:
                   partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
                   partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
                   partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)), ref.write_ring,
-                  partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)), partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
+                  partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
+                  partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
                   partial(mhc.hc_head, fallback=fallback(ref.hc_head)), reads_tiled=True)
         return emulation.variant(ops) if w4a4 else ops
 

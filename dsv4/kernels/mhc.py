@@ -45,13 +45,19 @@ class HcPlan:
     token_blocks: int
 
 
+def takes_shape(streams: int, hidden: int) -> bool:
+    """A power-of-two hc_mult, and hc_mult * hidden with a chunk (its gcd with MIX_CHUNK) that is a multiple of
+    MIX_BK."""
+    return not streams & (streams - 1) and math.gcd(streams * hidden, MIX_CHUNK) % MIX_BK == 0
+
+
 @lru_cache(maxsize=None)
 def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
     """The geometry of one shape (pure, cached): the mixing product's chunks are MIX_CHUNK columns, or the largest
     divisor of n d below it that is a multiple of MIX_BK."""
     width = streams * hidden
     chunk = math.gcd(width, MIX_CHUNK)
-    if streams & (streams - 1) or chunk % MIX_BK:
+    if not takes_shape(streams, hidden):
         raise ValueError(f"hc kernels need a power-of-two hc_mult and hc_mult * hidden divisible by {MIX_BK}, "
                          f"got {streams} x {hidden}")
     return HcPlan(tokens, streams, hidden, rows, next_pow2(rows), chunk, width // chunk, cdiv(tokens, MIX_TOKENS))
@@ -172,10 +178,8 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 
 
 def takes(streams: torch.Tensor) -> bool:
-    """Whether the kernels take streams of this shape (a power-of-two hc_mult; hc_mult * hidden a multiple of
-    MIX_BK); others go to the fallback."""
-    n, d = streams.shape[-2:]
-    return not n & (n - 1) and math.gcd(n * d, MIX_CHUNK) % MIX_BK == 0
+    """Whether the kernels take streams of this shape; others go to the fallback."""
+    return takes_shape(*streams.shape[-2:])
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,

@@ -88,9 +88,6 @@ class PageTable:
     def __len__(self) -> int:
         return len(self.pages)
 
-    def capacity(self) -> int:
-        return len(self.pages) * PAGE_TOKENS
-
 
 class PageAllocator:
     """The free pages of the pool (host side); `grow` gives a sequence's table the pages for more positions."""
@@ -103,13 +100,9 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self.free)
 
-    def missing(self, table: PageTable, tokens: int) -> int:
-        """Pages `table` lacks to hold `tokens` positions."""
-        return max(0, pages_for(tokens) - len(table))
-
     def grow(self, table: PageTable, tokens: int) -> bool:
         """Give `table` pages until it holds `tokens` positions; False (and no change) if too few are free."""
-        need = self.missing(table, tokens)
+        need = max(0, pages_for(tokens) - len(table))
         if need > len(self.free):
             return False
         table.pages.extend(self.free.popleft() for _ in range(need))
