@@ -168,6 +168,62 @@ def precompile_join(run: Run):
     run._precompile = None
 
 
+def attention_and_mhc(run: Run, record) -> None:
+    """The cached attention kernel and the mHC kernels at V4's shapes (64 heads of 512, window 128, pages of 256
+    positions; 4 streams of 4096) against their references on fp32 copies of the same inputs: ragged steps of decode
+    tokens and a prefill chunk, CSA picks with -1 padding, HCA entries, pages in scrambled order."""
+    from dsv4.kernels.steps import StepTokens
+    dev, gen = run.device, run.gen
+    H, D, W, topk, d = (4, 32, 16, 5, 64) if run.toy else (64, 512, 128, 512, 4096)
+    page_tokens = 256                                      # PAGE_TOKENS
+    starts, lengths = ((7, 60, 0, 33), (1, 1, 20, 1)) if run.toy else ((8191, 1000, 70000, 129), (1, 1, 256, 1))
+    B, N = len(starts), sum(lengths)
+    for ratio in (0, 4, 128):
+        E = page_tokens // ratio if ratio else 1
+        per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
+        num_pages = sum(per_seq) + 3
+        perm = torch.randperm(num_pages, device="cpu").tolist()
+        pages, o = [], 0
+        for n in per_seq:
+            pages.append(tuple(perm[o:o + n]))
+            o += n
+        steps = StepTokens.build(tuple(range(1, B + 1)), starts, lengths, pages, dev)
+        q = torch.randn(N, H, D, device=dev, generator=gen).bfloat16()
+        kv = torch.randn(N, D, device=dev, generator=gen).bfloat16()
+        ring = torch.randn(B + 1, W, D, device=dev, generator=gen).bfloat16()
+        entries = torch.randn(num_pages, E, D, device=dev, generator=gen).bfloat16() if ratio else None
+        picks = None
+        if ratio == 4:
+            visible = ((steps.pos + 1) // 4).long()
+            picks = torch.rand(N, max(int(visible.max()), 1), device=dev, generator=gen).topk(
+                min(topk, max(int(visible.max()), 1)), dim=1).indices
+            picks = torch.where(picks < visible[:, None], picks, -1)          # beyond what is visible: none
+        sinks = torch.randn(H, device=dev, generator=gen)
+        got = run.ops.sparse_attention(q, kv, ring, entries, picks, steps, ratio, sinks, D ** -0.5)
+        f32 = lambda t: None if t is None else t.float()  # noqa: E731
+        want = ref.sparse_attention(q.float(), kv.float(), ring.float(), f32(entries), picks, steps, ratio, sinks,
+                                    D ** -0.5)
+        record(f"attention {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[ratio]} "
+               f"H={H} D={D} steps {lengths} at {starts}", rel_err(got, want), 1e-2,
+               written=bool(torch.isfinite(got).all()))
+    n, T = 4, (3 if run.toy else 8)
+    x = torch.randn(1, T, n, d, device=dev, generator=gen).bfloat16()
+    fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * 0.5 / (n * d) ** 0.5
+    base = torch.randn((2 + n) * n, device=dev, generator=gen) * 0.5
+    scale = torch.rand(3, device=dev, generator=gen) + 0.5
+    got = run.ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
+    want = ref.hc_pre(x.float(), fn, base, scale, 20, 1e-6, 1e-6)
+    for name, a, b in zip(("collapse", "post", "comb"), got, want):
+        record(f"mhc hc_pre {name} T={T} d={d}", rel_err(a, b), 1e-2, written=bool(torch.isfinite(a).all()))
+    out = torch.randn(1, T, d, device=dev, generator=gen).bfloat16()
+    y = run.ops.hc_post(out, x, got[1], got[2])
+    record(f"mhc hc_post T={T} d={d}", rel_err(y, ref.hc_post(out.float(), x.float(), got[1], got[2])), 1e-2,
+           written=bool(torch.isfinite(y).all()))
+    y = run.ops.hc_head(x, fn[:n], base[:n], scale[:1], 1e-6, 1e-6)
+    record(f"mhc hc_head T={T} d={d}", rel_err(y, ref.hc_head(x.float(), fn[:n], base[:n], scale[:1], 1e-6, 1e-6)),
+           1e-2, written=bool(torch.isfinite(y).all()))
+
+
 def correctness(run: Run):
     from dsv4.kernels import w4a4
     from dsv4.formats import QWeight, stage_activation
@@ -182,6 +238,7 @@ def correctness(run: Run):
               + ("" if exact is None else f" exact={exact}") + ("" if written is None else f" written={written}"),
               flush=True)
 
+    attention_and_mhc(run, record)
     sh = run.models[0] if run.toy else FLASH
     big = run.models[-1]
     # dense linears: formats x shapes x M, bf16 activations, NaN-poisoned outputs

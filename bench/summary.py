@@ -64,8 +64,12 @@ def summary_rows(res: dict) -> list[tuple[str, str]]:
     """(figure, value) rows of one run's results, in the table's order."""
     rows = []
     checks = res.get("correctness", [])
-    if checks:
-        rows.append(("Kernel correctness checks", f"{sum(c['ok'] for c in checks)} / {len(checks)} pass"))
+    stopped = [e.split(":", 1)[0] for e in res.get("errors", [])]
+    if checks or "correctness" in stopped:
+        value = f"{sum(c['ok'] for c in checks)} / {len(checks)} pass"
+        if "correctness" in stopped:           # a check raised: the ones after it never ran
+            value += "; then a check raised and the section stopped (see the run's record)"
+        rows.append(("Kernel correctness checks", value))
     linear = res.get("linear", [])
     return rows + _prefill(linear) + _decode(linear) + _moe(res.get("moe", []))
 

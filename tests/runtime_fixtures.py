@@ -23,7 +23,8 @@ import torch
 import ckpt_fixtures as fx
 from dsv4.checkpoint.tiny import make_tiny
 from dsv4.config import ModelConfig
-from dsv4.model.indexer import Indexer
+from dsv4.kernels import ref
+from dsv4.model import indexer
 
 VARIANTS = MappingProxyType({"wide": dict(index_topk=128), "sharp": dict(index_n_heads=8)})
 
@@ -56,18 +57,18 @@ class TopkGaps:
 
     def __init__(self, monkeypatch):
         self.gaps: list[float] = []
-        original = Indexer.select
+        original = ref.index_select
 
-        def select(indexer, scores, positions):
-            k = indexer.topk
-            visible = (positions + 1) // indexer.compressor.ratio
+        def select(scores, positions, topk, ratio):
+            visible = (positions + 1) // ratio
             for row, lim in zip(scores.flatten(0, -2), visible.reshape(-1).tolist()):
-                if lim > k:
-                    top = row[:lim].topk(k + 1).values
-                    self.gaps.append(float(top[k - 1] - top[k]))
-            return original(indexer, scores, positions)
+                if lim > topk:
+                    top = row[:lim].topk(topk + 1).values
+                    self.gaps.append(float(top[topk - 1] - top[topk]))
+            return original(scores, positions, topk, ratio)
 
-        monkeypatch.setattr(Indexer, "select", select)
+        for module in (ref, indexer):       # the cached step's picks, and a fresh prefill's
+            monkeypatch.setattr(module, "index_select", select)
 
     def min(self) -> float:
         return min(self.gaps, default=float("inf"))

@@ -47,6 +47,12 @@ def test_each_figure_takes_its_row():
     assert rows["MoE decode layer, share of its byte floor: V4-Flash nvfp4"] == "61 / 69 / 77 % at 1 / 2 / 8 tokens"
 
 
+def test_a_correctness_section_that_stopped_says_so():
+    stopped = dict(RESULTS, errors=["correctness: Traceback ... CompilationError"])
+    assert dict(summary.summary_rows(stopped))["Kernel correctness checks"] == \
+        "2 / 3 pass; then a check raised and the section stopped (see the run's record)"
+
+
 def test_run_all_prints_the_table_with_the_run_on_every_row(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(RESULTS))

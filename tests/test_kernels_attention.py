@@ -65,14 +65,24 @@ CASES = [  # (ratio, starts, lengths)
 
 
 @pytest.mark.parametrize("ratio, starts, lengths", CASES)
-def test_matches_the_models_attention(ratio, starts, lengths):
+@pytest.mark.parametrize("split", [0, None, 3])          # one program per token; as planned; keys split in 1 + 3
+def test_matches_the_models_attention(ratio, starts, lengths, split):
     args = make_step(ratio + 1, ratio, starts, lengths)
-    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5)
+    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5, split=split if ratio else 0)
     want = reference(*args, ratio, starts, lengths)
     twin = ref.sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5)   # the Ops reference table's
     assert got.shape == want.shape == twin.shape
     assert (got - want).abs().max() / want.abs().max() < 1e-5
     assert (twin - want).abs().max() / want.abs().max() < 1e-6
+
+
+def test_the_key_split_takes_the_gpu_only_a_small_launch_leaves_idle():
+    from dsv4.kernels.attention import attention_split
+    assert attention_split(2, 512, 132) == 4            # a decode token of V4-Flash, CSA: the window + 4 x 128 picks
+    assert attention_split(2, 40, 132) == 1             # few entries: the window and the entries apart
+    assert attention_split(128, 512, 132) == 1          # batch 64: within two programs per SM
+    assert attention_split(132, 512, 132) == 0          # a full wave: no split
+    assert attention_split(2, 0, 132) == 0              # sliding-only layers
 
 
 def test_write_ring_keeps_each_sequences_last_window():
@@ -89,9 +99,9 @@ def test_write_ring_keeps_each_sequences_last_window():
 
 
 def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeypatch):
-    """The tiny model on the Triton table (interpreted; the reference fallbacks of attention and mHC made to fail,
-    so the kernels really run) against the same model on the reference table: logits of a chunked prefill and
-    decode steps that cross the window and the first HCA entry."""
+    """The tiny model on the Triton table (interpreted; the references of attention, compressor, indexer, ring and
+    mHC made to fail, so the kernels really run) against the same model on the reference table: logits of a chunked
+    prefill and decode steps that cross the window, CSA windows and the first HCA entry."""
     import dsv4
     import runtime_fixtures as rf
     from dsv4.kernels import Ops
@@ -101,7 +111,7 @@ def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeyp
     def forbidden(*args, **kwargs):
         raise AssertionError("a kernel fell back to the reference")
 
-    for name in ("sparse_attention", "hc_pre", "hc_post", "hc_head"):
+    for name in ("sparse_attention", "write_ring", "compress", "index_picks", "hc_pre", "hc_post", "hc_head"):
         monkeypatch.setattr(ref, name, forbidden)
     kernel_model = dsv4.load(rf.variant("wide"), ops=Ops.triton())
     monkeypatch.undo()

@@ -29,9 +29,14 @@ class Ops:
     moe: Callable             # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
     grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
     # cached attention of a ragged step: (q [N, H, D], kv [N, D], ring, entries, picks, StepTokens, ratio, sinks,
-    # scale) -> [N, H, D]; and the step's rows into the rings
+    # scale, max_entries) -> [N, H, D]; and the step's rows into the rings
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
+    # a compressor's step for every sequence (kv, score [N, width], StepTokens, state, ratio, cos, sin [N, r/2],
+    # norm weight, eps) -> None, state updated in place; the indexer's picks (q [N, H, hd], weights [N, H], entries,
+    # StepTokens, topk, ratio, scale, max_keys) -> [N, topk]
+    compress: Callable = ref.compress
+    index_picks: Callable = ref.index_picks
     # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps) -> (collapsed, post, comb); (out, streams,
     # post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps) -> the HyperHead's collapse
     hc_pre: Callable = ref.hc_pre
@@ -48,7 +53,7 @@ class Ops:
     @classmethod
     def triton(cls, strict: bool = False, w4a4: bool = False) -> "Ops":
         """strict=True: a call a kernel does not support raises instead of running the reference (tests, benchmarks)."""
-        from . import attention, dispatch, mhc, moe, w4a4 as w4a4_kernels  # triton is imported only when asked for
+        from . import attention, compressor, dispatch, indexer, mhc, moe, w4a4 as w4a4_kernels  # triton only when asked
         from .host import Scratch
 
         def fallback(reference: Callable) -> Callable:
@@ -63,10 +68,12 @@ class Ops:
                   partial(moe.route, fallback=fallback(ref.route)),
                   partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
                   partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
-                  partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)), ref.write_ring,
-                  partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
-                  partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
-                  partial(mhc.hc_head, fallback=fallback(ref.hc_head)), reads_tiled=True)
+                  sparse_attention=partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)),
+                  write_ring=attention.write_ring,
+                  compress=compressor.compress, index_picks=indexer.index_picks,
+                  hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
+                  hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
+                  hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)), reads_tiled=True)
         return emulation.variant(ops) if w4a4 else ops
 
     def emulates(self, w: QWeight) -> bool:

@@ -11,7 +11,10 @@ Inputs (N tokens of B sequences; D = head_dim, W = window, E entries per page):
     steps    `StepTokens`       per token its sequence and position; per sequence its slot, start, first token,
                                 page table
 A program takes one token and BH heads: every key row it loads serves all BH heads (MQA), so a decode step reads
-each sequence's rows H / BH times, not H times. Keys come in blocks of BK: the ring rows holding positions in
+each sequence's rows H / BH times, not H times. When the step has too few (token, head block) programs to fill the
+GPU (a small decode batch), the keys are split too (flash-decoding): program s = 0 takes the window, programs
+1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum)
+in a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding positions in
 (p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys score -inf.
 The sink joins only the denominator. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16 on the
 GPU; fp32 in the interpreter, whose bf16 dot is wrong).
@@ -25,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import num_sms
 from .policy import next_pow2
 from .steps import StepTokens
 
@@ -37,6 +41,8 @@ class Tensors(NamedTuple):
     picks: torch.Tensor        # int32 (the step's `seq` where there are none: never read)
     sinks: torch.Tensor        # fp32 [H]
     out: torch.Tensor
+    part_o: torch.Tensor       # SPLIT: fp32 [N, H, 1 + SPLIT, D] partial accumulators (else `out`: never used)
+    part_ml: torch.Tensor      # SPLIT: fp32 [N, H, 1 + SPLIT, 2] their running max and sum
 
 
 class Strides(NamedTuple):
@@ -59,6 +65,7 @@ class Shape(NamedTuple):
     BH: int                    # heads per program
     BK: int                    # keys per block
     DOT: object                # operand dtype of the products
+    SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
 
 
 @triton.jit
@@ -85,7 +92,8 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     BK: tl.constexpr = L.BK
     BH: tl.constexpr = L.BH
     DOT: tl.constexpr = L.DOT
-    t, hb = tl.program_id(0), tl.program_id(1)
+    SPLIT: tl.constexpr = L.SPLIT
+    t, hb, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = tl.load(steps.seq + t)
     p = tl.load(steps.pos + t)
     slot = tl.load(steps.slot + b).to(tl.int64)
@@ -98,53 +106,104 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
     lo = p - W                                     # keys at positions > lo are in the window
-    # the ring: row r holds the latest position < start that is r mod W (none if start - 1 < r)
-    for r0 in range(0, W, BK):
-        r = r0 + tl.arange(0, BK)
-        back = start - 1 - r
-        held = tl.where(back >= 0, start - 1 - back % W, -1)
-        valid = (r < W) & (held >= 0) & (held > lo)
-        k = tl.load(T.ring + slot * S.ring_slot + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
-    # this step's rows of the sequence, up to the token itself
-    j_lo = tl.maximum(start, lo + 1)
-    for j0 in range(j_lo, p + 1, BK):
-        j = j0 + tl.arange(0, BK)
-        valid = j <= p
-        row = (first + j - start).to(tl.int64)
-        k = tl.load(T.kv + row[:, None] * S.kv_t + d[None, :], mask=valid[:, None], other=0.0)
-        acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
+    if part == 0:
+        # the ring: row r holds the latest position < start that is r mod W (none if start - 1 < r)
+        for r0 in range(0, W, BK):
+            r = r0 + tl.arange(0, BK)
+            back = start - 1 - r
+            held = tl.where(back >= 0, start - 1 - back % W, -1)
+            valid = (r < W) & (held >= 0) & (held > lo)
+            k = tl.load(T.ring + slot * S.ring_slot + r[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
+        # this step's rows of the sequence, up to the token itself
+        j_lo = tl.maximum(start, lo + 1)
+        for j0 in range(j_lo, p + 1, BK):
+            j = j0 + tl.arange(0, BK)
+            valid = j <= p
+            row = (first + j - start).to(tl.int64)
+            k = tl.load(T.kv + row[:, None] * S.kv_t + d[None, :], mask=valid[:, None], other=0.0)
+            acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if RATIO == 128:                               # HCA: every entry j with (j + 1) * 128 <= p + 1
-        for e0 in range(0, (p + 1) // RATIO, BK):
+        n_vis = (p + 1) // RATIO
+        e_lo, e_hi = _share(n_vis, part, SPLIT)
+        for e0 in range(e_lo, e_hi, BK):
             j = e0 + tl.arange(0, BK)
-            valid = j < (p + 1) // RATIO
+            valid = j < e_hi
             page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
             k = tl.load(T.entries + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if RATIO == 4:                                 # CSA: the indexer's picks
-        for i0 in range(0, K, BK):
+        i_lo, i_hi = _share(K, part, SPLIT)
+        for i0 in range(i_lo, i_hi, BK):
             i = i0 + tl.arange(0, BK)
-            j = tl.load(T.picks + t.to(tl.int64) * K + i, mask=i < K, other=-1)
+            j = tl.load(T.picks + t.to(tl.int64) * K + i, mask=i < i_hi, other=-1)
             valid = j >= 0
             page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
             k = tl.load(T.entries + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
-    sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
-    o = acc / (l_i + tl.exp(sink - m_i))[:, None]
+    if SPLIT == 0:
+        sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
+        o = acc / (l_i + tl.exp(sink - m_i))[:, None]
+        tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
+                 mask=(h < H)[:, None])
+    else:                                          # the partial, for `_combine_kernel`
+        row = (t.to(tl.int64) * H + h) * (SPLIT + 1) + part
+        tl.store(T.part_o + row[:, None] * D + d[None, :], acc, mask=(h < H)[:, None])
+        tl.store(T.part_ml + row * 2, m_i, mask=h < H)
+        tl.store(T.part_ml + row * 2 + 1, l_i, mask=h < H)
+
+
+@triton.jit
+def _share(n, part, SPLIT: tl.constexpr):
+    """[lo, hi) of n entries for program `part`: all of them without a split; else share part - 1 of SPLIT equal
+    shares (none for part 0, the window's program)."""
+    if SPLIT == 0:
+        lo = n * 0
+        hi = n
+    else:
+        size = (n + SPLIT - 1) // SPLIT
+        lo = tl.minimum((part - 1) * size, n)
+        hi = tl.minimum(part * size, n)
+        lo = tl.where(part == 0, 0, lo)
+        hi = tl.where(part == 0, 0, hi)
+    return lo, hi
+
+
+@triton.jit
+def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
+    """Token t, heads of block hb: merge the 1 + SPLIT partials with the sink (which joins only the denominator)."""
+    t, hb = tl.program_id(0), tl.program_id(1)
+    h = hb * BH + tl.arange(0, BH)
+    d = tl.arange(0, D)
+    hm = h < H
+    base = (t.to(tl.int64) * H + h) * (SPLIT + 1)
+    top = tl.load(T.sinks + h, mask=hm, other=0.0)
+    for s in range(0, SPLIT + 1):
+        top = tl.maximum(top, tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf")))
+    den = tl.exp(tl.load(T.sinks + h, mask=hm, other=0.0) - top)
+    acc = tl.zeros([BH, D], tl.float32)
+    for s in range(0, SPLIT + 1):
+        w = tl.exp(tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf")) - top)
+        den += w * tl.load(T.part_ml + (base + s) * 2 + 1, mask=hm, other=0.0)
+        acc += w[:, None] * tl.load(T.part_o + (base + s)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
+    o = acc / den[:, None]
     tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
-             mask=(h < H)[:, None])
+             mask=hm[:, None])
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float, dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
+                     scale: float, max_entries: int | None = None, split: int | None = None,
+                     dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
     """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
-    goes to `fallback` (the reference), or raises without one."""
+    goes to `fallback` (the reference), or raises without one. max_entries: a bound on the entries any token sees
+    (HCA; by default what the pages hold), which sizes the key split; split: the split itself, else planned
+    (`attention_split`)."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
         if fallback is not None:
-            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale)
+            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale, max_entries)
         raise ValueError(f"sparse_attention needs a power-of-two head_dim >= 16, got {D}")
     o = torch.empty_like(q)
     if N == 0:
@@ -161,9 +220,58 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     K = picks.shape[1] if picks is not None else 0
     pk = picks.to(torch.int32).contiguous() if picks is not None else steps.seq
     kv, ring, ent = kv.contiguous(), ring.contiguous(), ent.contiguous()
-    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o)
+    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
                       kv.stride(0))
-    shape = Shape(W, D, E, K, ratio if entries is not None else 0, BH, BK, dot)
-    _attention_kernel[(N, triton.cdiv(H, BH))](tensors, steps, strides, H, scale, shape, num_warps=warps)
+    ratio = ratio if entries is not None else 0
+    if split is None:
+        keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
+        split = attention_split(N * triton.cdiv(H, BH), keys if ratio else 0, num_sms(q.device))
+    if split:                    # 16 heads a program on 8 warps: 32 accumulator values a thread (32 heads spill)
+        BH, warps = 16, 8
+        part_o = torch.empty(N, H, split + 1, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(N, H, split + 1, 2, dtype=torch.float32, device=q.device)
+        tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
+    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split)
+    _attention_kernel[(N, triton.cdiv(H, BH), split + 1)](tensors, steps, strides, H, scale, shape, num_warps=warps)
+    if split:
+        bh = 8 if D > 256 else 16
+        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, split, D, bh, num_warps=4)
     return o
+
+
+def attention_split(programs: int, entries: int, sms: int) -> int:
+    """Programs over the entries besides the window's, for a launch of `programs` (token, head block) programs whose
+    tokens see up to `entries` entries: none once the launch fills the GPU; else one per 128 entries, as many as
+    keep the launch within two programs per SM."""
+    if not entries or programs >= sms:
+        return 0
+    return max(1, min(-(-entries // 128), (2 * sms) // programs - 1))
+
+
+
+@triton.jit
+def _write_ring_kernel(ring, kv, steps, N, B, ring_slot, kv_t, W: tl.constexpr, D: tl.constexpr):
+    """Token t's row into its slot's ring at row pos mod W, if it is among its sequence's last W of the step."""
+    t = tl.program_id(0)
+    b = tl.load(steps.seq + t)
+    p = tl.load(steps.pos + t)
+    first = tl.load(steps.first + b)
+    n = tl.load(steps.first + b + 1, mask=b + 1 < B, other=N) - first
+    if p >= tl.load(steps.start + b) + n - W:
+        slot = tl.load(steps.slot + b).to(tl.int64)
+        d = tl.arange(0, D)
+        tl.store(ring + slot * ring_slot + (p % W) * D + d, tl.load(kv + t.to(tl.int64) * kv_t + d))
+
+
+def write_ring(ring: torch.Tensor, kv: torch.Tensor, steps: StepTokens) -> None:
+    """Each sequence's last W rows of this step into its slot's ring (row = position mod W), in place
+    (`ref.write_ring`'s contract), one program per token. kv [N, D] with D a power of two."""
+    N, D = kv.shape
+    if N == 0:
+        return
+    if D & (D - 1):
+        raise ValueError(f"write_ring needs a power-of-two head_dim, got {D}")
+    kv = kv.contiguous()
+    _write_ring_kernel[(N,)](ring, kv, steps, N, steps.slot.shape[0], ring.stride(0), kv.stride(0), ring.shape[1], D,
+                             num_warps=4)

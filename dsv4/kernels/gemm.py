@@ -110,20 +110,22 @@ def _qgemm_kernel(io, grid, w, T: tl.constexpr):
 def _tile_rows(pid_m, io, grid, T: tl.constexpr):
     """(row mask, x rows, y rows, expert as int64) of row block pid_m: ROWS_DENSE rows pid_m * BM.., ROWS_PAIR pair
     pid_m (expert ids[pid_m]), ROWS_SORTED the pairs `moe.align` put in block pid_m (expert ids[pid_m])."""
-    offs_r = tl.arange(0, T.BM)
-    if T.ROWS == 0:
-        rows = pid_m * T.BM + offs_r
+    ROWS: tl.constexpr = T.ROWS
+    BM: tl.constexpr = T.BM
+    offs_r = tl.arange(0, BM)
+    if ROWS == 0:
+        rows = pid_m * BM + offs_r
         rmask = rows < grid.M
         xrow = rows
         yrow = rows
         e = pid_m * 0
-    elif T.ROWS == 1:
+    elif ROWS == 1:
         rmask = offs_r == 0
         yrow = pid_m + offs_r * 0
         xrow = yrow // grid.X_DIV
         e = tl.load(io.ids + pid_m).to(tl.int32)
     else:
-        pair = tl.load(io.rows + pid_m * T.BM + offs_r)
+        pair = tl.load(io.rows + pid_m * BM + offs_r)
         rmask = pair < grid.M
         yrow = tl.where(rmask, pair, 0)
         xrow = yrow // grid.X_DIV
@@ -135,38 +137,51 @@ def _tile_rows(pid_m, io, grid, T: tl.constexpr):
 def _tile_acc(io, grid, w, e64, xrow, rmask, offs_n, nmask, pid_n, T: tl.constexpr):
     """fp32 [BM, BN] partial(s) (gate, up when GATED) of the program's K split: the weight decoded in registers, one
     dot per K step."""
+    FMT: tl.constexpr = T.FMT
+    SCALE_F32: tl.constexpr = T.SCALE_F32
+    A_FP4: tl.constexpr = T.A_FP4
+    GATED: tl.constexpr = T.GATED
+    DOT: tl.constexpr = T.DOT
+    PREC: tl.constexpr = T.PREC
+    ASM: tl.constexpr = T.ASM
+    BM: tl.constexpr = T.BM
+    BN: tl.constexpr = T.BN
+    BK: tl.constexpr = T.BK
+    EVEN_K: tl.constexpr = T.EVEN_K
+    PROMOTE: tl.constexpr = T.PROMOTE
+    TILED: tl.constexpr = T.TILED
     wbase = w.w + e64 * w.stride_we
     sbase = w.s + e64 * w.stride_se
     # block-diagonal weights (wo_a): output columns [g*group_r, (g+1)*group_r) read x columns from g*x_gstride on
     # (the launcher keeps each N tile inside one group); x_gstride 0: one dense weight
-    x_ptr = io.x + ((pid_n * T.BN) // io.group_r).to(tl.int64) * io.x_gstride
-    n_chunks = tl.cdiv(io.K, T.BK)
+    x_ptr = io.x + ((pid_n * BN) // io.group_r).to(tl.int64) * io.x_gstride
+    n_chunks = tl.cdiv(io.K, BK)
     per_split = tl.cdiv(n_chunks, grid.SPLIT_K)
     c0 = tl.program_id(1) * per_split
     c1 = tl.minimum(c0 + per_split, n_chunks)
-    acc = tl.zeros((T.BM, T.BN), dtype=tl.float32)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = acc
     for c in range(c0, c1):
-        k0 = c * T.BK
-        if T.FMT >= 2:  # packed FP4 weights
-            if T.A_FP4:
-                xt = _load_xfp4(x_ptr, io.x_sf, xrow, rmask, k0, io.stride_x, io.stride_x_sf, T.BM, T.BK, T.DOT, T.ASM)
+        k0 = c * BK
+        if FMT >= 2:  # packed FP4 weights
+            if A_FP4:
+                xt = _load_xfp4(x_ptr, io.x_sf, xrow, rmask, k0, io.stride_x, io.stride_x_sf, BM, BK, DOT, ASM)
             else:
-                xt = _load_x_tile(x_ptr, xrow, rmask, k0, 0, io.stride_x, T.BK, True, T.DOT)
+                xt = _load_x_tile(x_ptr, xrow, rmask, k0, 0, io.stride_x, BK, True, DOT)
             acc = _accumulate_fp4(acc, xt, wbase, sbase, offs_n, nmask, k0, w.stride_wn, w.stride_sn,
-                                  T.FMT, T.BM, T.BN, T.BK, T.DOT, T.PREC, T.ASM, T.TILED)
-            if T.GATED:
+                                  FMT, BM, BN, BK, DOT, PREC, ASM, TILED)
+            if GATED:
                 acc_u = _accumulate_fp4(acc_u, xt, wbase + w.stride_wg, sbase + w.stride_sg, offs_n, nmask, k0,
-                                        w.stride_wn, w.stride_sn, T.FMT, T.BM, T.BN, T.BK, T.DOT, T.PREC, T.ASM,
-                                        T.TILED)
+                                        w.stride_wn, w.stride_sn, FMT, BM, BN, BK, DOT, PREC, ASM,
+                                        TILED)
         else:
-            xt = _load_x_tile(x_ptr, xrow, rmask, k0, io.K, io.stride_x, T.BK, T.EVEN_K, T.DOT)
+            xt = _load_x_tile(x_ptr, xrow, rmask, k0, io.K, io.stride_x, BK, EVEN_K, DOT)
             acc = _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, io.K, w.stride_wn, w.stride_sn,
-                                T.FMT, T.SCALE_F32, T.BN, T.BK, T.EVEN_K, T.DOT, T.PREC, T.PROMOTE, T.TILED, T.ASM)
-            if T.GATED:
+                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED, ASM)
+            if GATED:
                 acc_u = _accumulate_8(acc_u, xt, wbase + w.stride_wg, sbase + w.stride_sg, offs_n, nmask, k0, io.K,
-                                      w.stride_wn, w.stride_sn, T.FMT, T.SCALE_F32, T.BN, T.BK, T.EVEN_K, T.DOT,
-                                      T.PREC, T.PROMOTE, T.TILED, T.ASM)
+                                      w.stride_wn, w.stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT,
+                                      PREC, PROMOTE, TILED, ASM)
     return acc, acc_u
 
 
@@ -176,35 +191,42 @@ def _tile_store(acc, acc_u, io, grid, w, e64, yrow, rmask, offs_n, nmask, tile, 
     EPI_ROUTED: fp32 rows times the routing weight). SPLIT: split-K in one launch - park the fp32 partial(s), count
     arrivals on the tile's semaphore; the last program sums the partials in split order (deterministic), re-arms the
     semaphore and stores. Partials are indexed by output row, so every row mode can split."""
+    FMT: tl.constexpr = T.FMT
+    A_FP4: tl.constexpr = T.A_FP4
+    GATED: tl.constexpr = T.GATED
+    EPI: tl.constexpr = T.EPI
+    BM: tl.constexpr = T.BM
+    BN: tl.constexpr = T.BN
+    SPLIT: tl.constexpr = T.SPLIT
     offs_y = yrow.to(tl.int64)[:, None] * io.stride_y + offs_n[None, :]
     omask = rmask[:, None] & nmask[None, :]
-    if T.SPLIT:
+    if SPLIT:
         offs_ws = yrow.to(tl.int64)[:, None] * io.N + offs_n[None, :]
-        plane = grid.M.to(tl.int64) * io.N
+        plane = io.N.to(tl.int64) * grid.M          # (grid.M may be specialized to the constant 1)
         part = io.ws + tl.program_id(1).to(tl.int64) * io.stride_ws
         tl.store(part + offs_ws, acc, mask=omask)
-        if T.GATED:
+        if GATED:
             tl.store(part + plane + offs_ws, acc_u, mask=omask)
         tl.debug_barrier()
         arrived = tl.atomic_add(io.cnt + tile, 1, sem="acq_rel", scope="gpu")
         last = arrived == grid.SPLIT_K - 1
         if last:
-            acc, acc_u = _sum_split_partials(io.ws, io.stride_ws, plane, offs_ws, omask, grid.SPLIT_K, T.BM, T.BN,
-                                             T.GATED)
+            acc, acc_u = _sum_split_partials(io.ws, io.stride_ws, plane, offs_ws, omask, grid.SPLIT_K, BM, BN,
+                                             GATED)
             tl.atomic_xchg(io.cnt + tile, 0, sem="relaxed", scope="gpu")
-        omask = omask & ((tl.zeros((T.BM, T.BN), dtype=tl.int32) + arrived) == grid.SPLIT_K - 1)  # the last stores
+        omask = omask & ((tl.zeros((BM, BN), dtype=tl.int32) + arrived) == grid.SPLIT_K - 1)  # the last stores
     s2base = w.s2 + e64 * w.stride_s2e
-    f = epilogue_factor(s2base, T.FMT)
-    if T.A_FP4:  # alpha = input_scale * weight_scale_2, once; 2^18 undoes both operands' prescale
+    f = epilogue_factor(s2base, FMT)
+    if A_FP4:  # alpha = input_scale * weight_scale_2, once; 2^18 undoes both operands' prescale
         f = tl.load(s2base).to(tl.float32) * tl.load(io.input_scale).to(tl.float32) * 262144.0
-    if T.GATED:
-        f_u = epilogue_factor(s2base + w.stride_s2g, T.FMT)
+    if GATED:
+        f_u = epilogue_factor(s2base + w.stride_s2g, FMT)
         g = tl.minimum(acc * f, io.limit)
         u = tl.minimum(tl.maximum(acc_u * f_u, -io.limit), io.limit)
         e = tl.exp(-tl.abs(g))  # sigmoid without overflow for large |g|
         h = g * tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * u
         tl.store(io.y + offs_y, h.to(io.y.dtype.element_ty), mask=omask)
-    elif T.EPI == 0:
+    elif EPI == 0:
         tl.store(io.y + offs_y, (acc * f).to(io.y.dtype.element_ty), mask=omask)
     else:
         rw = tl.load(io.rw + yrow, mask=rmask, other=0.0).to(tl.float32)

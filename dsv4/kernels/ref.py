@@ -119,6 +119,138 @@ def moe(
     return out.to(x.dtype)
 
 
+# ------------------------------------------------------------------------------------------- norms and rope
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weighted RMSNorm over the last axis: fp32 normalisation times the fp32 weight, cast once to x.dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing 2*cos.shape[-1] channels of x as interleaved pairs (2i, 2i+1); -angle if `inverse`.
+
+    cos/sin must broadcast against x[..., :half] (e.g. [B, S, 1, half] for x [B, S, H, D]). The rotation is
+    computed in fp32 and cast back; the leading (nope) channels are untouched.
+    """
+    rd = 2 * cos.shape[-1]
+    if inverse:
+        sin = -sin
+    r = x[..., -rd:].float()
+    a, b = r[..., 0::2], r[..., 1::2]
+    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------- compressor
+# Every `ratio` tokens pool into one compressed entry (dsv4-architecture.md; `model.compressor` has the math in
+# words). Window j holds positions j*ratio .. j*ratio + ratio - 1; CSA (overlap) entries also pool the Ca half
+# (first head_dim channels) of window j-1, then the Cb half of window j.
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, prev: tuple[torch.Tensor, torch.Tensor] | None,
+                  overlap: bool, head_dim: int) -> torch.Tensor:
+    """Complete windows kv, score [B, n, ratio, width] -> un-normalised entries [B, n, head_dim]: per channel, a
+    softmax over the window's slots (fp32, cast to kv's dtype) weighting the kv rows.
+
+    overlap: `prev` is the (kv, score) Ca half [B, ratio, head_dim] of the window before the first one, or None
+    (the first window of the sequence: weight 0)."""
+    B, n, m, _ = kv.shape
+    if n == 0:
+        return kv.new_zeros(B, 0, head_dim)
+    if overlap:
+        hd = head_dim
+        if prev is None:
+            prev = (kv.new_zeros(B, 1, m, hd), score.new_full((B, 1, m, hd), float("-inf")))
+        else:
+            prev = (prev[0].unsqueeze(1).to(kv.dtype), prev[1].unsqueeze(1).to(score.dtype))
+        kv = torch.cat((torch.cat((prev[0], kv[:, :-1, :, :hd]), dim=1), kv[..., hd:]), dim=2)
+        score = torch.cat((torch.cat((prev[1], score[:, :-1, :, :hd]), dim=1), score[..., hd:]), dim=2)
+    return (kv * score.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+
+
+def compress_finish(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """RMSNorm, then the rope at each entry's window start (cos / sin [..., rope_dim / 2] against pooled's rows)."""
+    return apply_rope(rms_norm(pooled, weight, eps), cos, sin)
+
+
+def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ratio: int, cos: torch.Tensor,
+             sin: torch.Tensor, weight: torch.Tensor, eps: float, max_windows: int | None = None) -> None:
+    """One step of a compressor for every sequence of a ragged step (`kernels.compressor.compress`'s contract).
+
+    kv [N, width] (compute dtype) and score [N, width] (fp32, ape included) are the step's projected rows; cos / sin
+    [N, rope_dim / 2] the rope at each token's window start. `state` holds open_kv / open_score [slots, ratio,
+    width] (the open window, position p at row p mod ratio), prev_kv / prev_score [slots, ratio, head_dim] (CSA:
+    the Ca half of the last complete window; -inf scores = none) and entries [pages, E, head_dim] (entry j of a
+    sequence at row j mod E of page pages[j // E]). Per sequence: the open rows and its tokens form its windows;
+    each window that closes gives one entry (pooled, normed, roped) written to its page; the Ca half of the last
+    closed window and the rows of the new open window are kept. max_windows: a bound on the windows any sequence
+    closes in the step (the kernel's grid; unused here)."""
+    overlap = state.prev_kv is not None
+    hd, per_page = state.entries.shape[-1], state.entries.shape[1]
+    m = ratio
+    slots, starts, firsts = steps.slot.tolist(), steps.start.tolist(), steps.first.tolist()
+    counts = torch.bincount(steps.seq.long(), minlength=len(slots)).tolist()
+    for b, (slot, start, first, n) in enumerate(zip(slots, starts, firsts, counts)):
+        held, j0 = start % m, start // m                   # rows of the open window already in the state
+        k = torch.cat((state.open_kv[slot, :held], kv[first:first + n]))
+        s = torch.cat((state.open_score[slot, :held], score[first:first + n]))
+        w = k.shape[0] // m
+        if w:
+            win_k, win_s = k[:w * m].unflatten(0, (w, m))[None], s[:w * m].unflatten(0, (w, m))[None]
+            prev = (state.prev_kv[slot:slot + 1], state.prev_score[slot:slot + 1]) if overlap else None
+            j = torch.arange(j0, j0 + w, device=kv.device)
+            close = first + (j + 1) * m - 1 - start            # the step token that closes window j
+            new = compress_finish(compress_pool(win_k, win_s, prev, overlap, hd)[0], cos[close], sin[close],
+                                  weight, eps)
+            page = steps.pages[b].long()[j // per_page]
+            state.entries[page, j % per_page] = new
+            if overlap:                                        # the Ca half of the last window feeds the next entry
+                state.prev_kv[slot] = win_k[0, -1, :, :hd]
+                state.prev_score[slot] = win_s[0, -1, :, :hd]
+        rest = k.shape[0] - w * m
+        state.open_kv[slot, :rest] = k[w * m:]
+        state.open_score[slot, :rest] = s[w * m:]
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lightning-indexer scores fp32 [B, S, T]: sum_h weights[..., h] * relu(q[..., h, :] . key) * scale, for q
+    [B, S, H, hd] (rotated), weights fp32 [B, S, H], keys [B, T, hd]."""
+    s = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))      # [B, S, H, T]
+    s = F.relu(s) * scale
+    return (s * weights.unsqueeze(-1)).sum(dim=2)
+
+
+def index_select(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio: int) -> torch.Tensor:
+    """Top-k entry ids [B, S, min(topk, T)] (int64) of scores [B, S, T] among each query's visible entries; -1
+    where a pick is not visible."""
+    limit = visible_entries(positions, ratio).unsqueeze(-1)                          # [B, S, 1]
+    ids = torch.arange(scores.shape[-1], device=scores.device)
+    scores = scores.masked_fill(ids >= limit, float("-inf"))
+    picks = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    return picks.masked_fill(picks >= limit, -1)
+
+
+def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, topk: int,
+                ratio: int, scale: float, max_keys: int | None = None) -> torch.Tensor:
+    """The indexer's picks for every token of a ragged step (`kernels.indexer.index_picks`'s contract): q [N, H, hd]
+    (rotated), weights fp32 [N, H]; each token scored against every key its sequence has emitted (entries [pages,
+    E, hd] through its page table) -> [N, topk] int64, -1 past each token's picks. max_keys: a bound on the keys
+    of any sequence (the kernel sizes its score rows by it; unused here)."""
+    per_page = entries.shape[1]
+    picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+    starts, firsts = steps.start.tolist(), steps.first.tolist()
+    counts = torch.bincount(steps.seq.long(), minlength=len(starts)).tolist()
+    for b, (start, first, n) in enumerate(zip(starts, firsts, counts)):
+        tok = slice(first, first + n)
+        count = (start + n) // ratio
+        used = steps.pages[b, :-(-count // per_page)].long()
+        keys = entries[used].flatten(0, 1)[None, :count]
+        found = index_select(index_scores(q[None, tok], weights[None, tok], keys, scale),
+                             steps.pos[tok].long()[None], topk, ratio)[0]
+        picks[tok, :found.shape[-1]] = found
+    return picks
+
+
 # ------------------------------------------------------------------------------------------- attention
 def visible_entries(positions: torch.Tensor, ratio: int) -> torch.Tensor:
     """Number of compressed entries query position t may read: floor((t+1) / ratio). [B, S] -> [B, S]."""
@@ -171,10 +303,11 @@ def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.T
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, max_entries: int | None = None) -> torch.Tensor:
     """Cached attention of a ragged step (`kernels.attention.sparse_attention`'s contract): per sequence, its ring,
     its step rows and its entries (HCA: all visible ones; CSA: the picks [N, K], -1 = none) through its page table,
-    with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]."""
+    with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]. max_entries:
+    a bound on the entries any token sees (the kernel's key split; unused here)."""
     W, out = ring.shape[1], []
     slots, starts, firsts = steps.slot.tolist(), steps.start.tolist(), steps.first.tolist()
     counts = torch.bincount(steps.seq.long(), minlength=len(slots)).tolist()

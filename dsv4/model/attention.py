@@ -14,13 +14,14 @@ prefill (keys = this chunk) and a cached step (keys = window ring + chunk, entri
 
 `state=None` is a fresh prefill of a rectangular batch from position 0 with nothing cached. Otherwise x is
 the flattened tokens of a ragged `SeqBatch` ([1, N, d]) and `state` the layer's `LayerState` (views the
-runtime owns; see state.py). Projections, norms and rope run on all N tokens at once; the keys are per
-sequence (a loop here, one batched kernel later), for sequence i with `start` cached tokens:
-* window: keys = its ring (row r holds position `ring_positions(start)[r]`, -1 = empty) + its chunk,
-  masked by `window_bias`; the chunk's last `window` tokens are then written at rows p mod window;
-* compressor (and the indexer's): `Compressor.append` pools the open rows + the chunk with the saved Ca
-  half and writes the new entries into the sequence's pages; attention sees every entry emitted so far, HCA
-  all visible ones, CSA the indexer's picks scored against every emitted indexer key.
+runtime owns; see state.py). Projections, norms and rope run on all N tokens at once, and so does the
+rest, through `Ops` (Triton kernels on the GPU, `kernels.ref` elsewhere), for sequence i with `start` cached tokens:
+* compressor (and the indexer's): `ops.compress` pools the open rows + the step's rows with the saved Ca half and
+  writes the entries of the windows that close into the sequence's pages;
+* indexer: `ops.index_picks` scores each token against every key its sequence has emitted, top-k;
+* attention: `ops.sparse_attention` over the ring (row r holds position `ring_positions(start)[r]`, -1 = empty),
+  the step's rows and the entries (HCA all visible ones, CSA the picks); `ops.write_ring` then keeps each
+  sequence's last `window` rows at rows p mod window.
 """
 
 from __future__ import annotations
@@ -95,25 +96,29 @@ class Attention(nn.Module):
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
     def _cached(self, x, qr, q, kv, positions, state: LayerState, batch: SeqBatch) -> torch.Tensor:
-        """The compressors (and the indexer's picks) per sequence, then attention for every token of the step in
-        one `ops.sparse_attention` over the rings, the step's rows and the paged entries; then the rings."""
-        steps = batch.on(x.device).tokens
+        """The compressors and the indexer's picks for every sequence at once (`ops.compress`, `ops.index_picks`),
+        then attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows
+        and the paged entries; then the rings."""
+        batch = batch.on(x.device)
+        steps = batch.tokens
         entries = picks = None
         if self.compressor is not None:
-            kv_c, score_c = self.compressor.project(x, positions)
+            batch.check_pages(state.compressor.entries.shape[1], self.ratio)
+            self._compress(self.compressor, state.compressor, x, positions, batch)
             entries = state.compressor.entries
-            found = []
-            for slot, start, tok, pages in batch.spans():
-                st = state.at(slot)
-                self.compressor.append(kv_c[:, tok], score_c[:, tok], start, st.compressor, pages, self.rope)
-                if self.indexer is not None:
-                    found.append(self.indexer(x[:, tok], qr[:, tok], positions[:, tok], self.rope, st.indexer,
-                                              start, pages)[0])
-            if self.indexer is not None:                  # [N, index_topk], -1 past each sequence's picks
-                picks = torch.full((x.shape[1], self.indexer.topk), -1, dtype=torch.long, device=x.device)
-                for (_, _, tok, _), p in zip(batch.spans(), found):
-                    picks[tok, :p.shape[-1]] = p
+            if self.indexer is not None:
+                ix = self.indexer
+                self._compress(ix.compressor, state.indexer, x, positions, batch)
+                iq, iw = ix.queries(x, qr, positions, self.rope)
+                picks = self.ops.index_picks(iq[0], iw[0], state.indexer.entries, steps, ix.topk, 4, ix.scale,
+                                             batch.key_bound(4))
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
-                                      self.head_dim ** -0.5)
+                                      self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None)
         self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
+
+    def _compress(self, compressor: Compressor, cstate, x, positions, batch: SeqBatch) -> None:
+        kv, score = compressor.project(x, positions)
+        cos, sin = compressor.window_rope(positions, self.rope)
+        self.ops.compress(kv[0], score[0], batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
+                          compressor.norm.weight, compressor.norm.eps, -(-max(batch.lengths) // compressor.ratio))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.ref import rms  # noqa: F401  (the model's unweighted RMS; also mHC's)
+from ..kernels.ref import apply_rope, rms, rms_norm  # noqa: F401  (the math lives with the kernels' references)
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +25,7 @@ class RMSNorm(nn.Module):
         self.register_buffer("weight", torch.empty(dim, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * h).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig, compress: bool) -> torch.Tensor:
@@ -65,18 +63,3 @@ class Rope(nn.Module):
         """positions [...] -> (cos, sin) fp32 [..., rope_dim / 2]."""
         freqs = positions[..., None].float() * self.inv_freq
         return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2*cos.shape[-1] channels of x as interleaved pairs (2i, 2i+1); -angle if `inverse`.
-
-    cos/sin must broadcast against x[..., :half] (e.g. [B, S, 1, half] for x [B, S, H, D]). The rotation is
-    computed in fp32 and cast back; the leading (nope) channels are untouched.
-    """
-    rd = 2 * cos.shape[-1]
-    if inverse:
-        sin = -sin
-    r = x[..., -rd:].float()
-    a, b = r[..., 0::2], r[..., 1::2]
-    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)

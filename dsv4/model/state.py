@@ -34,12 +34,6 @@ class CompressorState:
     prev_score: torch.Tensor | None      # CSA: [slots, ratio, head_dim] fp32; -inf = no window yet (weight 0)
     entries: torch.Tensor                # [pages, E, head_dim] compute dtype: emitted entries, paged (all slots)
 
-    def at(self, slot: int) -> CompressorState:
-        """The views of one slot, keeping a batch axis of 1 (the paged entries stay whole)."""
-        pick = lambda t: None if t is None else t[slot:slot + 1]  # noqa: E731
-        return CompressorState(pick(self.open_kv), pick(self.open_score), pick(self.prev_kv), pick(self.prev_score),
-                               self.entries)
-
     def reset(self, slot: int) -> None:
         if self.prev_kv is not None:
             self.prev_kv[slot].zero_()
@@ -51,10 +45,6 @@ class LayerState:
     window: torch.Tensor                 # [slots, window, D] compute dtype
     compressor: CompressorState | None   # CSA and HCA layers
     indexer: CompressorState | None      # CSA layers
-
-    def at(self, slot: int) -> LayerState:
-        at = lambda part: None if part is None else part.at(slot)  # noqa: E731
-        return LayerState(self.window[slot:slot + 1], at(self.compressor), at(self.indexer))
 
     def reset(self, slot: int) -> None:
         for part in (self.compressor, self.indexer):
@@ -72,6 +62,7 @@ class SeqBatch:
     lengths: tuple[int, ...]             # tokens of the sequence in this step (>= 1)
     pages: tuple[tuple[int, ...], ...] = ()   # page table per sequence, covering starts[i] + lengths[i] tokens
     tokens: StepTokens | None = field(default=None, compare=False)   # the same columns on the device (`on`)
+    end_bound: int = 0                   # a bound on starts[i] + lengths[i] that kernels size by (0: the largest)
 
     def __post_init__(self):
         if not len(self.slots) == len(self.starts) == len(self.lengths):
@@ -89,6 +80,18 @@ class SeqBatch:
         if self.tokens is not None and self.tokens.seq.device == torch.device(device):
             return self
         return replace(self, tokens=StepTokens.build(self.slots, self.starts, self.lengths, self.pages, device))
+
+    def check_pages(self, entries_per_page: int, ratio: int) -> None:
+        """Raise unless every page table covers its sequence's compressed entries of ratio `ratio` after the step."""
+        for table, start, n in zip(self.pages or ((),) * len(self.slots), self.starts, self.lengths):
+            if (start + n) // ratio > len(table) * entries_per_page:
+                raise ValueError(f"the sequence's {len(table)} cache pages hold {len(table) * entries_per_page} "
+                                 f"entries of ratio {ratio}; position {start + n - 1} needs entry "
+                                 f"{(start + n) // ratio - 1}")
+
+    def key_bound(self, ratio: int) -> int:
+        """The most compressed entries of ratio `ratio` any sequence holds after the step (or `end_bound` allows)."""
+        return (self.end_bound or max(s + n for s, n in zip(self.starts, self.lengths))) // ratio
 
     @property
     def offsets(self) -> tuple[int, ...]:

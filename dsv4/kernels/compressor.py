@@ -1,0 +1,211 @@
+"""A compressor's step for every sequence of a ragged step in two launches (`ref.compress`'s contract).
+
+Inputs (N tokens of B sequences; m = ratio, hd = head_dim, width = 2 hd for CSA's overlapping windows, else hd):
+    kv, score        [N, width]             the step's projected rows (score fp32, ape included)
+    cos, sin         [N, rope / 2]          the rope at each token's window start
+    state            open_kv / open_score [slots, m, width] (position p at row p mod m), prev_kv / prev_score
+                     [slots, m, hd] (CSA: the Ca half of the last complete window), entries [pages, E, hd]
+    steps            `StepTokens`: per sequence its slot, start, first token and page table
+
+`_emit_kernel`, program (sequence b, window w): window j = start // m + w closes in this step iff
+(j + 1) m <= start + n (a condition on the device: the grid is the host's bound on windows per sequence). It pools
+the window's rows (those before `start` from the open state, the rest from the step) and, for CSA, the Ca half of
+window j - 1 (from prev when that window closed before the step) with one online softmax per channel in fp32, then
+RMSNorm and the rope at j m on the trailing channels, and writes entry j to row j mod E of page pages[j // E].
+`_state_kernel`, program b, then keeps the Ca half of the last window that closed and the rows of the window left
+open; it runs after every entry is pooled, since both read the rows it overwrites.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .steps import StepTokens
+
+
+class Tensors(NamedTuple):
+    kv: torch.Tensor
+    score: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    weight: torch.Tensor       # the norm's fp32 weight [hd]
+    open_kv: torch.Tensor
+    open_score: torch.Tensor
+    prev_kv: torch.Tensor      # (open_kv where there is none: never read)
+    prev_score: torch.Tensor
+    entries: torch.Tensor
+
+
+class Strides(NamedTuple):
+    kv_t: int
+    score_t: int
+    rope_t: int
+    open_slot: int
+    prev_slot: int
+    pages_seq: int
+
+
+class Shape(NamedTuple):
+    """The launch's compile-time values (one constexpr)."""
+    M: int                     # ratio
+    HD: int                    # head_dim
+    WIDTH: int                 # channels of a row: 2 hd (overlap) or hd
+    OVERLAP: bool
+    E: int                     # entries per page
+    HALF_ROPE: int             # rotated pairs (trailing channels)
+    RB: int                    # rows per block
+    WB: int                    # channels per block of `_state_kernel`
+
+
+@triton.jit
+def _tokens(steps, N, b):
+    """(slot, start, first token, token count) of sequence b."""
+    slot = tl.load(steps.slot + b).to(tl.int64)
+    start = tl.load(steps.start + b)
+    first = tl.load(steps.first + b)
+    nxt = tl.load(steps.first + b + 1, mask=b + 1 < tl.num_programs(0), other=N)
+    return slot, start, first, nxt - first
+
+
+@triton.jit
+def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L: tl.constexpr):
+    """Rows at positions `pos` [RB] (row r of their window), channels ch [HD] of the row layout, into the running
+    per-channel softmax: from the step (pos >= start), else from prev (prev_rows: the window closed before the step),
+    else from the open state."""
+    HD: tl.constexpr = L.HD
+    WIDTH: tl.constexpr = L.WIDTH
+    M: tl.constexpr = L.M
+    d = tl.arange(0, HD)
+    step_row = pos >= start
+    from_prev = (~step_row) & prev_rows
+    from_open = (~step_row) & (~prev_rows)
+    tok = (first + pos - start).to(tl.int64)
+    orow = slot * S.open_slot + (pos % M).to(tl.int64) * WIDTH
+    prow = slot * S.prev_slot + r.to(tl.int64) * HD
+    k = tl.load(T.kv + tok[:, None] * S.kv_t + ch[None, :], mask=step_row[:, None], other=0.0).to(tl.float32)
+    k += tl.load(T.open_kv + orow[:, None] + ch[None, :], mask=from_open[:, None], other=0.0).to(tl.float32)
+    k += tl.load(T.prev_kv + prow[:, None] + d[None, :], mask=from_prev[:, None], other=0.0).to(tl.float32)
+    s = tl.load(T.score + tok[:, None] * S.score_t + ch[None, :], mask=step_row[:, None], other=0.0)
+    s += tl.load(T.open_score + orow[:, None] + ch[None, :], mask=from_open[:, None], other=0.0)
+    s += tl.load(T.prev_score + prow[:, None] + d[None, :], mask=from_prev[:, None], other=0.0)
+    m_new = tl.maximum(mx, tl.max(s, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(mx - m_use)
+    p = tl.exp(s - m_use[None, :])
+    return acc * alpha + tl.sum(p * k, axis=0), m_new, den * alpha + tl.sum(p, axis=0)
+
+
+@triton.jit
+def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
+    M: tl.constexpr = L.M
+    HD: tl.constexpr = L.HD
+    RB: tl.constexpr = L.RB
+    E: tl.constexpr = L.E
+    HALF_ROPE: tl.constexpr = L.HALF_ROPE
+    b = tl.program_id(0)
+    slot, start, first, n = _tokens(steps, N, b)
+    j = start // M + tl.program_id(1)
+    if (j + 1) * M <= start + n:
+        d = tl.arange(0, HD)
+        acc = tl.zeros([HD], tl.float32)
+        mx = tl.full([HD], float("-inf"), tl.float32)
+        den = tl.zeros([HD], tl.float32)
+        if L.OVERLAP:       # the Ca half (channels 0..hd) of window j - 1; the sequence's first window has none
+            if j > 0:
+                for r0 in range(0, M, RB):
+                    r = r0 + tl.arange(0, RB)
+                    acc, mx, den = _pool_rows(acc, mx, den, T, S, slot, start, first, (j - 1) * M + r, r,
+                                              (r * 0 + j) * M <= start, d, L)
+            off = HD
+        else:
+            off = 0
+        for r0 in range(0, M, RB):      # window j (CSA: its Cb half, channels hd..2 hd)
+            r = r0 + tl.arange(0, RB)
+            acc, mx, den = _pool_rows(acc, mx, den, T, S, slot, start, first, j * M + r, r, r < 0, off + d, L)
+        dtype = T.entries.dtype.element_ty
+        h = (acc / den).to(dtype).to(tl.float32)                 # the pooled entry, rounded as the reference's
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / HD + eps)
+        h = (tl.load(T.weight + d) * h).to(dtype).to(tl.float32)
+        # the rope at position j m on the trailing HALF_ROPE pairs (2i, 2i + 1); the other pairs keep their values
+        a, c = tl.split(tl.reshape(h, [HD // 2, 2]))
+        i = tl.arange(0, HD // 2) - (HD // 2 - HALF_ROPE)
+        tok = (first + (j + 1) * M - 1 - start).to(tl.int64)    # the step token that closes window j
+        cos = tl.load(T.cos + tok * S.rope_t + i, mask=i >= 0, other=1.0)
+        sin = tl.load(T.sin + tok * S.rope_t + i, mask=i >= 0, other=0.0)
+        out = tl.reshape(tl.join(a * cos - c * sin, c * cos + a * sin), [HD])
+        page = tl.load(steps.pages + b * S.pages_seq + j // E).to(tl.int64)
+        tl.store(T.entries + (page * E + j % E) * HD + d, out.to(dtype))
+
+
+@triton.jit
+def _state_kernel(T, steps, S, N, L: tl.constexpr):
+    M: tl.constexpr = L.M
+    HD: tl.constexpr = L.HD
+    WIDTH: tl.constexpr = L.WIDTH
+    RB: tl.constexpr = L.RB
+    WB: tl.constexpr = L.WB
+    b = tl.program_id(0)
+    slot, start, first, n = _tokens(steps, N, b)
+    end = start + n
+    if L.OVERLAP:       # the Ca half of the last window that closed feeds the next entry
+        jc = end // M - 1
+        if jc >= start // M:
+            d = tl.arange(0, HD)
+            for r0 in range(0, M, RB):
+                r = r0 + tl.arange(0, RB)
+                pos = jc * M + r
+                step_row = pos >= start
+                tok = (first + pos - start).to(tl.int64)
+                orow = slot * S.open_slot + (pos % M).to(tl.int64) * WIDTH
+                k = tl.load(T.kv + tok[:, None] * S.kv_t + d[None, :], mask=step_row[:, None], other=0.0)
+                k += tl.load(T.open_kv + orow[:, None] + d[None, :], mask=(~step_row)[:, None], other=0.0)
+                s = tl.load(T.score + tok[:, None] * S.score_t + d[None, :], mask=step_row[:, None], other=0.0)
+                s += tl.load(T.open_score + orow[:, None] + d[None, :], mask=(~step_row)[:, None], other=0.0)
+                prow = slot * S.prev_slot + r.to(tl.int64) * HD
+                tl.store(T.prev_kv + prow[:, None] + d[None, :], k)
+                tl.store(T.prev_score + prow[:, None] + d[None, :], s)
+        tl.debug_barrier()              # those open rows are read before the new open rows overwrite them
+    for p0 in range(tl.maximum(start, (end // M) * M), end, RB):    # the rows of the window left open
+        pos = p0 + tl.arange(0, RB)
+        valid = pos < end
+        tok = (first + pos - start).to(tl.int64)
+        orow = slot * S.open_slot + (pos % M).to(tl.int64) * WIDTH
+        for c0 in range(0, WIDTH, WB):
+            c = c0 + tl.arange(0, WB)
+            k = tl.load(T.kv + tok[:, None] * S.kv_t + c[None, :], mask=valid[:, None], other=0.0)
+            s = tl.load(T.score + tok[:, None] * S.score_t + c[None, :], mask=valid[:, None], other=0.0)
+            tl.store(T.open_kv + orow[:, None] + c[None, :], k, mask=valid[:, None])
+            tl.store(T.open_score + orow[:, None] + c[None, :], s, mask=valid[:, None])
+
+
+def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ratio: int, cos: torch.Tensor,
+             sin: torch.Tensor, weight: torch.Tensor, eps: float, max_windows: int | None = None) -> None:
+    """`ref.compress` in two launches (module docstring). max_windows: a bound on the windows any sequence closes
+    in the step (the emit grid's second axis); by default the step's token count bounds it."""
+    N = kv.shape[0]
+    B = steps.slot.shape[0]
+    if N == 0:
+        return
+    m, (_, E, hd) = ratio, state.entries.shape
+    overlap = state.prev_kv is not None
+    width = kv.shape[1]
+    if hd & (hd - 1) or width != hd * (2 if overlap else 1):
+        raise ValueError(f"compress: head_dim {hd} must be a power of two and kv {tuple(kv.shape)} [N, "
+                         f"{hd * (2 if overlap else 1)}]")
+    if max_windows is None:
+        max_windows = (N - 1) // m + 1
+    prev_kv = state.prev_kv if overlap else state.open_kv
+    prev_score = state.prev_score if overlap else state.open_score
+    kv, score, cos, sin = kv.contiguous(), score.contiguous(), cos.contiguous(), sin.contiguous()
+    tensors = Tensors(kv, score, cos, sin, weight, state.open_kv, state.open_score, prev_kv, prev_score,
+                      state.entries)
+    strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
+                      steps.pages.stride(0))
+    rb = min(m, 16 if hd <= 256 else 8)
+    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb))
+    _emit_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, num_warps=4)
+    _state_kernel[(B,)](tensors, steps, strides, N, shape, num_warps=4)

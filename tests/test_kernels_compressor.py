@@ -1,0 +1,106 @@
+"""The batched compressor, indexer and ring kernels (`kernels.compressor`, `kernels.indexer`,
+`kernels.attention.write_ring`) under the interpreter against their references (`ref.compress`, `ref.index_picks`,
+`ref.write_ring`, which loop over the sequences with the model's per-sequence math), over several consecutive ragged
+steps so that what one step leaves in the state feeds the next: decode tokens and prefill chunks, windows closing
+inside a chunk and across chunk boundaries, fresh sequences, entries spread over scrambled pages."""
+
+import pytest
+import torch
+
+from dsv4.kernels import compressor, indexer, ref
+from dsv4.kernels.attention import write_ring
+from dsv4.kernels.steps import StepTokens
+from dsv4.model.state import CompressorState
+
+PAGE = 256                                   # positions per page (runtime.cache.PAGE_TOKENS)
+
+
+def fresh_state(slots, pages, ratio, hd, g):
+    overlap = ratio == 4
+    width = hd * (2 if overlap else 1)
+    prev = (torch.zeros(slots, ratio, hd), torch.full((slots, ratio, hd), float("-inf"))) if overlap else (None, None)
+    return CompressorState(torch.randn(slots, ratio, width, generator=g), torch.randn(slots, ratio, width, generator=g),
+                           *prev, torch.zeros(pages, PAGE // ratio, hd))
+
+
+def clone(state):
+    c = lambda t: None if t is None else t.clone()  # noqa: E731
+    return CompressorState(c(state.open_kv), c(state.open_score), c(state.prev_kv), c(state.prev_score),
+                           c(state.entries))
+
+
+# Each sequence: (slot, lengths of its successive steps); a step takes every sequence that still has one.
+RUNS = {
+    4: [(1, (1, 1, 1, 1, 1, 2)), (3, (7, 1, 1, 5, 9)), (0, (13, 3, 1, 1, 6)), (2, (1, 6, 1, 1, 1, 1))],
+    128: [(1, (130, 1, 1, 126, 2)), (0, (1, 1, 1, 1, 1)), (2, (255, 1, 1, 1, 300))],
+}
+
+
+@pytest.mark.parametrize("ratio, hd", [(4, 32), (4, 64), (128, 64)])
+def test_compress_matches_the_reference_step_after_step(ratio, hd):
+    g = torch.Generator().manual_seed(ratio + hd)
+    runs = RUNS[ratio]
+    slots, num_pages = 4, 16
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = {slot: tuple(perm[4 * i:4 * i + 4]) for i, (slot, _) in enumerate(runs)}
+    mine = fresh_state(slots, num_pages, ratio, hd, g)
+    theirs = clone(mine)
+    weight = torch.rand(hd, generator=g) + 0.5
+    done = {slot: 0 for slot, _ in runs}
+    for step in range(max(len(lengths) for _, lengths in runs)):
+        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
+        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
+                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
+        N = sum(n for _, n in live)
+        width = mine.open_kv.shape[-1]
+        kv, score = torch.randn(N, width, generator=g), torch.randn(N, width, generator=g) * 2
+        angle = torch.rand(N, 8, generator=g) * 6
+        compressor.compress(kv, score, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        ref.compress(kv, score, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        for s, n in live:
+            done[s] += n
+        for name in ("entries", "prev_kv", "prev_score"):
+            a, b = getattr(mine, name), getattr(theirs, name)
+            if a is not None:
+                assert torch.allclose(a, b, atol=2e-5, rtol=1e-5), (step, name)
+        for s, _ in live:                        # the open rows that are live (row p mod ratio, p in the open window)
+            rows = done[s] % ratio
+            assert torch.equal(mine.open_kv[s, :rows], theirs.open_kv[s, :rows]), (step, s)
+            assert torch.equal(mine.open_score[s, :rows], theirs.open_score[s, :rows]), (step, s)
+    emitted = sum(done[s] // ratio for s in done)
+    assert int((theirs.entries.abs().sum(-1) > 0).sum()) == emitted > 0
+
+
+def test_index_picks_match_the_reference():
+    g = torch.Generator().manual_seed(5)
+    H, hd, E, topk = 3, 32, 8, 5
+    starts, lengths = (0, 40, 3, 77), (9, 1, 30, 2)
+    perm = torch.randperm(24, generator=g).tolist()
+    pages = tuple(tuple(perm[6 * i:6 * i + 6]) for i in range(4))
+    steps = StepTokens.build((0, 1, 2, 3), starts, lengths, pages, "cpu")
+    N = sum(lengths)
+    q, w = torch.randn(N, H, hd, generator=g), torch.randn(N, H, generator=g)
+    entries = torch.randn(24, E, hd, generator=g)
+    got = indexer.index_picks(q, w, entries, steps, topk, 4, hd ** -0.5, max_keys=(77 + 2) // 4)
+    want = ref.index_picks(q, w, entries, steps, topk, 4, hd ** -0.5)
+    assert got.shape == want.shape == (N, topk)
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    assert bool((want[0] == -1).all()) and int((want >= 0).sum(1).max()) == topk     # none visible / a full row
+    # scores past each token's visible keys are -inf, and the bound may exceed every sequence's keys
+    scores = indexer.index_scores(q, w, entries, steps, 4, hd ** -0.5, 40)
+    visible = (steps.pos + 1) // 4
+    assert bool(torch.isinf(scores[torch.arange(40)[None] >= visible[:, None]]).all())
+    wide = indexer.index_picks(q, w, entries, steps, topk, 4, hd ** -0.5, max_keys=40)
+    assert torch.equal(wide.sort(dim=1).values, want.sort(dim=1).values)
+
+
+def test_write_ring_matches_the_reference():
+    g = torch.Generator().manual_seed(6)
+    W, D = 16, 32
+    steps = StepTokens.build((2, 0, 1), (5, 0, 30), (20, 3, 1), (), "cpu")
+    kv = torch.randn(24, D, generator=g)
+    mine, theirs = torch.randn(3, W, D, generator=g), None
+    theirs = mine.clone()
+    write_ring(mine, kv, steps)
+    ref.write_ring(theirs, kv, steps)
+    assert torch.equal(mine, theirs)
