@@ -10,8 +10,9 @@ that format's storage), then
   state (random values written into the pools: timing needs consistent counts, not meaningful values), timed over
   `--steps` decode steps (median); output tokens/s; the bytes the step must read (every weight but the routed
   experts, the experts the batch is expected to touch, each sequence's cache rows it attends to) and the time
-  they take at the copy bandwidth (`--bandwidth`, 4.27 TB/s: the floor); kernel launches and GPU-busy share of one
-  step from torch.profiler (on CPU: ATen ops per step);
+  they take at the copy bandwidth (`--bandwidth`, 4.27 TB/s: the floor); kernel launches, GPU-busy share and the
+  kernels taking the most GPU time in one step from torch.profiler (on CPU: ATen ops per step); each case in
+  the engine's default mode (`--modes graphs`: CUDA graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
 * transformers' eager `DeepseekV4ForCausalLM` at the same dims, batch 1 (`--hf`; skipped with the reason if it
@@ -21,6 +22,7 @@ that format's storage), then
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -35,11 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import ops_for  # noqa: E402
-from dsv4.runtime.cache import CacheCapacityError  # noqa: E402
+from dsv4.runtime.cache import CacheCapacityError, pages_for  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
 
 COPY_BYTES_PER_S = 4.27e12          # H200 device-to-device copy, measured (bench/RESULTS.md)
+TOP_KERNELS = 12                     # kernels listed per profiled step
 DECODE = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
 
 
@@ -77,11 +80,13 @@ def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize
 
 
 # ------------------------------------------------------------------------------------------------ engine
-def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator) -> tuple[Engine, list]:
+def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator,
+                      eager: bool = False) -> tuple[Engine, list]:
     """An engine whose `batch` sequences each hold `context - 1` tokens of (random) cache state, so that every
     following step decodes one token per sequence."""
     engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
-                    max_num_batched_tokens=max(batch, 1024))
+                    max_num_batched_tokens=max(batch, 1024), num_cache_pages=batch * pages_for(context + steps + 1),
+                    enforce_eager=eager)
     vocab = model.config.vocab_size
     seqs = [engine.add_request(torch.randint(2, vocab, (context,), generator=gen).tolist(), DECODE)
             for _ in range(batch)]
@@ -110,18 +115,35 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
     events = prof.events()
     if device.type != "cuda":
         return {"aten_ops": sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)}
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
-                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in gpu)
     busy, end = 0.0, float("-inf")
     for start, stop in kernels:          # the union of kernel intervals
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0}
+    by_name: dict[str, list[float]] = {}
+    for e in gpu:                        # where the GPU time goes: kernels by name, the longest first
+        t = by_name.setdefault(e.name[:90], [0.0, 0])
+        t[0] += e.time_range.end - e.time_range.start
+        t[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
+            "gpu_us": busy, "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top]}
 
 
-def time_decode(model, batch: int, context: int, steps: int, device, gen) -> dict:
-    engine, _ = engine_at_context(model, batch, context, steps + 2, gen)
+def failed(seqs) -> None:
+    """Raise if a sequence ended with an error (the engine ends a failed step's sequences instead of raising)."""
+    for seq in seqs:
+        if seq.tracker.finish_reason == "error":
+            raise RuntimeError(f"request {seq.request_id} failed: {seq.tracker.error}")
+
+
+def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False) -> dict:
+    t = time.perf_counter()
+    engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager)
+    setup_s = time.perf_counter() - t
     engine.step()                         # warm-up (compiles kernels on first use)
+    failed(seqs)
     times = []
     for _ in range(steps):
         sync(device)
@@ -129,8 +151,11 @@ def time_decode(model, batch: int, context: int, steps: int, device, gen) -> dic
         engine.step()
         sync(device)
         times.append(time.perf_counter() - t)
-    out = {"step_ms": statistics.median(times) * 1e3}
+    out = {"step_ms": statistics.median(times) * 1e3, "setup_s": setup_s, "graph_memory": engine.graph_memory}
     out.update(profile_step(engine, device))
+    failed(seqs)
+    del engine
+    gc.collect()                          # its pools go before the next case's are allocated
     return out
 
 
@@ -144,6 +169,7 @@ def time_prefill(model, length: int, chunk: int, device, gen) -> dict:
         engine.step()
     sync(device)
     s = time.perf_counter() - t
+    failed([seq])
     return {"prefill_s": s, "tokens_per_s": length / s}
 
 
@@ -190,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf", default="on", choices=("on", "off"), help="transformers eager reference at batch 1")
     ap.add_argument("--bandwidth", type=float, default=COPY_BYTES_PER_S, help="bytes/s of the floor")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--modes", default="graphs", help="decode step modes: graphs (CUDA graphs where the engine "
+                    "captures them), eager (enforce_eager), or both: graphs,eager")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -217,10 +245,10 @@ def main(argv: list[str] | None = None) -> dict:
             sync(device)
             build_s = time.perf_counter() - t
             for batch in ints(args.batch):
-                for context in ints(args.context):
-                    case = dict(format=fmt, layers=layers, batch=batch, context=context, build_s=build_s)
+                for context, mode in [(c, m) for c in ints(args.context) for m in args.modes.split(",")]:
+                    case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s)
                     try:
-                        case.update(time_decode(model, batch, context, args.steps, device, gen))
+                        case.update(time_decode(model, batch, context, args.steps, device, gen, mode == "eager"))
                     except CacheCapacityError as e:
                         case["skipped"] = str(e)
                     except Exception:
@@ -230,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
                         nbytes = step_bytes(model, cfg, batch, context, torch.finfo(dtype).bits // 8)
                         case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
                                     floor_ms=nbytes / args.bandwidth * 1e3)
-                        step_by_layers[(layers, batch, context)] = case["step_ms"]
+                        step_by_layers[(layers, batch, context, mode)] = case["step_ms"]
                     res["decode"].append(case)
                     print(json.dumps(case), flush=True)
             for length in ints(args.prefill):
@@ -243,10 +271,11 @@ def main(argv: list[str] | None = None) -> dict:
                     res["errors"].append(f"prefill {fmt} {layers} {length}: {traceback.format_exc()[-1500:]}")
             del model
         counts = sorted(ints(args.layers))
-        for (layers, batch, context), ms in step_by_layers.items():
-            if layers == counts[-1] and (counts[0], batch, context) in step_by_layers and counts[0] < layers:
-                res["per_layer"].append(dict(format=fmt, batch=batch, context=context, us_per_layer=1e3 * (
-                    ms - step_by_layers[(counts[0], batch, context)]) / (layers - counts[0])))
+        for (layers, batch, context, mode), ms in step_by_layers.items():
+            base_key = (counts[0], batch, context, mode)
+            if layers == counts[-1] and base_key in step_by_layers and counts[0] < layers:
+                res["per_layer"].append(dict(format=fmt, batch=batch, context=context, mode=mode,
+                                             us_per_layer=1e3 * (ms - step_by_layers[base_key]) / (layers - counts[0])))
     if args.hf == "on":
         try:
             res["hf"] = hf_decode_ms(base.with_layers(min(ints(args.layers))), device, dtype, args.steps,
@@ -262,20 +291,27 @@ def main(argv: list[str] | None = None) -> dict:
 
 def table(res: dict) -> str:
     lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']})",
-             f"{'format':14s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
+             f"{'format':14s} {'mode':6s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
              f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s}"]
     for c in res["decode"]:
         if "step_ms" not in c:
-            lines.append(f"{c['format']:14s} {c['layers']:6d} {c['batch']:5d} {c['context']:7d}  skipped: "
-                         f"{c.get('skipped', '')[:80]}")
+            lines.append(f"{c['format']:14s} {c.get('mode', ''):6s} {c['layers']:6d} {c['batch']:5d} "
+                         f"{c['context']:7d}  skipped: {c.get('skipped', '')[:80]}")
             continue
         launches = c.get("kernel_launches", c.get("aten_ops", 0))
         busy = f"{100 * c['gpu_busy']:4.0f}%" if "gpu_busy" in c else "    -"
-        lines.append(f"{c['format']:14s} {c['layers']:6d} {c['batch']:5d} {c['context']:7d} {c['step_ms']:9.2f} "
+        lines.append(f"{c['format']:14s} {c.get('mode', ''):6s} {c['layers']:6d} {c['batch']:5d} {c['context']:7d} "
+                     f"{c['step_ms']:9.2f} "
                      f"{c['tokens_per_s']:9.1f} {c['floor_ms']:9.3f} {100 * c['floor_ms'] / c['step_ms']:7.1f}% "
                      f"{launches:8d} {busy}")
+    for c in res["decode"]:
+        if c.get("kernels"):
+            lines.append(f"kernels of one step: {c['format']} {c.get('mode', '')} {c['layers']} layers, batch "
+                         f"{c['batch']}, context {c['context']} (GPU busy {c['gpu_us']:.0f} us):")
+            lines += [f"    {k['us']:9.1f} us {k['count']:5d}x  {k['name']}" for k in c["kernels"]]
     for p in res["per_layer"]:
-        lines.append(f"us per layer: {p['format']} batch {p['batch']} context {p['context']}: {p['us_per_layer']:.0f}")
+        lines.append(f"us per layer: {p['format']} {p.get('mode', '')} batch {p['batch']} context {p['context']}: "
+                     f"{p['us_per_layer']:.0f}")
     for p in res["prefill"]:
         lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: "
                      f"{p['tokens_per_s']:.1f} tok/s")

@@ -16,6 +16,8 @@ _LAZY = MappingProxyType({
     "RequestError": "dsv4.runtime.params",
     "RequestTypeError": "dsv4.runtime.params",
     "RequestFailed": "dsv4.api",
+    "WorkerFailure": "dsv4.runtime.spmd",
+    "LayoutError": "dsv4.parallel",
 })
 
 __all__ = sorted(_LAZY)

@@ -16,25 +16,37 @@ ValueError; RequestTypeError for a wrong type, also a TypeError) naming it, and 
 request that fails while it runs ends with finish_reason "error" and the reason in `outputs[0].error`
 (`generate`, `chat`) or raises RequestFailed (`stream`); the other requests are unaffected. An interrupt
 (KeyboardInterrupt) aborts the call's unfinished requests and propagates.
+
+Several GPUs (vLLM's names): `tensor_parallel_size`, `pipeline_parallel_size`, `enable_expert_parallel`. On one
+machine the LLM spawns one worker process per further GPU (on the CPU, gloo processes); under torchrun each process
+is one rank and only rank 0 returns from `LLM(...)` (docs/parallel.md). A rank that fails stops the engine:
+`generate` raises WorkerFailure naming the rank and cause. `shutdown()` (or `del`, or leaving a `with` block) stops
+the workers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
-from .checkpoint.dummy import dummy_model
-from .checkpoint.loader import load
+from .checkpoint.canonical import open_checkpoint
+from .checkpoint.dummy import check_dummy_layout, dummy_model
+from .checkpoint.errors import CheckpointError
+from .checkpoint.loader import layout_plan, load
 from .config import ConfigError, ModelConfig
 from .kernels import ops_for
+from .parallel import Layout
+from .runtime import workers
+from .runtime.cache import pages_for
 from .runtime.chat import encode_messages
 from .runtime.demo import resolve_model
-from .runtime.engine import Engine
+from .runtime.engine import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKENS, Engine
 from .runtime.params import RequestError, RequestOutput, RequestTypeError, SamplingParams, check_token_ids
 from .runtime.tokenizer import Tokenizer
 
@@ -65,7 +77,8 @@ class LLM:
                  max_num_seqs: int = 8, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_logprobs: int = 20, gpu_memory_utilization: float = 0.9, num_cache_pages: int | None = None,
                  load_format: str = "auto", dummy_format: str = "nvfp4-experts", hf_overrides: dict | None = None,
-                 seed: int = 0, progress: bool = True):
+                 seed: int = 0, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 enable_expert_parallel: bool = False, enforce_eager: bool = False):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
@@ -77,8 +90,40 @@ class LLM:
         load_format="dummy" (vLLM's name) reads no weights: model is a preset ("v4-flash", "v4-pro", "tiny"), a
         config.json or a checkpoint folder, and the weights are drawn at random on the device in `dummy_format`'s
         storage (bf16, official, nvfp4-experts, nvfp4; `checkpoint.dummy`, reproducible from `seed`), for benchmarks
-        at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the first layers)."""
+        at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the first layers).
+
+        tensor_parallel_size (attention by heads, experts split, vocabulary-split embedding and head),
+        pipeline_parallel_size (contiguous layer ranges) and enable_expert_parallel (routed experts partitioned over
+        the TP ranks instead of split): docs/parallel.md. A layout the model cannot be split into is refused
+        before anything is loaded. On a GPU, decode steps replay CUDA graphs captured at start-up (one per batch
+        size bucket up to max_num_seqs); enforce_eager=True (vLLM's name) runs them eagerly."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
+        self._group = None
+        if layout.parallel:
+            path, self._group = _start_parallel(layout, model, device, _dtype(dtype, device), dict(
+                kernels=kernels, w4a4=w4a4, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, num_cache_pages=num_cache_pages,
+                gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, dummy_format=dummy_format,
+                hf_overrides=hf_overrides, seed=seed, progress=progress))
+            self._finalizer = weakref.finalize(self, self._group.shutdown)
+            self.model = self._group.model
+        else:
+            path = self._load_here(model, device, dtype, kernels, w4a4, load_format, dummy_format, hf_overrides, seed,
+                                   progress)
+        try:
+            tok = None if skip_tokenizer_init else Tokenizer.from_checkpoint(tokenizer or path, self.model.config)
+            self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                 max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs,
+                                 num_cache_pages=num_cache_pages, gpu_memory_utilization=gpu_memory_utilization,
+                                 driver=self._group and self._group.driver, enforce_eager=enforce_eager)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _load_here(self, model, device, dtype, kernels, w4a4, load_format, dummy_format, hf_overrides, seed,
+                   progress) -> Path | None:
+        """One process: load (or draw) the whole model; returns the folder to look for a tokenizer in."""
         ops = ops_for(device, kernels, w4a4)
         if load_format == "dummy":
             path, cfg = _dummy_config(model, hf_overrides)
@@ -92,10 +137,18 @@ class LLM:
             self.model = load(path, device, _dtype(dtype, device), ops, progress=progress)
         else:
             raise ValueError(f"unknown load_format {load_format!r}; expected 'auto' or 'dummy'")
-        tok = None if skip_tokenizer_init else Tokenizer.from_checkpoint(tokenizer or path, self.model.config)
-        self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs,
-                             num_cache_pages=num_cache_pages, gpu_memory_utilization=gpu_memory_utilization)
+        return path
+
+    def shutdown(self) -> None:
+        """Stop a parallel engine's worker processes and free its process groups (a no-op on one process)."""
+        if getattr(self, "_group", None) is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer if self.engine.text else None
@@ -193,6 +246,41 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [s.output() for s in seqs]
+
+
+def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dtype: torch.dtype,
+                    opts: dict) -> tuple[Path | None, workers.ParallelGroup]:
+    """Check the layout against the model (config, then every rank's slices, from headers only), then start the
+    ranks; -> (the folder to look for a tokenizer in, rank 0's group)."""
+    if opts["load_format"] == "dummy":
+        path, cfg = _dummy_config(model, opts["hf_overrides"])
+        layout.check(cfg)
+        check_dummy_layout(cfg, opts["dummy_format"], layout)
+        checkpoint = None
+    elif opts["load_format"] == "auto":
+        if opts["hf_overrides"]:
+            raise ValueError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
+        path = resolve_model(model)
+        ckpt = open_checkpoint(path)
+        cfg = ckpt.config
+        layout.check(cfg)
+        plan = layout_plan(ckpt, layout)
+        if plan.problems:
+            raise CheckpointError(f"cannot load {path} as {layout.describe()}: {len(plan.problems)} problem(s)\n  "
+                                  + "\n  ".join(plan.problems[:60]))
+        checkpoint = str(path)
+    else:
+        raise ValueError(f"unknown load_format {opts['load_format']!r}; expected 'auto' or 'dummy'")
+    max_len = opts["max_model_len"] or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    pages = opts["num_cache_pages"]
+    if pages is None and device.type != "cuda":
+        pages = opts["max_num_seqs"] * pages_for(max_len)
+    step_tokens = opts["max_num_batched_tokens"] or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, opts["max_num_seqs"])
+    step_tokens = min(step_tokens, max_len)       # the step the cache sizing measures (CUDA)
+    spec = workers.RankSpec(layout, cfg, checkpoint, opts["dummy_format"], opts["seed"], device.type, dtype,
+                            opts["kernels"], opts["w4a4"], opts["max_num_seqs"], pages, step_tokens,
+                            opts["gpu_memory_utilization"], opts["progress"])
+    return path, workers.start(spec)
 
 
 def _dummy_config(model: str | Path, overrides: dict | None) -> tuple[Path | None, ModelConfig]:

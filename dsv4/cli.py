@@ -67,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="checkpoint folder or .safetensors file")
     i.add_argument("--audit", action="store_true",
                    help="also read every tensor and report all-zero and non-finite ones (dsv4.checkpoint.audit)")
+    i.add_argument("--plan", action="store_true",
+                   help="also plan a parallel layout (the sizes below): weight bytes per rank, refused if the model "
+                        "cannot be split so or a rank's weights do not fit --device-memory")
+    _parallel_args(i)
+    i.add_argument("--device-memory", type=_size, metavar="SIZE",
+                   help="memory of one device for --plan, e.g. 141GiB (default: this machine's GPU, if any)")
+    i.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of --device-memory the weights may take (default 0.9)")
     for name, help_, desc in (
             ("generate", "generate text from a prompt, streaming it as it is produced",
              "Load a checkpoint (or the built-in demo model) and continue PROMPT, printing the text as it is "
@@ -125,7 +133,9 @@ def _serve_args(sub) -> None:
                    help="on SIGINT / SIGTERM, how long running requests may still take (default 10)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
     _load_format_args(s)
+    _parallel_args(s)
 
 
 def _model_args(g: argparse.ArgumentParser) -> None:
@@ -140,7 +150,19 @@ def _model_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
     _load_format_args(g)
+    _parallel_args(g)
+
+
+def _parallel_args(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="ranks of one pipeline stage: attention split by heads, experts by their intermediate "
+                        "dimension, embedding and head by vocabulary (default 1)")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="P",
+                   help="pipeline stages, each a contiguous range of layers (default 1)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="partition the routed experts over the tensor-parallel ranks instead of splitting each")
 
 
 def _load_format_args(g: argparse.ArgumentParser) -> None:
@@ -181,7 +203,13 @@ def _llm(args: argparse.Namespace):
 
     return LLM(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
                max_model_len=args.max_model_len, max_num_seqs=1, progress=not args.no_progress,
-               load_format=args.load_format, dummy_format=args.dummy_format, hf_overrides=args.hf_overrides)
+               load_format=args.load_format, dummy_format=args.dummy_format, hf_overrides=args.hf_overrides,
+               enforce_eager=args.enforce_eager, **_parallel(args))
+
+
+def _parallel(args: argparse.Namespace) -> dict:
+    return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _params(args: argparse.Namespace):
@@ -202,7 +230,8 @@ def _print_stream(llm, prompt, params) -> str:
 
 def _generate(args: argparse.Namespace) -> int:
     params = _params(args)
-    _print_stream(_llm(args), args.prompt, params)
+    with _llm(args) as llm:                 # leaving it stops a parallel engine's workers
+        _print_stream(llm, args.prompt, params)
     return 0
 
 
@@ -262,7 +291,7 @@ def _serve(args: argparse.Namespace) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_logprobs=args.max_logprobs, gpu_memory_utilization=args.gpu_memory_utilization,
               progress=not args.no_progress, load_format=args.load_format, dummy_format=args.dummy_format,
-              hf_overrides=args.hf_overrides)
+              hf_overrides=args.hf_overrides, enforce_eager=args.enforce_eager, **_parallel(args))
     run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
         api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_request_bytes)
@@ -290,7 +319,18 @@ def _make_tiny(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from .checkpoint.inspect import inspect_checkpoint
 
-    report = inspect_checkpoint(args.path, audit=args.audit)
+    layout = memory = None
+    if args.plan:
+        import torch
+
+        from .parallel import Layout
+
+        layout = Layout(args.tensor_parallel_size, args.pipeline_parallel_size, args.enable_expert_parallel)
+        memory = args.device_memory
+        if memory is None and torch.cuda.is_available():
+            memory = torch.cuda.get_device_properties(0).total_memory
+    report = inspect_checkpoint(args.path, audit=args.audit, layout=layout, device_memory=memory,
+                                utilization=args.gpu_memory_utilization)
     print(report.render())
     return 0 if report.ok else 1
 
@@ -308,11 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("generate", "chat", "serve"):
         from .api import RequestFailed
         from .runtime.cache import CacheCapacityError
+        from .parallel import LayoutError
         from .runtime.chat import ChatFormatError
         from .runtime.params import RequestError
+        from .runtime.spmd import WorkerFailure
         from .runtime.tokenizer import TokenizerError
 
-        errors += (CacheCapacityError, ChatFormatError, RequestError, RequestFailed, TokenizerError)
+        errors += (CacheCapacityError, ChatFormatError, LayoutError, RequestError, RequestFailed, TokenizerError,
+                   WorkerFailure)
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -83,9 +83,9 @@ def test_sampler_fault_ends_only_its_request(model, alone, monkeypatch, after_dr
     real_sample, calls = engine_module.sample, []
 
     def faulty(logits, batch):
-        # The failing request's third token raises; after_draw: only once every row's generator has drawn, so
-        # the others' generators must be rewound for their retry.
-        mine = bad.generator in batch.generators
+        # The failing request's third token raises; after_draw: only once every row has drawn, so the others'
+        # retries must make the same draws (seed, counter) again.
+        mine = bad.params.seed in batch.seeds.tolist()
         calls.append(mine)
         out = real_sample(logits, batch) if after_draw else None
         if mine and len(bad.tracker.token_ids) == 2:

@@ -1,9 +1,12 @@
 """Package structure: each dsv4 module imports only its own layer or earlier ones, and holds no mutable globals.
 
-Layers, in order: formats < config < kernels < model < checkpoint < runtime < surface, where surface is
+Layers, in order: formats < config < kernels < parallel < model < checkpoint < runtime < surface, where surface is
 dsv4/__init__.py, dsv4/__main__.py, dsv4/cli.py, dsv4/api.py, dsv4/server/ and dsv4/vllm_plugin/. Every
 import counts: absolute or relative, at module level or inside a function or `if TYPE_CHECKING:`, and
 `importlib.import_module("dsv4....")`.
+
+`parallel` (the layout of several ranks and their collectives) sits between kernels and model: the model imports it to
+build one rank's part and to sum partial outputs, and it knows nothing of the model, checkpoints or the runtime.
 """
 
 import ast
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "dsv4"
-LAYERS = ("formats", "config", "kernels", "model", "checkpoint", "runtime", "surface")
+LAYERS = ("formats", "config", "kernels", "parallel", "model", "checkpoint", "runtime", "surface")
 SURFACE = ("__init__", "__main__", "cli", "api", "server", "vllm_plugin")
 MODULES = sorted(PKG.rglob("*.py"))
 
@@ -88,6 +91,9 @@ def test_imports_respect_layers(path):
     ("import importlib\nimportlib.import_module('dsv4.cli')", "dsv4.runtime.engine", False, True),
     ("if TYPE_CHECKING:\n    from ..model import Model", "dsv4.kernels.ref", False, True),
     ("from ..checkpoint import load", "dsv4.server.app", False, False),
+    ("from ..parallel import Layout", "dsv4.model.moe", False, False),
+    ("from ..model import QLinear", "dsv4.parallel.comm", False, True),
+    ("from ..kernels import Ops", "dsv4.parallel.layout", False, False),
     ("import torch", "dsv4.utils", False, True),                      # a module outside every layer
 ])
 def test_layer_checker_catches_what_it_should(source, module, is_package, bad):

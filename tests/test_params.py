@@ -173,6 +173,74 @@ def test_earliest_stop_string_wins_and_beats_length():
     assert (t.text, t.finish_reason, t.stop_reason) == ("Hel", "stop", "lo")
 
 
+class TextTracker:
+    """The stop-string rules on one plain string (the text re-copied every token): the oracle for OutputTracker,
+    which keeps pieces and looks only at the text's end."""
+
+    def __init__(self, params):
+        self.params, self.text, self.streamed, self.finished = params, "", 0, False
+        self.longest = max(map(len, params.stop), default=0)
+
+    def add(self, piece):
+        start = max(0, len(self.text) - self.longest + 1)
+        self.text += piece
+        hits = [(pos, s) for s in self.params.stop if (pos := self.text.find(s, start)) != -1]
+        if hits:
+            pos, s = min(hits)
+            self.text = self.text[:pos + len(s) if self.params.include_stop_str_in_output else pos]
+            self.finished = s
+
+    def visible(self):
+        held = 0
+        if not (self.finished or self.params.include_stop_str_in_output):
+            held = next((k for k in range(min(len(self.text), self.longest - 1), 0, -1)
+                         if any(s.startswith(self.text[-k:]) for s in self.params.stop)), 0)
+        return len(self.text) - held
+
+    def delta(self):
+        end = self.visible()
+        out = self.text[self.streamed:end]
+        self.streamed = max(self.streamed, end)
+        return out
+
+
+def test_pieces_and_stop_strings_match_the_plain_string_rules():
+    rng = random.Random(1)
+    alphabet = "ab</>"
+    for case in range(300):
+        pieces = ["".join(rng.choice(alphabet) for _ in range(rng.choice([0, 1, 1, 1, 2, 3, 6])))
+                  for _ in range(rng.randrange(1, 40))]
+        tokenizer = type("Pieces", (PieceTokenizer,), {"PIECES": pieces})()
+        stop = ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 6))) for _ in range(rng.randrange(3))]
+        params = SamplingParams(stop=stop, include_stop_str_in_output=rng.random() < 0.3, max_tokens=None)
+        tracker, oracle = OutputTracker(params, tokenizer), TextTracker(params)
+        for i in range(len(pieces)):
+            done = tracker.append(i)
+            oracle.add(pieces[i])
+            if rng.random() < 0.2:
+                assert tracker.text == oracle.text, case     # reading joins the pieces; appending goes on
+            assert tracker.output().text == oracle.text[:oracle.visible()], case
+            if rng.random() < 0.7:
+                assert tracker.take_delta() == oracle.delta(), case
+            assert done == bool(oracle.finished) and tracker.stop_reason == (oracle.finished or None), case
+            if done:
+                break
+        if not tracker.finished:
+            tracker.finish("length")
+            oracle.finished = True
+        assert (tracker.text, tracker.take_delta()) == (oracle.text, oracle.delta()), case
+
+
+def test_long_stream_of_one_character_tokens():
+    n = 20000
+    tokenizer = type("Chars", (PieceTokenizer,), {"PIECES": ["x", "<", "/", "e", "n", "d", ">"]})()
+    ids = [0] * n + [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6, 0]       # "<\/end" then "</end>": the second one stops
+    tracker, deltas = run(SamplingParams(stop=["</end>"], max_tokens=None), ids, tokenizer)
+    assert (tracker.finish_reason, tracker.stop_reason, len(tracker.token_ids)) == ("stop", "</end>", n + 11)
+    assert tracker.text == "x" * n + "</end" and "".join(deltas) == tracker.text
+    assert deltas[n - 1:n + 5] == ["x", "", "", "", "", ""] and deltas[n + 5] == "</end"
+
+
 def test_external_finish_and_misuse():
     t, _ = run(SamplingParams(stop=["</answer>"]), [0, 1, 2])
     t.finish("length")

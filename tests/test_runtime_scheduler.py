@@ -12,8 +12,7 @@ from dsv4.runtime.sequence import Sequence
 
 def seq(name: str, prompt_len: int) -> Sequence:
     params = SamplingParams(max_tokens=1000, ignore_eos=True)
-    return Sequence(name, None, list(range(2, 2 + prompt_len)), params, OutputTracker(params, TokenIdsOnly(1, 512)),
-                    None)
+    return Sequence(name, None, list(range(2, 2 + prompt_len)), params, OutputTracker(params, TokenIdsOnly(1, 512)))
 
 
 def advance(plan, sampled=7):

@@ -1,18 +1,26 @@
-"""Sampler against an independent float64 NumPy model of vLLM's rules; statistics use fixed seeds."""
+"""Sampler: its rules against an independent float64 NumPy model of vLLM's, the radix thresholds of `sample` against
+the sorted ones of `sample_reference` (the same tokens kept, bit for bit, on adversarial rows), the frequencies of
+the draw, and the draw's (seed, counter) hash. Statistics use fixed seeds and counters, so they are deterministic."""
+import dataclasses
+import math
+
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.runtime.params import SamplingParams
-from dsv4.runtime.sampler import SamplingBatch, make_generator, sample
+from dsv4.runtime.sampler import (GOLDEN_GAMMA, MASS_BITS, SamplingBatch, first_kept_key, sample, sample_reference,
+                                  sampling_probs, uniform)
 
 P = np.array([0.40, 0.27, 0.17, 0.10, 0.06])   # a hand-made distribution over 5 tokens
 LOGITS = np.log(P)
+DYADIC = [math.log(8), math.log(4), math.log(2), 0.0, 0.0]   # softmax: exactly 1/2, 1/4, 1/8, 1/16, 1/16 in fp32
 
 
 def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
-    """vLLM order: temperature, min-p, top-k (ties with the k-th kept), top-p (mass <= 1 - p dropped from the
-    bottom, top token always kept); returns the renormalised distribution."""
+    """vLLM order: temperature, min-p, top-k (ties with the k-th kept), top-p (the low tail of mass <= 1 - p dropped,
+    ties together, the top token always kept); returns the renormalised distribution."""
     x = np.asarray(logits, np.float64) / temperature
     p = np.exp(x - x.max())
     p /= p.sum()
@@ -23,18 +31,32 @@ def reference(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     if top_p < 1.0:
         q = np.where(keep, p, 0.0)
         q /= q.sum()
-        order = np.argsort(q, kind="stable")
-        below = np.cumsum(q[order]) <= 1.0 - top_p
-        below[-1] = False
-        keep[order[below]] = False
+        tail = np.array([q[q <= v].sum() for v in q])
+        keep &= ~((tail <= 1.0 - top_p) & (q < q.max()))
     p = np.where(keep, p, 0.0)
     return p / p.sum()
 
 
-def draw_many(logits, params, n=20000):
-    batch = SamplingBatch.build([params] * n, [None] * n, vocab_size=len(logits))
-    x = torch.tensor(logits, dtype=torch.float32).expand(n, -1).contiguous()
-    return np.bincount(sample(x, batch).token_ids.numpy(), minlength=len(logits)) / n
+def build(params, counters=None, vocab_size=5, **kwargs):
+    counters = range(len(params)) if counters is None else counters
+    return SamplingBatch.build(params, list(counters), vocab_size=vocab_size, **kwargs)
+
+
+def draw_many(logits, params, n=20000, rows=1000):
+    """Frequencies of n draws of one row, in batches of `rows` rows (counters 0..n-1 of the unseeded stream)."""
+    x = torch.tensor(logits, dtype=torch.float32).expand(rows, -1).contiguous()
+    tokens = [sample(x, build([params] * rows, range(start, start + rows), vocab_size=len(logits))).token_ids
+              for start in range(0, n, rows)]
+    return np.bincount(torch.cat(tokens).numpy(), minlength=len(logits)) / n
+
+
+def assert_frequencies(freq, expected, n=20000):
+    """Exact support, and Pearson's chi-square over the support below a bound that a correct sampler exceeds with
+    probability < 1e-6 (chi-square with df <= 11 degrees of freedom)."""
+    assert np.all((expected == 0) == (freq == 0)), (expected, freq)
+    support = expected > 0
+    chi2 = n * np.sum((freq[support] - expected[support]) ** 2 / expected[support])
+    assert chi2 < 50.0, (chi2, expected, freq)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -42,11 +64,15 @@ def draw_many(logits, params, n=20000):
     {"temperature": 1.5, "top_k": 4, "top_p": 0.9, "min_p": 0.2},
 ])
 def test_distribution_matches_reference(kwargs):
-    expected = reference(LOGITS, **kwargs)
-    freq = draw_many(LOGITS, SamplingParams(**kwargs))
-    assert np.all((expected == 0) == (freq == 0)), (expected, freq)     # exact support
-    sigma = np.sqrt(expected * (1 - expected) / 20000)
-    assert np.all(np.abs(freq - expected) <= 5 * sigma + 1e-9), (expected, freq)
+    assert_frequencies(draw_many(LOGITS, SamplingParams(**kwargs)), reference(LOGITS, **kwargs))
+
+
+def test_frequencies_match_the_sorted_filters_distribution():
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(3)) * 2
+    for params in [SamplingParams(temperature=0.7, top_k=6, top_p=0.9), SamplingParams(min_p=0.05, top_p=0.97),
+                   SamplingParams(temperature=1.3, top_k=9, top_p=0.8, min_p=0.02)]:
+        probs = sampling_probs(logits[None], build([params], vocab_size=12), reference=True)[0].double().numpy()
+        assert_frequencies(draw_many(logits.tolist(), params, n=10000), probs / probs.sum(), n=10000)
 
 
 def test_reference_support_is_what_the_rules_say():
@@ -58,28 +84,151 @@ def test_reference_support_is_what_the_rules_say():
 
 
 def test_top_k_keeps_ties():
-    freq = draw_many([1.0, 2.0, 2.0, 2.0, 0.0], SamplingParams(top_k=2), n=3000)
+    freq = draw_many([1.0, 2.0, 2.0, 2.0, 0.0], SamplingParams(top_k=2), n=3000, rows=500)
     assert freq[0] == freq[4] == 0 and np.all(freq[1:4] > 0.25)
 
 
 def test_tiny_top_p_keeps_the_top_token():
-    # In fp32 1 - 1e-9 == 1, so every cumulative mass is "<= 1 - top_p": the top token must be exempt.
-    assert draw_many(LOGITS[::-1].copy(), SamplingParams(top_p=1e-9), n=500)[4] == 1.0
+    # 1 - 1e-9 in mass units may be more than the fp32 probabilities weigh in all: the top token must be exempt.
+    assert draw_many(LOGITS[::-1].copy(), SamplingParams(top_p=1e-9), n=500, rows=500)[4] == 1.0
 
 
+# ------------------------------------------------------------------ radix thresholds == sorted thresholds
+ADVERSARIAL = [  # (logits, params, the tokens that must survive, or None where only the agreement is checked)
+    ([1.0, 2.0, 2.0, 2.0, 0.0], SamplingParams(top_k=2), {1, 2, 3}),             # ties at the k-th value
+    ([1.0, 2.0, 2.0, 2.0, 0.0], SamplingParams(top_k=1), {1, 2, 3}),
+    ([3.0, 3.0, 3.0, 3.0, 3.0], SamplingParams(top_k=2, top_p=0.1), {0, 1, 2, 3, 4}),   # one tie group: all stay
+    (DYADIC, SamplingParams(top_p=0.875), {0, 1, 2}),        # the two 1/16 weigh exactly 1 - top_p: dropped
+    (DYADIC, SamplingParams(top_p=0.75), {0, 1}),            # 1/16 + 1/16 + 1/8 == 1 - top_p: dropped
+    (DYADIC, SamplingParams(top_p=0.9375), {0, 1, 2, 3, 4}),  # the tie group straddles 1 - top_p: both stay
+    (DYADIC, SamplingParams(top_p=0.5), {0}),
+    (DYADIC, SamplingParams(top_k=4, top_p=0.875), {0, 1, 2}),         # top-k keeps the tie, top-p drops it
+    (DYADIC, SamplingParams(top_k=3, top_p=0.86), {0, 1, 2}),   # 1/8 renormalised to 1/7 > 1 - top_p: stays
+    (DYADIC, SamplingParams(min_p=0.25, top_k=3, top_p=0.8), {0, 1}),  # min-p, top-k and top-p together
+    (DYADIC, SamplingParams(min_p=0.125, top_k=5, top_p=0.99), {0, 1, 2, 3, 4}),
+    (DYADIC, SamplingParams(min_p=0.13), {0, 1, 2}),
+    ([0.0, -math.inf, 5.0, -math.inf, 5.0], SamplingParams(top_k=3, top_p=0.6), {2, 4}),   # -inf logits
+    ([-math.inf, -math.inf, 1.0, -math.inf, -math.inf], SamplingParams(top_k=2, top_p=0.3), {2}),   # one survivor
+    ([0.0, 1.0, 2.0, 3.0, 30.0], SamplingParams(top_p=0.999), {4}),
+    ([0.0, 1.0, 2.0, 3.0, 4.0], SamplingParams(temperature=1e-4, top_p=0.9), {4}),   # tiny temperature
+    ([0.0, 1.0, 2.0, 3.0, 4.0], SamplingParams(temperature=1e4, top_p=0.9), {0, 1, 2, 3, 4}),   # huge: flat
+    ([0.0, 1.0, 2.0, 3.0, 4.0], SamplingParams(temperature=1e4, top_k=2), {3, 4}),
+    ([-0.0, 0.0, -1.0, 1.0, 0.0], SamplingParams(top_k=3), {0, 1, 3, 4}),   # -0.0 ties with 0.0
+    ([-1e-40, -3e-39, 1e-40, 0.0, -2e-40], SamplingParams(top_k=2), {2, 3}),   # subnormals
+    ([-200.0, 0.0, -150.0, -1.0, -300.0], SamplingParams(top_p=1.0, top_k=4), None),   # underflowing tokens
+    ([1.0, 1.0, 1.0, 1.0, 1.0 + 1e-7], SamplingParams(top_p=0.3), None),
+]
+
+
+@pytest.mark.parametrize("all_filters", [False, True])
+def test_adversarial_rows_keep_what_the_sort_keeps(all_filters):
+    x = torch.tensor([row for row, _, _ in ADVERSARIAL], dtype=torch.float32)
+    batch = build([p for _, p, _ in ADVERSARIAL], all_filters=all_filters)
+    probs, expected = sampling_probs(x, batch), sampling_probs(x, batch, reference=True)
+    assert torch.equal(probs, expected)
+    for i, (row, params, survivors) in enumerate(ADVERSARIAL):
+        if survivors is not None:
+            assert set(probs[i].nonzero().flatten().tolist()) == survivors, (row, params, probs[i])
+    assert torch.equal(sample(x, batch).token_ids, sample_reference(x, batch).token_ids)
+
+
+@pytest.mark.parametrize("vocab", [7, 300, 5000])
+def test_random_rows_keep_what_the_sort_keeps(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    scale = torch.rand(rows, 1, generator=g) * 4 + 0.05
+    x = (torch.randn(rows, vocab, generator=g) * 3 / scale).round() * scale     # coarse values: many ties
+    x[:rows // 2] = torch.randn(rows // 2, vocab, generator=g) * 4             # half of them without ties
+    x[torch.rand(rows, vocab, generator=g) < 0.05] = float("-inf")
+    x[:, 0] = 0.0
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=g))]
+
+    params = [SamplingParams(temperature=pick([1e-4, 0.3, 0.8, 1.0, 1.7, 100.0]),
+                             top_k=pick([0, 1, 2, 5, 40, vocab - 1, vocab, vocab + 3]),
+                             top_p=pick([1.0, 0.999, 0.95, 0.9, 0.5, 0.1, 1e-6]),
+                             min_p=pick([0.0, 0.0, 0.01, 0.3])) for _ in range(rows)]
+    for all_filters in (False, True):
+        batch = build(params, vocab_size=vocab, all_filters=all_filters)
+        assert torch.equal(sampling_probs(x, batch), sampling_probs(x, batch, reference=True))
+        assert torch.equal(sample(x, batch).token_ids, sample_reference(x, batch).token_ids)
+
+
+def test_top_p_budget_at_every_cumulative_boundary():
+    """Budgets (1 - top_p in mass units) exactly at each tail's mass, one unit under it and one over."""
+    x = (torch.randn(1, 40, generator=torch.Generator().manual_seed(5)) * 2).round() / 2     # tie groups
+    probs = x.softmax(dim=-1)[0]
+    masses = (probs.double() * 2.0**MASS_BITS).ceil().long()
+    tails = sorted({int(masses[probs <= v].sum()) for v in probs.tolist()})
+    budgets = [b + d for b in tails for d in (-1, 0, 1)]
+    batch = dataclasses.replace(build([SamplingParams(top_p=0.5)] * len(budgets), vocab_size=40),
+                                top_p_budget=torch.tensor(budgets))
+    xs = x.expand(len(budgets), -1).contiguous()
+    kept = sampling_probs(xs, batch) > 0
+    assert torch.equal(kept, sampling_probs(xs, batch, reference=True) > 0)
+    survivors = kept.sum(dim=-1).tolist()
+    assert survivors == sorted(survivors, reverse=True) and survivors[0] == 40 and survivors[-1] >= 1
+    assert len(set(survivors)) == len(tails)    # each tie group goes at its own boundary, not a unit earlier
+
+
+def test_first_kept_key_is_the_brute_force_answer():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(-2**31, 2**31 - 1, (32, 257), generator=g, dtype=torch.int64)
+    keys[:8] = keys[:8] % 5 - 2                                               # a few values, many ties
+    keys[8:10, :3] = torch.tensor([-2**31, 2**31 - 1, 0])                    # the extremes
+    keys = keys.int()
+    weights = torch.randint(0, 1000, keys.shape, generator=g)
+    budget = (torch.rand(32, generator=g) * weights.sum(dim=-1)).long()
+    budget[10:12] = 0
+    for w in (weights, None):
+        row_budget = budget if w is not None else budget % keys.shape[1]
+        cut = first_kept_key(keys, w, row_budget)
+        for row in range(32):
+            k = keys[row].long()
+            wt = w[row] if w is not None else torch.ones_like(k)
+            heavy = [v for v in k.unique().tolist() if wt[k <= v].sum() > row_budget[row]]
+            assert cut[row].item() == min(heavy), row
+
+
+# ------------------------------------------------------------------ greedy
 def test_greedy_is_argmax_with_lowest_id_on_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 1.0, 1.0], [0.0, 0.0, 0.0, 2.0]])
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, seed=3),
               SamplingParams(temperature=1e-6)]
-    batch = SamplingBatch.build(params, [None, None, None], vocab_size=4)
-    assert sample(logits, batch).token_ids.tolist() == [1, 0, 3]
+    for all_filters in (False, True):
+        batch = build(params, vocab_size=4, all_filters=all_filters)
+        assert sample(logits, batch).token_ids.tolist() == [1, 0, 3]
 
 
 def test_greedy_rows_in_a_sampled_batch():
     logits = torch.tensor([[0.0, 4.0, 1.0], [0.0, 0.0, 0.0]]).repeat(100, 1)
     params = [SamplingParams(temperature=0.0), SamplingParams()] * 100
-    out = sample(logits, SamplingBatch.build(params, [None] * 200, vocab_size=3)).token_ids
+    out = sample(logits, build(params, vocab_size=3)).token_ids
     assert out[0::2].eq(1).all() and len(set(out[1::2].tolist())) == 3
+
+
+# ------------------------------------------------------------------ the draw
+def splitmix64(seed: int, counter: int) -> float:
+    """The counter-th output of the splitmix64 stream that starts at mix(seed), top 40 bits as [0, 1): in Python."""
+    mask = (1 << 64) - 1
+
+    def mix(z):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    z = mix((mix(seed & mask) + counter * (GOLDEN_GAMMA & mask)) & mask)
+    return (z >> 24) / 2.0**40
+
+
+def test_uniform_is_splitmix64():
+    seeds = [0, 1, -1, 42, 2**63 - 1, -2**63, 123456789123]
+    counters = [0, 1, 2, 7, 10**6, 2**40]
+    s, c = torch.tensor([a for a in seeds for _ in counters]), torch.tensor(counters * len(seeds))
+    u = uniform(s, c)
+    assert u.tolist() == [splitmix64(a, b) for a in seeds for b in counters]
+    assert u.min() >= 0.0 and u.max() < 1.0 and u.dtype == torch.float64
 
 
 def test_seed_gives_the_same_tokens_in_any_batch():
@@ -87,33 +236,79 @@ def test_seed_gives_the_same_tokens_in_any_batch():
     g = torch.Generator().manual_seed(7)
     mine = [torch.randn(V, generator=g) * 3 for _ in range(steps)]       # the seeded request's logits
     noise = [torch.randn(4, V, generator=g) * 3 for _ in range(steps)]   # its batch neighbours'
-    target = SamplingParams(seed=42, top_k=50, temperature=0.8)
+    target = SamplingParams(seed=42, top_k=50, top_p=0.95, temperature=0.8)
     neighbours = [SamplingParams(temperature=0.0), SamplingParams(seed=1, top_p=0.9), SamplingParams(min_p=0.1),
                   SamplingParams()]
 
-    def tokens(params, others=(), row=0):
+    def tokens(params, others=(), row=0, **kwargs):
         rows = [*others[:row], params, *others[row:]]
-        gens = [make_generator(p.seed) if p.seed is not None else None for p in rows]
-        batch = SamplingBatch.build(rows, gens, vocab_size=V)
         out = []
-        for s in range(steps):
+        for s in range(steps):   # step s: the seeded request's s-th draw; the others' counters are anything
+            batch = build(rows, [s if p.seed is not None else 100 + 10 * s + i for i, p in enumerate(rows)],
+                          vocab_size=V, unseeded_seed=9, **kwargs)
             x = torch.cat([noise[s][:row], mine[s][None], noise[s][row:len(others)]])
             out.append(sample(x, batch).token_ids[row].item())
         return out
 
     alone = tokens(target)
     assert len(set(alone)) > 1
-    assert tokens(target, neighbours, row=2) == alone    # also exercises the sort path (a top-p neighbour)
-    assert tokens(target, neighbours[:1], row=1) == alone
-    assert tokens(SamplingParams(seed=43, top_k=50, temperature=0.8)) != alone
+    assert tokens(target, neighbours, row=2) == alone
+    assert tokens(target, neighbours, row=4) == alone
+    assert tokens(target, neighbours[:1], row=1, all_filters=True) == alone
+    assert tokens(SamplingParams(seed=43, top_k=50, top_p=0.95, temperature=0.8)) != alone
 
 
+def test_counter_picks_the_draw():
+    x = torch.zeros(1, 50)
+    draws = [sample(x, build([SamplingParams(seed=5)], [n], vocab_size=50)).token_ids.item() for n in range(40)]
+    again = [sample(x, build([SamplingParams(seed=5)], [n], vocab_size=50)).token_ids.item() for n in range(40)]
+    assert draws == again and len(set(draws)) > 20
+    unseeded = sample(x.expand(40, -1), build([SamplingParams()] * 40, vocab_size=50, unseeded_seed=5)).token_ids
+    assert unseeded.tolist() == draws          # rows without a seed: the batch's unseeded_seed and their counters
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+HOST_READS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.masked_select", "aten.unique",
+              "aten._unique2", "aten.repeat_interleave"}
+
+
+def test_sample_launches_the_same_ops_for_any_rows_and_reads_nothing_back():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 300, generator=g)
+    compositions = [
+        [SamplingParams()] * 4,
+        [SamplingParams(temperature=0.0)] * 4,
+        [SamplingParams(seed=3, top_k=5), SamplingParams(temperature=0.0), SamplingParams(top_p=0.9, min_p=0.1),
+         SamplingParams(temperature=0.5, top_k=40, top_p=0.5, seed=-7)],
+    ]
+    traces = []
+    for params in compositions:
+        with OpRecorder() as rec:
+            sample(x, build(params, vocab_size=300, all_filters=True))
+        traces.append(rec.ops)
+    assert traces[0] == traces[1] == traces[2]
+    assert not HOST_READS & set(traces[0]) and "aten.sort" not in traces[0], sorted(set(traces[0]))
+    with OpRecorder() as rec:
+        sample_reference(x, build(compositions[2], vocab_size=300, all_filters=True))
+    assert "aten.sort" in rec.ops                # the recorder sees what the reference does
+
+
+# ------------------------------------------------------------------ logprobs
 def test_raw_logprobs_and_ranks():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(64, 50, generator=g) * 2
     params = [SamplingParams(temperature=1.3, top_k=10, logprobs=3) if i % 2 else SamplingParams(top_p=0.5)
               for i in range(64)]
-    out = sample(logits, SamplingBatch.build(params, [None] * 64, vocab_size=50))
+    out = sample(logits, build(params, vocab_size=50))
     ref = logits.double().numpy()
     ref = ref - ref.max(1, keepdims=True) - np.log(np.exp(ref - ref.max(1, keepdims=True)).sum(1, keepdims=True))
     rows = out.host_logprobs(params)
@@ -130,12 +325,12 @@ def test_raw_logprobs_and_ranks():
 
 
 def test_bad_inputs():
-    batch = SamplingBatch.build([SamplingParams()], [None], vocab_size=4)
+    batch = build([SamplingParams()], vocab_size=4)
     with pytest.raises(ValueError, match="float32"):
         sample(torch.zeros(1, 4, dtype=torch.bfloat16), batch)
     with pytest.raises(ValueError, match="vocab"):
         sample(torch.zeros(1, 5), batch)
     with pytest.raises(ValueError, match="rows"):
         sample(torch.zeros(2, 4), batch)
-    with pytest.raises(ValueError, match="generator"):
-        SamplingBatch.build([SamplingParams(seed=1)], [None], vocab_size=4)
+    with pytest.raises(ValueError, match="counters"):
+        SamplingBatch.build([SamplingParams(seed=1)], [], vocab_size=4)

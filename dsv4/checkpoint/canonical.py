@@ -55,6 +55,14 @@ class CanonicalTensor:
     dtype: torch.dtype             # stored dtype (uint8 for packed FP4 whatever the file says: U8/I8/F4)
     shape: tuple[int, ...]         # stored shape of this canonical piece (bytes along K for packed FP4)
     load: Callable[[], torch.Tensor] = field(repr=False, compare=False)  # memory-mapped read
+    # memory-mapped read of a region (a tuple of slices of `shape`) without reading the rest; None: load() sliced
+    read: Callable[[tuple], torch.Tensor] | None = field(default=None, repr=False, compare=False)
+
+    def load_region(self, region: tuple | None) -> torch.Tensor:
+        """The whole tensor (region None) or `tensor[region]`, reading only that region from a file."""
+        if region is None:
+            return self.load()
+        return self.load()[region] if self.read is None else self.read(region)
 
     @property
     def nbytes(self) -> int:
@@ -226,8 +234,11 @@ def _pieces(match: names.Match, st: StoredTensor, config: ModelConfig, reader: S
             return view(value) if view else value
         return load
 
+    def region_reader(index: tuple | None) -> Callable[[tuple], torch.Tensor]:
+        return lambda region: loader(_within(index, region))()
+
     if rule.transform is None:
-        yield CanonicalTensor(name, st.key, file, dtype, tuple(shape), loader(None))
+        yield CanonicalTensor(name, st.key, file, dtype, tuple(shape), loader(None), region_reader(None))
         return
     E = config.n_routed_experts
     if len(shape) != 3 or shape[0] != E:
@@ -236,7 +247,7 @@ def _pieces(match: names.Match, st: StoredTensor, config: ModelConfig, reader: S
     if rule.transform == names.SPLIT_EXPERTS:
         for e in range(E):
             yield CanonicalTensor(match.canonical(expert=str(e)), st.key, file, dtype, tuple(shape[1:]),
-                                  loader((e,)))
+                                  loader((e,)), region_reader((e,)))
         return
     rows = shape[1]
     if rows % 2:
@@ -246,7 +257,21 @@ def _pieces(match: names.Match, st: StoredTensor, config: ModelConfig, reader: S
         # w1 (gate) rows come first, then w3 (up): transformers' Concatenate(dim=1) of [w1, w3].
         for w, rows_slice in (("w1", slice(0, half)), ("w3", slice(half, rows))):
             yield CanonicalTensor(match.canonical(expert=str(e), w13=w), st.key, file, dtype,
-                                  (half, *shape[2:]), loader((e, rows_slice)))
+                                  (half, *shape[2:]), loader((e, rows_slice)), region_reader((e, rows_slice)))
+
+
+def _within(index: tuple | None, region: tuple) -> tuple:
+    """The index into a stored tensor of `region` (slices with explicit bounds, or slice(None)) of the piece that
+    `index` (ints and bounded slices, e.g. (expert, rows of w1)) cuts from it."""
+    out, rest = [], list(region)
+    for part in index or ():
+        if isinstance(part, int) or not rest:
+            out.append(part)
+            continue
+        r = rest.pop(0)
+        start = part.start + (r.start or 0)
+        out.append(slice(start, part.stop if r.stop is None else part.start + r.stop))
+    return (*out, *rest)
 
 
 # --------------------------------------------------------------------------------------- validation

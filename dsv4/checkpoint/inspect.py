@@ -1,7 +1,9 @@
 """`dsv4 inspect`: what a checkpoint is (dialect, formats, bytes, parameters) and what dsv4 refuses in it.
 
 Header-only by default. With `audit=True` it also loads the model and runs `dsv4.checkpoint.audit.audit`
-(all-zero and non-finite parameters, duplicate hash routes), which reads every tensor.
+(all-zero and non-finite parameters, duplicate hash routes), which reads every tensor. With a parallel `layout` it
+also plans every rank (`loader.layout_plan`, headers only): weight bytes per rank, and a refusal for a layout the
+model cannot be split into or whose largest rank's weights exceed `utilization` of `device_memory`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import torch
 
 from ..config import count_parameters
 from ..kernels import Ops
+from ..parallel import Layout
 from .audit import audit
 from .canonical import NO_MTP, NO_MTP_NOTE, Checkpoint, survey_checkpoint
 from .errors import CheckpointError
-from .loader import check_config, load_checkpoint, model_formats
+from .loader import check_config, layout_plan, load_checkpoint, model_formats
+from .shards import LayoutPlan
 from .spec import TID2EID, model_specs
 
 # Report groups: role -> label (linears by what they do; plain tensors by kind).
@@ -52,6 +56,8 @@ class Inspection:
     refusals: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     audit: object = None
+    plan: LayoutPlan | None = None
+    device_memory: int | None = None     # bytes of one device, for the plan's verdict
 
     @property
     def ok(self) -> bool:
@@ -69,6 +75,7 @@ class Inspection:
             for part in self.params_config:
                 lines.append(f"  parameters ({part}): {self.params_present.get(part, 0):,} present of "
                              f"{self.params_config[part]:,} in the config (tid2eid excluded)")
+        lines += self._render_plan()
         lines += [f"  note: {n}" for n in self.notes]
         if self.audit is not None:
             lines.append(f"  audit: {self.audit}")
@@ -80,17 +87,54 @@ class Inspection:
         return "\n".join(lines)
 
 
-def inspect_checkpoint(path: str | Path, audit: bool = False) -> Inspection:
-    report = Inspection(Path(path))
+    def _render_plan(self) -> list[str]:
+        plan = self.plan
+        if plan is None or not plan.bytes_per_rank:
+            return []
+        lay = plan.layout
+        lines = [f"  plan      {lay.describe()}: {lay.world_size} ranks",
+                 f"  {'rank':>5s} {'stage':>5s} {'tp':>3s} {'layers':>8s} {'weight bytes':>16s}"]
+        for rank, (size, layers) in enumerate(zip(plan.bytes_per_rank, plan.layers_per_rank)):
+            span = f"{layers.start}-{layers.stop - 1}"
+            lines.append(f"  {rank:5d} {rank // lay.tp:5d} {rank % lay.tp:3d} {span:>8s} {size:16,d}")
+        if self.device_memory is None:
+            lines.append("  device memory unknown (no GPU here): give --device-memory for a verdict")
+        return lines
+
+
+def inspect_checkpoint(path: str | Path, audit: bool = False, layout: Layout | None = None,
+                       device_memory: int | None = None, utilization: float = 0.9) -> Inspection:
+    """layout: also plan a parallel layout; device_memory: bytes of one device, of which `utilization` may hold
+    weights (vLLM's gpu_memory_utilization; the rest is for activations and the cache)."""
+    report = Inspection(Path(path), device_memory=device_memory)
     try:
         ckpt = survey_checkpoint(path)
     except CheckpointError as e:
         report.refusals.append(str(e))
         return report
     _describe(ckpt, report)
+    if layout is not None:
+        _plan(ckpt, report, layout, utilization)
     if audit:
         _run_audit(ckpt, report)
     return report
+
+
+def _plan(ckpt: Checkpoint, report: Inspection, layout: Layout, utilization: float) -> None:
+    report.plan = plan = layout_plan(ckpt, layout)
+    known = set(report.refusals)
+    report.refusals += [f"plan: {p}" for p in plan.problems if p not in known]
+    if report.device_memory is None or not plan.bytes_per_rank or plan.problems:
+        return
+    budget = int(report.device_memory * utilization)
+    worst = max(range(len(plan.bytes_per_rank)), key=plan.bytes_per_rank.__getitem__)
+    if plan.bytes_per_rank[worst] > budget:
+        report.refusals.append(f"plan: rank {worst} needs {plan.bytes_per_rank[worst]:,} bytes of weights, more than "
+                               f"{utilization:g} of a {report.device_memory:,}-byte device ({budget:,} bytes); add "
+                               "ranks (tensor or pipeline parallel)")
+    else:
+        report.notes.append(f"plan fits: the largest rank ({worst}) holds {plan.bytes_per_rank[worst]:,} bytes of "
+                            f"weights, within {utilization:g} of a {report.device_memory:,}-byte device")
 
 
 def _describe(ckpt: Checkpoint, report: Inspection) -> None:

@@ -13,6 +13,10 @@
    every MTP block of config.json.
 4. Buffers are materialised one at a time from the memory-mapped shards: an unstacked tensor is used as
    read (cast or moved only if needed), a stacked buffer is allocated once and each piece copied into it.
+
+One rank of several (`shard`, a `parallel.Shard`) builds its part of the model and reads only its slices of each
+tensor (`shards.region`, through safetensors' get_slice), after the same whole-model accounting as one process;
+`layout_plan` plans every rank of a layout from the headers and checks that the ranks' slices tile every tensor.
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ import torch
 from ..kernels import Ops, ops_for
 from ..model import LinearFormat, QLinear, Transformer, build_model
 from ..model.moe import Gate
+from ..parallel import Communicator, Layout, LayoutError, Shard
 from . import names
 from .canonical import FLOAT_DTYPES, INT_DTYPES, NO_MTP_NOTE, CanonicalTensor, Checkpoint, open_checkpoint
 from .errors import CheckpointError
+from .shards import LayoutPlan, check_tiling, numel, region, region_shape
 
 logger = logging.getLogger(__name__)
 MAX_LISTED = 60
@@ -168,8 +174,13 @@ def _expected_key(ckpt: Checkpoint, canonical: str) -> str:
     return repr(key) if key == canonical else f"{key!r} (canonical {canonical})"
 
 
-def plan_fill(model: Transformer, ckpt: Checkpoint, problems: list[str]) -> dict[str, list]:
-    """buffer key -> [(index, CanonicalTensor)] for every persistent buffer; problems collected, not raised."""
+def plan_fill(model: Transformer, ckpt: Checkpoint, problems: list[str], shard: Shard | None = None) -> dict[str, list]:
+    """buffer key -> [(index, CanonicalTensor, region)] for every persistent buffer; problems collected, not raised.
+
+    One process (shard None): every tensor read whole (region None), and a tensor that fills nothing is a problem.
+    One rank's part (`shard`): each piece is the rank's region of its tensor (`shards.region`); a stacked expert
+    buffer's index i holds expert `shard.experts[i]`; tensors of other ranks are not this plan's business
+    (`layout_plan` checks the whole layout)."""
     plan: dict[str, list] = {}
     used: set[str] = set()
     missing: list[str] = []
@@ -180,23 +191,43 @@ def plan_fill(model: Transformer, ckpt: Checkpoint, problems: list[str]) -> dict
             key = f"{path}.{leaf}" if path else leaf
             plan[key] = []
             for index in _pieces(module):
-                name = canonical_name(key, index)
+                name = canonical_name(key, _global_index(key, index, shard))
                 ct = ckpt.tensors.get(name)
                 if ct is None:
                     missing.append(name)
                     continue
                 used.add(name)
                 want = tuple(buf.shape[len(index):])
-                if ct.shape != want or not _accepts(module, leaf, ct.dtype, buf.dtype):
-                    problems.append(f"mismatched: {_where(ct)} is {ct.dtype} {list(ct.shape)}; the model needs "
-                                    f"{buf.dtype} {list(want)}")
+                try:
+                    where = None if shard is None else region(name, ct.shape, _format_of(ckpt, name),
+                                                              shard.split(name))
+                except LayoutError as e:
+                    problems.append(str(e))
                     continue
-                plan[key].append((index, ct))
+                if region_shape(ct.shape, where) != want or not _accepts(module, leaf, ct.dtype, buf.dtype):
+                    part = "" if where is None else f" (this rank's part {list(region_shape(ct.shape, where))})"
+                    problems.append(f"mismatched: {_where(ct)} is {ct.dtype} {list(ct.shape)}{part}; the model "
+                                    f"needs {buf.dtype} {list(want)}")
+                    continue
+                plan[key].append((index, ct, where))
     if missing:
         problems.extend(_missing_summary(ckpt, missing))
-    for name in sorted(set(ckpt.tensors) - used):
-        problems.append(f"unexpected: {_where(ckpt.tensors[name])} fills nothing in the model")
+    if shard is None:
+        for name in sorted(set(ckpt.tensors) - used):
+            problems.append(f"unexpected: {_where(ckpt.tensors[name])} fills nothing in the model")
     return plan
+
+
+def _global_index(key: str, index: tuple[int, ...], shard: Shard | None) -> tuple[int, ...]:
+    """A stacked buffer's leading index -> the canonical one (expert parallel: local expert i is shard.experts[i])."""
+    if shard is None or not index or ".ffn.experts." not in key:
+        return index
+    return (shard.experts[index[0]], *index[1:])
+
+
+def _format_of(ckpt: Checkpoint, name: str) -> str | None:
+    """The stored format of the linear canonical tensor `name` belongs to; None for a plain tensor."""
+    return ckpt.formats.get(name.rpartition(".")[0])
 
 
 def _missing_summary(ckpt: Checkpoint, missing: list[str]) -> list[str]:
@@ -223,32 +254,37 @@ def _raise(ckpt: Checkpoint, problems: list[str]) -> None:
 
 # ------------------------------------------------------------------------------------------ filling
 def fill(model: Transformer, plan: dict[str, list], device: torch.device, progress: bool = False) -> None:
-    """Materialise every buffer of `model` from the planned checkpoint pieces (each read once)."""
+    """Materialise every buffer of `model` from the planned checkpoint pieces (each read once, only its region)."""
     modules = dict(model.named_modules())
     bar = None
     if progress:
         from tqdm import tqdm
 
-        size = sum(torch.Size(ct.shape).numel() * ct.dtype.itemsize for pieces in plan.values() for _, ct in pieces)
-        bar = tqdm(total=size, unit="B", unit_scale=True, unit_divisor=1024, desc="loading")
+        bar = tqdm(total=planned_bytes(plan), unit="B", unit_scale=True, unit_divisor=1024, desc="loading")
     for key, pieces in plan.items():
         path, _, leaf = key.rpartition(".")
         module = modules[path]
         meta = module._buffers[leaf]
         if len(pieces) == 1 and pieces[0][0] == ():
-            value = pieces[0][1].load().to(device=device, dtype=meta.dtype)
+            value = pieces[0][1].load_region(pieces[0][2]).to(device=device, dtype=meta.dtype)
         else:
             value = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            for index, ct in pieces:
-                value[index].copy_(ct.load())
+            for index, ct, where in pieces:
+                value[index].copy_(ct.load_region(where))
         module._buffers[leaf] = value
         if bar is not None:
-            bar.update(sum(torch.Size(ct.shape).numel() * ct.dtype.itemsize for _, ct in pieces))
+            bar.update(planned_bytes({key: pieces}))
     if bar is not None:
         bar.close()
     for module in modules.values():
         for leaf in module._non_persistent_buffers_set:
             module._buffers[leaf] = module._buffers[leaf].to(device)
+
+
+def planned_bytes(plan: dict[str, list]) -> int:
+    """Bytes the plan reads (each piece's region)."""
+    return sum(numel(region_shape(ct.shape, where)) * ct.dtype.itemsize
+               for pieces in plan.values() for _, ct, where in pieces)
 
 
 def check_values(model: Transformer, plan: dict[str, list]) -> None:
@@ -267,9 +303,61 @@ def check_values(model: Transformer, plan: dict[str, list]) -> None:
         raise CheckpointError("checkpoint refused:\n  " + "\n  ".join(problems))
 
 
+def layout_plan(ckpt: Checkpoint, layout: Layout) -> LayoutPlan:
+    """Every rank of `layout` planned from the headers (no tensor data read): the whole-model accounting of one
+    process, each rank's slices (refused where a slice cuts a quantization block), and the check that the ranks'
+    slices of each tensor tile it exactly once. Returns bytes and layers per rank and the problems."""
+    problems: list[str] = []
+    formats = model_formats(ckpt, problems)
+    cfg = ckpt.config
+    try:
+        layout.check(cfg)
+    except LayoutError as e:
+        return LayoutPlan(layout, [], [], [str(e)])
+    shards = layout.shards(cfg)
+    out = LayoutPlan(layout, [], [s.layers for s in shards], problems)
+    if problems:
+        return out
+    check_config(ckpt, formats, problems)
+    plan_fill(build_model(cfg, formats, mtp=ckpt.has_mtp()), ckpt, problems)
+    for shard in shards:
+        plan = plan_fill(build_model(cfg, formats, mtp=ckpt.has_mtp(), shard=shard), ckpt, problems, shard)
+        out.bytes_per_rank.append(planned_bytes(plan))
+        for pieces in plan.values():
+            for _, ct, where in pieces:
+                out.reads.setdefault(ct.name, {}).setdefault(where and _hashable(where), []).append(shard.rank)
+    for name, ct in ckpt.tensors.items():
+        if name not in out.reads:
+            continue        # the whole-model accounting above names it (unexpected)
+        check_tiling(name, ct.shape, [r and _unhashable(r) for r in out.reads[name]], problems)
+    out.problems = _collapsed(problems)
+    return out
+
+
+def _collapsed(problems: list[str]) -> list[str]:
+    """Each problem once, and of problems that differ only in numbers (layer, expert, slice) the first, with a count
+    of the others."""
+    first: dict[str, str] = {}
+    count: dict[str, int] = {}
+    for p in problems:
+        key = re.sub(r"\d+", "#", p)
+        first.setdefault(key, p)
+        count[key] = count.get(key, 0) + (p != first[key] or count.get(key, 0) == 0)
+    return [first[k] + (f" (and {count[k] - 1} more like it)" if count[k] > 1 else "") for k in first]
+
+
+def _hashable(where: tuple) -> tuple:
+    return tuple((s.start, s.stop) for s in where)
+
+
+def _unhashable(key: tuple) -> tuple:
+    return tuple(slice(a, b) for a, b in key)
+
+
 # ------------------------------------------------------------------------------------------ entry points
 def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    ops: Ops | None = None, progress: bool = False, tile_weights: bool | None = None) -> Transformer:
+                    ops: Ops | None = None, progress: bool = False, tile_weights: bool | None = None,
+                    shard: Shard | None = None, comm: Communicator | None = None) -> Transformer:
     device = torch.device(device)
     ops = ops or ops_for(device)
     problems: list[str] = []
@@ -281,6 +369,9 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
         # Without any mtp.* tensor the model is built without MTP blocks; with some, every block is required.
         model = build_model(ckpt.config, formats, dtype, ops, mtp=ckpt.has_mtp())
         plan = plan_fill(model, ckpt, problems)
+        if shard is not None and not problems:     # the same accounting as one process, then this rank's part
+            model = build_model(ckpt.config, formats, dtype, ops, mtp=ckpt.has_mtp(), shard=shard, comm=comm)
+            plan = plan_fill(model, ckpt, problems, shard)
     _raise(ckpt, problems)
     fill(model, plan, device, progress)
     check_values(model, plan)
@@ -294,7 +385,8 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
 
 
 def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         ops: Ops | None = None, progress: bool = False, tile_weights: bool | None = None) -> Transformer:
+         ops: Ops | None = None, progress: bool = False, tile_weights: bool | None = None,
+         shard: Shard | None = None, comm: Communicator | None = None) -> Transformer:
     """Load a DeepSeek-V4 checkpoint folder (any dialect, any format) as a ready model.
 
     `model.logits(input_ids)` maps LongTensor [B, S] to logits [B, S, vocab] (causal prefill from position 0).
@@ -304,5 +396,7 @@ def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtyp
     input_scale); None = `ops_for(device)`, the device's exact default. progress=True shows a progress bar (bytes
     read) on stderr. tile_weights: store quantized weights tile-major, the order the GPU kernels read
     (`formats.tiling`; same logits, faster decode); None = on CUDA where the table's kernels read them.
+    shard / comm: load one rank's part of the model (`parallel.Shard`) reading only its slices, its collectives
+    through `comm` (the runtime's workers do this; docs/parallel.md).
     """
-    return load_checkpoint(open_checkpoint(path), device, dtype, ops, progress, tile_weights)
+    return load_checkpoint(open_checkpoint(path), device, dtype, ops, progress, tile_weights, shard, comm)

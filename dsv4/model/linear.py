@@ -23,6 +23,7 @@ from torch import nn
 
 from ..formats import FP8_BLOCK, MXFP4_BLOCK, NVFP4_BLOCK, UE8M0_DTYPE, QWeight, why_untileable
 from ..kernels import Ops
+from ..parallel import Communicator, Shard
 
 
 @dataclass(frozen=True)
@@ -57,17 +58,21 @@ DENSE = LinearFormat()
 
 
 class Builder:
-    """What every module of one model is built with: linear formats by module path, compute dtype, ops.
+    """What every module of one model is built with: linear formats by module path, compute dtype, ops, and on
+    several ranks this rank's `Shard` of the model and the `Communicator` of its tensor-parallel group (None on one
+    rank, and comm None wherever tp = 1: no collective runs).
 
     `sub("attn")` is the view a child module gets, so each module names only its own children; paths absent
     from `formats` are dense.
     """
 
-    def __init__(self, formats: dict[str, LinearFormat] | None, dtype: torch.dtype, ops: Ops, prefix: str = ""):
+    def __init__(self, formats: dict[str, LinearFormat] | None, dtype: torch.dtype, ops: Ops, prefix: str = "",
+                 shard: Shard | None = None, comm: Communicator | None = None):
         self.formats, self.dtype, self.ops, self.prefix = formats or {}, dtype, ops, prefix
+        self.shard, self.comm = shard, comm
 
     def sub(self, name: str) -> "Builder":
-        return Builder(self.formats, self.dtype, self.ops, f"{self.prefix}{name}.")
+        return Builder(self.formats, self.dtype, self.ops, f"{self.prefix}{name}.", self.shard, self.comm)
 
     def format(self, name: str) -> LinearFormat:
         return self.formats.get(self.prefix + name, DENSE)

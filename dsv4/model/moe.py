@@ -37,14 +37,22 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
+    """On one rank of several (`b.shard`), the experts held are 1 / tp of every expert's intermediate dimension, or
+    with expert parallel the whole experts `shard.experts` (a contiguous range); the output is then this rank's
+    partial sum, which the block all-reduces. The router is replicated: every rank routes every token alike."""
+
     def __init__(self, cfg: ModelConfig, layer: int, b: Builder):
         super().__init__()
-        d, I = cfg.hidden_size, cfg.moe_intermediate_size
+        d, I, shard = cfg.hidden_size, cfg.moe_intermediate_size, b.shard
         self.top_k, self.scaling, self.limit = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.swiglu_limit
         self.ops = b.ops
         self.gate = Gate(cfg, layer, b)
-        self.experts = Experts((cfg.n_routed_experts,), d, I, b.sub("experts"))
-        self.shared_experts = Experts((), d, I, b.sub("shared_experts")) if cfg.n_shared_experts else None
+        held = shard.experts if shard else range(cfg.n_routed_experts)
+        # expert parallel: the global ids of the experts held, else None (every expert, as ids name them)
+        self.held = held if len(held) < cfg.n_routed_experts else None
+        self.experts = Experts((len(held),), d, shard.routed_intermediate if shard else I, b.sub("experts"))
+        shared_inter = shard.shared_intermediate if shard else I
+        self.shared_experts = Experts((), d, shared_inter, b.sub("shared_experts")) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, d] (the ffn_norm'ed block input), input_ids [B, S] (hash routing) -> [B, S, d]."""
@@ -53,6 +61,22 @@ class MoE(nn.Module):
         weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
                                       g.tid2eid if g.hash else None, input_ids if g.hash else None)
         ex, sh = self.experts, self.shared_experts
+        if self.held is not None:
+            return self._held_experts(flat, ids, weights).view(x.shape)
         out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
                            shared=None if sh is None else (sh.w13.qweight(), sh.w2.qweight()), after_route=True)
         return out.view(x.shape)
+
+    def _held_experts(self, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: the (token, pick) pairs routed to the experts held run as a batch of one pick each; their
+        weighted outputs are added to the shared expert's part of each token (zero for tokens routed elsewhere)."""
+        ex, sh = self.experts, self.shared_experts
+        local = ids - self.held.start
+        tok, pick = torch.nonzero((local >= 0) & (local < len(self.held)), as_tuple=True)
+        out = self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit) if sh is not None \
+            else torch.zeros_like(flat)
+        if tok.numel():
+            routed = self.ops.moe(flat[tok], local[tok, pick, None], weights[tok, pick, None], ex.w13.qweight(),
+                                  ex.w2.qweight(), self.limit)
+            out.index_add_(0, tok, routed)
+        return out

@@ -4,6 +4,12 @@ final norm and head; plus the MTP block(s), whose weights are held for speculati
 Module paths equal the canonical checkpoint names (`layers.3.attn.wq_a`, `hc_head_fn`, `mtp.0.e_proj`, ...)
 except the stacked experts (see moe.py). `build_model` creates the model on the meta device; the loader
 materialises each buffer once, from the checkpoint.
+
+One rank of several (`parallel.Shard`, docs/parallel.md) builds its part: its pipeline stage's layers (the others are
+None in `layers`, so paths stay canonical), the embedding on the first stage, the HyperHead, norm, head and MTP
+blocks on the last; with tensor parallelism H / tp query heads per attention, its slice of every expert (or its
+experts), its vocabulary rows of embedding and head. The block all-reduces attention's and the MoE's partial outputs,
+the embedding its masked lookup, and the head gathers its logits; with tp = 1 none of these runs.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kernels import Ops
+from ..parallel import Communicator, Shard
 from .attention import Attention
 from .linear import Builder, LinearFormat, QLinear
 from .moe import MoE
@@ -28,12 +35,22 @@ def _hc_buffers(module: nn.Module, prefix: str, rows: int, cols: int, n_scales: 
 
 
 class Embedding(nn.Module):
-    def __init__(self, vocab: int, dim: int, dtype: torch.dtype):
+    """Rows `rows` of the embedding; with a communicator, ids outside them look up zeros and the ranks' lookups are
+    summed (exactly one rank holds each id's row)."""
+
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, rows: range | None = None,
+                 comm: Communicator | None = None):
         super().__init__()
-        self.register_buffer("weight", torch.empty(vocab, dim, dtype=dtype))
+        self.rows, self.comm = rows or range(vocab), comm
+        self.register_buffer("weight", torch.empty(len(self.rows), dim, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.comm is None:
+            return F.embedding(ids, self.weight)
+        local = ids - self.rows.start
+        elsewhere = (local < 0) | (local >= len(self.rows))
+        h = F.embedding(local.masked_fill(elsewhere, 0), self.weight).masked_fill(elsewhere.unsqueeze(-1), 0)
+        return self.comm.all_reduce(h)
 
 
 class Block(nn.Module):
@@ -46,18 +63,22 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(d, cfg.rms_norm_eps)
         _hc_buffers(self, "hc_attn", cfg.hc_dim, cfg.hc_mult * d, 3)
         _hc_buffers(self, "hc_ffn", cfg.hc_dim, cfg.hc_mult * d, 3)
-        self.attn = Attention(cfg, layer, b.sub("attn"))
+        self.attn = Attention(b.shard.attention_config() if b.shard else cfg, layer, b.sub("attn"))
         self.ffn = MoE(cfg, layer, b.sub("ffn"))
-        self.ops = b.ops
+        self.ops, self.comm = b.ops, b.comm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                 state: LayerState | None = None, batch: SeqBatch | None = None) -> torch.Tensor:
         """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token."""
         ops = self.ops
         u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
-        x = ops.hc_post(self.attn(self.attn_norm(u), positions, state, batch), x, post, comb)
+        x = ops.hc_post(self._summed(self.attn(self.attn_norm(u), positions, state, batch)), x, post, comb)
         u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
-        return ops.hc_post(self.ffn(self.ffn_norm(u), input_ids), x, post, comb)
+        return ops.hc_post(self._summed(self.ffn(self.ffn_norm(u), input_ids)), x, post, comb)
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A sub-block's output: on tensor-parallel ranks the sum of their partial outputs."""
+        return partial if self.comm is None else self.comm.all_reduce(partial)
 
 
 class MTPBlock(Block):
@@ -87,33 +108,44 @@ class Transformer(nn.Module):
         d, L = cfg.hidden_size, cfg.num_hidden_layers
         self.config = cfg
         self.hc_eps, self.norm_eps = cfg.hc_eps, cfg.rms_norm_eps
-        self.ops = b.ops
-        self.embed = Embedding(cfg.vocab_size, d, b.dtype)
-        self.layers = nn.ModuleList(Block(cfg, i, b.sub(f"layers.{i}")) for i in range(L))
-        self.norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.head = b.linear("head", d, cfg.vocab_size)
-        _hc_buffers(self, "hc_head", cfg.hc_mult, cfg.hc_mult * d, 1)
-        n_mtp = cfg.num_nextn_predict_layers if mtp else 0
+        self.ops, self.comm, shard = b.ops, b.comm, b.shard
+        self.stage = shard.layers if shard else range(L)          # the main layers this rank runs
+        first, last = shard is None or shard.first_stage, shard is None or shard.last_stage
+        vocab = shard.vocab if shard else range(cfg.vocab_size)
+        # the head's vocabulary rows on each rank of the tensor-parallel group, in rank order (for the gather)
+        self.vocab_sizes = [len(shard.layout.vocab_rows(cfg, t)) for t in range(shard.tp)] if shard else None
+        self.embed = Embedding(cfg.vocab_size, d, b.dtype, vocab, b.comm) if first else None
+        self.layers = nn.ModuleList(Block(cfg, i, b.sub(f"layers.{i}")) if i in self.stage else None for i in range(L))
+        if last:
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.head = b.linear("head", d, len(vocab))
+            _hc_buffers(self, "hc_head", cfg.hc_mult, cfg.hc_mult * d, 1)
+        n_mtp = cfg.num_nextn_predict_layers if mtp and last else 0
         self.mtp = nn.ModuleList(MTPBlock(cfg, L + j, b.sub(f"mtp.{j}")) for j in range(n_mtp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                states: list[LayerState] | None = None, batch: SeqBatch | None = None) -> torch.Tensor:
+                states: list[LayerState] | None = None, batch: SeqBatch | None = None,
+                streams: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, S] -> the final residual streams [B, S, hc_mult, d] (before the HyperHead).
 
         positions=None and states=None: a causal prefill from position 0 with nothing cached. With `states`
-        (one LayerState per layer, runtime-owned) the input is a ragged step: input_ids and positions [1, N]
-        are the flattened tokens of `batch`'s sequences, whose caches are read and extended.
+        (one LayerState per layer of `stage`, runtime-owned) the input is a ragged step: input_ids and positions
+        [1, N] are the flattened tokens of `batch`'s sequences, whose caches are read and extended. `streams`: the
+        previous pipeline stage's output, which this stage's layers continue (the ids still route hash layers).
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
-        if states is not None and len(states) != len(self.layers):
-            raise ValueError(f"{len(states)} layer states for a model of {len(self.layers)} layers")
+        if states is not None and len(states) != len(self.stage):
+            raise ValueError(f"{len(states)} layer states for a model of {len(self.stage)} layers")
         if batch is not None:
             batch = batch.on(input_ids.device)
-        h = self.embed(input_ids)
-        x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, input_ids, None if states is None else states[i], batch)
+        x = streams
+        if x is None:
+            h = self.embed(input_ids)
+            x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        for i in self.stage:
+            x = self.layers[i](x, positions, input_ids, None if states is None else states[i - self.stage.start],
+                               batch)
         return x
 
     def head_logits(self, streams: torch.Tensor, hc: tuple[torch.Tensor, ...] | None = None,
@@ -121,7 +153,8 @@ class Transformer(nn.Module):
         """Streams [B, S, n, d] -> logits [B, S, vocab] through a HyperHead (the model's, or an MTP block's)."""
         fn, base, scale = hc or (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
         y = self.ops.hc_head(streams, fn, base, scale, self.hc_eps, self.norm_eps)
-        return self.head((norm or self.norm)(y))
+        logits = self.head((norm or self.norm)(y))
+        return logits if self.comm is None else self.comm.gather_last(logits, self.vocab_sizes)
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -161,16 +194,19 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, formats: dict[str, LinearFormat] | None = None, dtype: torch.dtype = torch.float32,
-                ops: Ops | None = None, mtp: bool = True,
-                device: torch.device | str = "meta") -> Transformer:
+                ops: Ops | None = None, mtp: bool = True, device: torch.device | str = "meta",
+                shard: Shard | None = None, comm: Communicator | None = None) -> Transformer:
     """The model with uninitialised buffers (on the meta device by default: no memory until the loader fills it).
 
     `formats` maps linear module paths (`layers.3.ffn.experts.w13`) to their storage; absent ones are dense.
     mtp=False leaves out the MTP block(s) (for checkpoints that never had them, e.g. a transformers save).
+    shard: build only one rank's part (`parallel.Shard`; formats of modules it does not hold are ignored), whose
+    tensor-parallel group's collectives run through `comm` (None where tp = 1).
     """
     with torch.device(device):
-        model = Transformer(cfg, Builder(formats, dtype, ops or Ops.reference()), mtp)
+        model = Transformer(cfg, Builder(formats, dtype, ops or Ops.reference(), shard=shard, comm=comm), mtp)
     unknown = sorted(set(formats or {}) - {n for n, m in model.named_modules() if isinstance(m, QLinear)})
+    unknown = [n for n in unknown if shard is None or shard.holds(n)]
     if unknown:
         raise ValueError(f"formats given for modules the model does not have: {unknown[:8]}")
     return model

@@ -17,6 +17,11 @@ it, and touches no other sequence:
 * an interrupt (KeyboardInterrupt) or an error in the engine itself: the step's uncommitted sequences end
   ("abort" for an interrupt, "error" otherwise) and the exception propagates to the caller.
 Every failure is logged with its traceback (logger `dsv4.runtime.engine`) and named in the output's `error`.
+
+On several ranks (`driver`, runtime/spmd.py) this engine is rank 0's: it schedules and samples, and the driver runs
+each step on every rank (the model and cache here are rank 0's parts). A failure of any rank during a step stops the
+whole group: the step's requests end with "error" and the driver's WorkerFailure propagates, at this step and every
+later one.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ from .params import (
     SamplingParams,
     check_token_ids,
 )
-from .sampler import SamplingBatch, make_generator, sample
+from .sampler import SamplingBatch, sample
+from .graphs import DecodeGraphs
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .spmd import Driver
 
 __all__ = ["Engine", "RequestError", "RequestTypeError", "TokenIdsOnly"]
 
@@ -70,12 +77,16 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer=None, *, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, num_cache_pages: int | None = None,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, driver: Driver | None = None,
+                 enforce_eager: bool = False):
         """The cache holds `num_cache_pages` pages of PAGE_TOKENS positions shared by all sequences; by default, on
         a GPU, as many as fit in `gpu_memory_utilization` of its memory after the weights and the largest step's
-        activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens."""
+        activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens. driver: rank 0's side
+        of a parallel engine, whose cache (rank 0's stage of it, sized with the other ranks) this engine uses.
+        On CUDA, decode steps replay CUDA graphs captured here (`graphs.DecodeGraphs`) unless `enforce_eager`
+        (vLLM's name); their memory is logged and kept in `graph_memory`."""
         cfg = model.config
-        self.model = model
+        self.model, self.driver = model, driver
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
         self.max_model_len = max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > cfg.max_position_embeddings:
@@ -89,17 +100,28 @@ class Engine:
         self.vocab_size = self.tokenizer.vocab_size
         self.max_logprobs = max_logprobs
         budget = max_num_batched_tokens or max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-        if num_cache_pages is None:
-            num_cache_pages = self._pages_that_fit(max_num_seqs, budget, gpu_memory_utilization)
+        if driver is not None:
+            num_cache_pages = driver.cache.num_pages
+        elif num_cache_pages is None:
+            num_cache_pages = self._pages_that_fit(max_num_seqs + 1, budget, gpu_memory_utilization)
         if num_cache_pages * PAGE_TOKENS < self.max_model_len:
             raise CacheCapacityError(f"the cache holds {num_cache_pages} pages of {PAGE_TOKENS} tokens "
                                      f"({num_cache_pages * PAGE_TOKENS} tokens), fewer than one sequence of "
                                      f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more "
                                      "memory (gpu_memory_utilization, num_cache_pages)")
-        self.cache = KVCache(cfg, max_num_seqs, num_cache_pages, self.dtype, self.device)
+        graphed = driver is None and self.device.type == "cuda" and not enforce_eager
+        # a graphed engine's cache has one more slot than sequences: the padding rows of a replayed step use it
+        self.cache = driver.cache if driver else KVCache(cfg, max_num_seqs + graphed, num_cache_pages, self.dtype,
+                                                         self.device)
         self.scheduler = Scheduler(max_num_seqs, budget, PageAllocator(num_cache_pages))
+        self.graphs = DecodeGraphs(model, self.cache.layers, max_num_seqs, self.max_model_len,
+                                   pad_slot=max_num_seqs) if graphed else None
+        self.graph_memory = self.graphs.memory if self.graphs else 0
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}      # unfinished requests by id
+        # Requests without a seed draw with this one (from torch's global generator) and the count of such draws.
+        self._unseeded_seed = int(torch.randint(0, 2**62, ()))
+        self._unseeded_draws = 0
 
     def _pages_that_fit(self, slots: int, step_tokens: int, utilization: float) -> int:
         cfg = self.model.config
@@ -150,8 +172,7 @@ class Engine:
         if request_id in self._live:
             raise RequestError(f"request {request_id!r}: a request with this id is already running or waiting")
         ids, params = self.check_request(prompt_token_ids, params, f"request {request_id!r}")
-        generator = None if params.seed is None else make_generator(params.seed, self.device)
-        seq = Sequence(request_id, prompt, ids, params, OutputTracker(params, self.tokenizer), generator, on_output)
+        seq = Sequence(request_id, prompt, ids, params, OutputTracker(params, self.tokenizer), on_output)
         self.scheduler.add(seq)
         self._live[request_id] = seq
         return seq
@@ -220,16 +241,26 @@ class Engine:
 
     def _step(self, plan: list[tuple[Sequence, int]], uncommitted: dict[str, Sequence]) -> list[Sequence]:
         for slot in self.scheduler.vacated:       # slots freed by preemption: reset before anyone writes them
-            self.cache.reset(slot)
+            self._reset(slot)
         self.scheduler.vacated.clear()
         batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
                          tuple(n for _, n in plan), tuple(tuple(s.page_table.pages) for s, _ in plan))
-        ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long, device=self.device)
-        positions = batch.positions(self.device)
-        try:
-            streams = self.model(ids[None], positions[None], self.cache.layers, batch)
-        except Exception as e:
-            return self._end_all([s for s, _ in plan], uncommitted, e)
+        ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long)
+        logits = None
+        if self.driver is not None:               # every rank runs the step; a failure of any propagates
+            rows = [off + n - 1 for (s, n), off in zip(plan, batch.offsets) if s.num_pending == n]
+            logits = self.driver.step(ids, batch, rows)
+        elif self.graphs is not None and self.graphs.takes(plan):   # a decode step: one graph replay
+            try:
+                logits = self.graphs.run([s for s, _ in plan])
+            except Exception as e:
+                return self._end_all([s for s, _ in plan], uncommitted, e)
+        else:
+            ids, positions = ids.to(self.device), batch.positions(self.device)
+            try:
+                streams = self.model(ids[None], positions[None], self.cache.layers, batch)
+            except Exception as e:
+                return self._end_all([s for s, _ in plan], uncommitted, e)
         due = []                                   # (sequence, row of its last token): it gets a token now
         for (seq, n), off in zip(plan, batch.offsets):
             seq.num_cached += n
@@ -240,10 +271,12 @@ class Engine:
         if not due:
             return []
         seqs = [s for s, _ in due]
-        try:
-            logits = self.model.head_logits(streams[:, [row for _, row in due]])[0, :, :self.vocab_size].float()
-        except Exception as e:
-            return self._end_all(seqs, uncommitted, e)
+        if logits is None:
+            try:
+                logits = self.model.head_logits(streams[:, [row for _, row in due]])[0]
+            except Exception as e:
+                return self._end_all(seqs, uncommitted, e)
+        logits = logits[:, :self.vocab_size].float()
         for seq, result in zip(seqs, self._sample(seqs, logits)):
             if isinstance(result, Exception):
                 self._fail(seq, result)
@@ -254,30 +287,31 @@ class Engine:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple | Exception]:
         """(token, logprobs) per sequence, or the exception its sampling raised. The batch is sampled at once;
-        if that raises, each row is sampled alone from the generator states the batch started from, so a
-        request's failure leaves the others' tokens as they would be without it."""
-        gens = [s.generator for s in seqs]
-        states = [None if g is None else g.get_state() for g in gens]
+        if that raises, each row is sampled alone with the same draw (its seed and counter), so a request's
+        failure leaves the others' tokens as they would be without it. A request with a seed makes its n-th draw
+        with counter n; the others take the next numbers of the engine's count of unseeded draws."""
+        counters = [len(s.tracker.token_ids) if s.params.seed is not None else self._unseeded_draws + i
+                    for i, s in enumerate(seqs)]
+        self._unseeded_draws += len(seqs)
         try:
-            return self._sample_rows(seqs, logits)
+            return self._sample_rows(seqs, logits, counters)
         except Exception as e:
             if len(seqs) == 1:
                 return [e]
             log.warning("sampling a batch of %d failed (%s: %s); sampling each request alone",
                         len(seqs), type(e).__name__, e)
         out = []
-        for i, (seq, g, state) in enumerate(zip(seqs, gens, states)):
-            if g is not None:
-                g.set_state(state)
+        for i, seq in enumerate(seqs):
             try:
-                out.append(self._sample_rows([seq], logits[i:i + 1])[0])
+                out.append(self._sample_rows([seq], logits[i:i + 1], counters[i:i + 1])[0])
             except Exception as e:
                 out.append(e)
         return out
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple]:
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, counters: list[int]) -> list[tuple]:
         params = [s.params for s in seqs]
-        out = sample(logits, SamplingBatch.build(params, [s.generator for s in seqs], self.vocab_size, self.device))
+        batch = SamplingBatch.build(params, counters, self.vocab_size, self.device, unseeded_seed=self._unseeded_seed)
+        out = sample(logits, batch)
         return list(zip(out.token_ids.tolist(), out.host_logprobs(params)))
 
     def _commit_token(self, seq: Sequence, token: int, logprobs) -> None:
@@ -314,6 +348,15 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         """Drop a finished sequence: reset its cache slot (so a free slot is always empty) and free it."""
         if seq.slot is not None:
-            self.cache.reset(seq.slot)
+            self._reset(seq.slot)
         self.scheduler.finish(seq)
         self._live.pop(seq.request_id, None)
+
+    def _reset(self, slot: int) -> None:
+        """Empty a cache slot (on every rank: a driver sends the reset with the next step)."""
+        if self.driver is not None:
+            self.driver.reset(slot)
+        else:
+            self.cache.reset(slot)
+        if self.graphs is not None:
+            self.graphs.forget(slot)

@@ -96,7 +96,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0                          # 0 or -1: disabled
     min_p: float = 0.0
-    seed: int | None = None                 # per-request torch.Generator: same seed, same tokens in any batch
+    seed: int | None = None                 # the request's draws: same seed, same tokens in any batch and run
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -201,7 +201,11 @@ class IncrementalDetokenizer:
 
 class OutputTracker:
     """One generated sequence: takes sampled tokens, detokenizes, applies EOS / stop ids / stop strings /
-    max_tokens, and streams text deltas that hold back any tail that could still become a stop string."""
+    max_tokens, and streams text deltas that hold back any tail that could still become a stop string.
+
+    The text is kept as the list of pieces it arrived in and joined only when read (`text`, `output`), and its
+    last (longest stop string - 1) characters as one string, so a token costs O(len(piece) + the longest stop
+    string): the stop-string search, the hold-back and `take_delta` look only at the text's end."""
 
     def __init__(self, params: SamplingParams, tokenizer, index: int = 0):
         self.params, self.index = params, index
@@ -210,8 +214,11 @@ class OutputTracker:
         self._stop_ids = frozenset(params.stop_token_ids)
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._longest_stop = max(map(len, params.stop), default=0)
+        self._stop_prefixes = {s[:k] for s in params.stop for k in range(1, len(s))}   # proper, non-empty
         self.token_ids: list[int] = []
-        self.text = ""
+        self._pieces: list[str] = []         # the text, joined when read
+        self._length = 0                     # len(text)
+        self._tail = ""                      # its last (longest stop - 1) characters, while it runs
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -222,6 +229,13 @@ class OutputTracker:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        """All the text so far, the held-back tail included."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     def append(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> bool:
         """Add one sampled token; `logprobs` (from `SamplerOutput.host_logprobs`) when they were requested.
@@ -261,14 +275,14 @@ class OutputTracker:
 
     def take_delta(self) -> str:
         """Text that became final since the last call (for streaming)."""
-        end = len(self.text) - self._holdback()
-        delta = self.text[self._streamed:end]
+        end = self._length - self._holdback()
+        delta = self._last(self._length - self._streamed)[:end - self._streamed] if end > self._streamed else ""
         self._streamed = max(self._streamed, end)
         return delta
 
     def output(self) -> CompletionOutput:
         """Snapshot; while running, the text excludes the held-back tail."""
-        text = self.text[:len(self.text) - self._holdback()]
+        text = self.text[:self._length - self._holdback()]
         logprobs = None if self.logprobs is None else list(self.logprobs)
         return CompletionOutput(self.index, text, list(self.token_ids), self.cumulative_logprob, logprobs,
                                 self.finish_reason, self.stop_reason, self.error)
@@ -293,20 +307,46 @@ class OutputTracker:
     def _add_text(self, piece: str) -> None:
         if not piece:
             return
-        start = max(0, len(self.text) - self._longest_stop + 1)  # an earlier match was found in an earlier step
-        self.text += piece
-        hits = [(pos, s) for s in self.params.stop if (pos := self.text.find(s, start)) != -1]
+        self._pieces.append(piece)
+        self._length += len(piece)
+        if not self.params.stop:
+            return
+        # A match must end in the new piece (an earlier one ended the sequence), so it starts in this window.
+        window = self._tail + piece
+        hits = [(pos, s) for s in self.params.stop if (pos := window.find(s)) != -1]
         if hits:
             pos, s = min(hits, key=lambda h: h[0])
-            self.text = self.text[:pos + len(s) if self.params.include_stop_str_in_output else pos]
+            cut = self._length - len(window) + pos
+            self._truncate(cut + len(s) if self.params.include_stop_str_in_output else cut)
             self._set_finished("stop", s)
+        else:
+            self._tail = window[max(0, len(window) - self._longest_stop + 1):]
+
+    def _last(self, n: int) -> str:
+        """The last n characters of the text (all of it if shorter), from the pieces at its end."""
+        parts = []
+        for piece in reversed(self._pieces):
+            if n <= 0:
+                break
+            parts.append(piece[-n:] if n < len(piece) else piece)
+            n -= len(piece)
+        return "".join(reversed(parts))
+
+    def _truncate(self, length: int) -> None:
+        """Keep the first `length` characters; what goes is at the end (within the last stop-string window). The
+        tail is not updated: only a finished sequence is truncated."""
+        while self._pieces and self._length - len(self._pieces[-1]) >= length:
+            self._length -= len(self._pieces.pop())
+        if self._length > length:
+            self._pieces[-1] = self._pieces[-1][:length - self._length]
+            self._length = length
 
     def _holdback(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
         if self.finished or not self.params.stop or self.params.include_stop_str_in_output:
             return 0
-        for k in range(min(len(self.text), self._longest_stop - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.params.stop):
+        tail = self._tail
+        for k in range(len(tail), 0, -1):
+            if tail[-k:] in self._stop_prefixes:
                 return k
         return 0

@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from .cache import PageTable
 from .params import OutputTracker, RequestOutput, SamplingParams
 
 
 class Sequence:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tracker: OutputTracker, generator: torch.Generator | None,
-                 on_output: Callable[[Sequence], None] | None = None):
+                 tracker: OutputTracker, on_output: Callable[[Sequence], None] | None = None):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, list(prompt_token_ids)
-        self.params, self.tracker, self.generator = params, tracker, generator
+        self.params, self.tracker = params, tracker
         self.on_output = on_output           # called after each new token (Engine.add_request)
         self.slot: int | None = None         # cache slot while running
         self.page_table = PageTable()        # cache pages of its compressed entries while running

@@ -62,7 +62,7 @@ def build_app(state: ServerState, max_body_bytes: int = 32 << 20, stop_timeout: 
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if state.loop.alive else 503)
+        return Response(status_code=200 if state.loop.alive and state.loop.failure is None else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

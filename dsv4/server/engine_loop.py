@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..runtime.engine import Engine
 from ..runtime.params import Logprob, RequestError, SamplingParams
 from ..runtime.sequence import Sequence
+from ..runtime.spmd import WorkerFailure
 from .metrics import Metrics
 
 log = logging.getLogger("dsv4.server")
@@ -80,6 +81,7 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._unstarted = 0                        # submitted, not yet in a slot (under _lock)
         self._accepting = True
+        self.failure: WorkerFailure | None = None  # a parallel engine's rank failed: nothing can run any more
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -97,6 +99,8 @@ class EngineLoop:
         """Queue jobs; their Updates go to `sink` (tagged with each job's index in `jobs`). Raises QueueFull or
         NotAccepting (shutting down), having queued nothing."""
         with self._lock:
+            if self.failure is not None:
+                raise NotAccepting(str(self.failure))
             if not self._accepting or not self.alive:
                 raise NotAccepting("the server is shutting down")
             if self.max_waiting is not None and self._unstarted + len(jobs) > self.max_waiting:
@@ -150,6 +154,9 @@ class EngineLoop:
         if running and self.engine.has_unfinished():
             try:
                 stepped = self.engine.step()
+            except WorkerFailure as e:     # the step's requests ended ("error"); every later step fails the same
+                log.exception("the parallel engine stopped; refusing requests")
+                self.failure = e
             except Exception:              # the engine ended the step's requests ("error") and stays usable
                 log.exception("engine step failed")
         self._deliver(stepped)

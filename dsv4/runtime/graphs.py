@@ -1,0 +1,122 @@
+"""Decode steps as CUDA graph replays: embedding, every layer, the head and its logits in one launch.
+
+A decode step (every scheduled sequence feeds one token) of b sequences runs the graph captured for the smallest
+bucket B >= b (1, 2, 4, ... 256, and max_num_seqs). The graph reads static device buffers, filled in place before
+each replay: token ids, positions and cache slots (one pinned host buffer, one non-blocking copy); its step's page
+tables are gathered inside the graph from a device table of every slot's pages, which is written only when a
+sequence's pages change (every PAGE_TOKENS positions). Rows b..B-1 are padding: token 0 at position 0 in the
+cache's padding slot (a slot no sequence holds), where no compressed window closes and nothing a real sequence reads
+is written. Kernel plans are made at capture (a warm-up run per bucket on the padding slot first); every launch of
+the step is then on the device, with no host synchronization until the caller reads the sampled tokens.
+
+Without capture (`capture=False`, and everywhere but CUDA) `run` executes the same padded static-buffer step
+eagerly: the path the tests compare against the engine's plain step on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..kernels.steps import StepTokens
+from ..model import Transformer
+from ..model.state import LayerState, SeqBatch
+from .cache import pages_for
+from .sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    def __init__(self, model: Transformer, layers: list[LayerState], max_num_seqs: int, max_model_len: int,
+                 pad_slot: int, capture: bool = True):
+        """`layers`: the cache's layer states, whose slot `pad_slot` no sequence holds."""
+        self.model, self.layers, self.pad_slot = model, layers, pad_slot
+        self.device = model.embed.weight.device
+        self.max_model_len = max_model_len
+        self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        width, largest = pages_for(max_model_len), self.buckets[-1]
+        self.tables = torch.zeros(pad_slot + 1, width, dtype=torch.int32, device=self.device)
+        self._rows: dict[int, tuple[int, int]] = {}       # slot -> (id of its sequence, pages on the device)
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pin)   # token ids, positions, slots
+        self.inputs = torch.zeros(3, largest, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.memory = 0                                   # bytes the captured graphs hold
+        if capture and self.device.type == "cuda":
+            self._capture()
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def takes(self, plan: list[tuple[Sequence, int]]) -> bool:
+        """Whether the step is a decode step this runner can replay."""
+        return 0 < len(plan) <= self.max_batch and all(n == 1 for _, n in plan)
+
+    def forget(self, slot: int) -> None:
+        """The slot was freed or reset: its page table row is rewritten when a sequence next uses it."""
+        self._rows.pop(slot, None)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [len(seqs), vocab rows] of the next token of each sequence, which feeds its one pending token."""
+        b = len(seqs)
+        bucket = next(x for x in self.buckets if x >= b)
+        for seq in seqs:
+            self._sync_pages(seq)
+        host = self.host
+        host[0, :bucket] = 0
+        host[1, :bucket] = 0
+        host[2, :bucket] = self.pad_slot
+        host[0, :b] = torch.tensor([s.chunk(1)[0] for s in seqs])
+        host[1, :b] = torch.tensor([s.num_cached for s in seqs])
+        host[2, :b] = torch.tensor([s.slot for s in seqs])
+        self.inputs[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            return self.outputs[bucket][:b]
+        return self._forward(bucket)[:b]
+
+    def _sync_pages(self, seq: Sequence) -> None:
+        pages = seq.page_table.pages
+        if self._rows.get(seq.slot) == (id(seq), len(pages)):
+            return
+        row = torch.tensor(pages, dtype=torch.int32)
+        self.tables[seq.slot, :len(pages)].copy_(row)
+        self._rows[seq.slot] = (id(seq), len(pages))
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        """The padded step of the static inputs' first `bucket` rows -> logits [bucket, vocab rows]."""
+        ids, pos, slot = self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
+        row = torch.arange(bucket, dtype=torch.int32, device=self.device)
+        pos32, slot32 = pos.to(torch.int32), slot.to(torch.int32)
+        steps = StepTokens(seq=row, pos=pos32, slot=slot32, start=pos32, first=row, pages=self.tables[slot])
+        batch = SeqBatch(tuple(range(bucket)), (0,) * bucket, (1,) * bucket, tokens=steps,
+                         end_bound=self.max_model_len)
+        streams = self.model(ids[None], pos[None], self.layers, batch)
+        return self.model.head_logits(streams)[0]
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """One graph per bucket, the largest first, all in one memory pool; a warm-up run on the padding slot
+        before each capture compiles and plans its kernels."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        self.inputs[2].fill_(self.pad_slot)
+        pool = None
+        for bucket in reversed(self.buckets):
+            self._forward(bucket)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self._forward(bucket)
+            pool = graph.pool()
+            self.graphs[bucket], self.outputs[bucket] = graph, out
+        torch.cuda.synchronize(self.device)
+        self.memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured decode CUDA graphs for batch sizes %s (%.2f GiB)", self.buckets, self.memory / 2**30)

@@ -1,0 +1,207 @@
+"""The step protocol of several ranks (SPMD with a driver): rank 0 schedules and samples, every rank runs the step.
+
+Rank 0's `Engine` owns the scheduler, the requests and sampling. For each step its `Driver` broadcasts the step's
+inputs over the control group (gloo, CPU): a header, then one int64 tensor holding the token ids and the `SeqBatch`
+columns (slots, starts, lengths, page tables), the rows whose logits are wanted and the cache slots to reset first:
+
+    header  [op, tokens N, sequences S, page entries P, rows R, resets Z, batch.end_bound, 0]   (op: STEP or STOP)
+    payload [ids (N) | slots (S) | starts (S) | lengths (S) | pages per sequence (S) | pages (P) | rows (R) |
+             resets (Z)]
+
+Then every rank runs the same `StageRunner.run` on its part of the model and its stage's cache (every rank holds the
+same slots and page ids; a reset the engine makes between steps travels with the next step): a pipeline stage after
+the first receives the previous stage's 4-stream residual [1, N, hc_mult, d] from the same TP rank of that stage
+(point to point), runs its layers and sends its output on; the last stage computes the logits of the R rows (the
+head's vocabulary slices gathered over its TP group) and its TP rank 0 sends them to rank 0, which samples. Workers
+(every rank but 0) loop on `ControlChannel.receive` until STOP.
+
+Failure: the ranks run in lockstep, so any failure during a step (a worker that dies, a collective that times out,
+an exception on any rank) stops the whole group. `Driver.step` then raises `WorkerFailure` naming the rank and the
+cause (what the launcher's watchdog saw, runtime/workers.py) and every later step raises it again at once; the
+engine's requests of that step end with "error" and the exception reaches the API caller.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..model import Transformer
+from ..model.state import SeqBatch
+from ..parallel import Shard
+from .cache import KVCache
+
+STEP, STOP = 1, 2
+HEADER = 8
+
+
+class WorkerFailure(RuntimeError):
+    """A rank of a parallel engine failed (died, raised, or a collective timed out); the whole group has stopped."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    ids: torch.Tensor                    # int64 [N] on the CPU: the step's flattened tokens
+    batch: SeqBatch                      # their sequences (slots, starts, lengths, page tables)
+    rows: tuple[int, ...]                # rows of the step's tokens whose logits rank 0 samples
+    resets: tuple[int, ...] = ()         # cache slots to reset before the step
+
+    def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        b = self.batch
+        pages = b.pages or ((),) * len(b.slots)
+        cols = [self.ids.tolist(), b.slots, b.starts, b.lengths, [len(p) for p in pages],
+                [page for table in pages for page in table], self.rows, self.resets]
+        header = torch.tensor([STEP, len(cols[0]), len(b.slots), len(cols[5]), len(self.rows), len(self.resets),
+                               b.end_bound, 0], dtype=torch.long)
+        return header, torch.tensor([v for col in cols for v in col], dtype=torch.long)
+
+    @staticmethod
+    def decode(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
+        n, s, p, r, z, end_bound = header[1:7].tolist()
+        values = payload.tolist()
+        cut = [n, s, s, s, s, p, r, z]
+        cols, at = [], 0
+        for size in cut:
+            cols.append(values[at:at + size])
+            at += size
+        ids, slots, starts, lengths, counts, flat, rows, resets = cols
+        tables, at = [], 0
+        for c in counts:
+            tables.append(tuple(flat[at:at + c]))
+            at += c
+        batch = SeqBatch(tuple(slots), tuple(starts), tuple(lengths), tuple(tables) if any(counts) else (),
+                         end_bound=end_bound)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), batch, tuple(rows), tuple(resets))
+
+
+class ControlChannel:
+    """Rank 0 -> every rank: step messages broadcast over the control group (gloo on the CPU, with a timeout long
+    enough for an idle server: a worker waits here between requests)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def send(self, inputs: StepInputs | None) -> None:
+        """A step's inputs, or None: STOP."""
+        if inputs is None:
+            dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.long), src=0, group=self.group)
+            return
+        header, payload = inputs.encode()
+        dist.broadcast(header, src=0, group=self.group)
+        dist.broadcast(payload, src=0, group=self.group)
+
+    def receive(self) -> StepInputs | None:
+        header = torch.empty(HEADER, dtype=torch.long)
+        dist.broadcast(header, src=0, group=self.group)
+        if int(header[0]) == STOP:
+            return None
+        payload = torch.empty(int(header[1:6].sum()) + 3 * int(header[2]), dtype=torch.long)
+        dist.broadcast(payload, src=0, group=self.group)
+        return StepInputs.decode(header, payload)
+
+
+class StageRunner:
+    """One rank's part of a step: its stage's layers (with its TP slices) over its stage's cache."""
+
+    def __init__(self, model: Transformer, cache: KVCache, shard: Shard, device: torch.device, dtype: torch.dtype):
+        self.model, self.cache, self.shard, self.device, self.dtype = model, cache, shard, device, dtype
+        layout = shard.layout
+        self.prev_rank = shard.rank - layout.tp if not shard.first_stage else None
+        self.next_rank = shard.rank + layout.tp if not shard.last_stage else None
+        self.logits_rank = (layout.pp - 1) * layout.tp       # the last stage's TP rank 0 sends rank 0 the logits
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step on this rank; returns the logits [R, vocab] on rank 0 (None elsewhere, or when R = 0)."""
+        for slot in inputs.resets:
+            self.cache.reset(slot)
+        cfg, batch = self.model.config, inputs.batch
+        ids = inputs.ids.to(self.device)[None]
+        positions = batch.positions(self.device)[None]
+        streams = None
+        if self.prev_rank is not None:
+            streams = torch.empty(1, ids.shape[1], cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(streams, src=self.prev_rank)
+        streams = self.model(ids, positions, self.cache.layers, batch, streams=streams)
+        if self.next_rank is not None:
+            dist.send(streams, dst=self.next_rank)
+        if not inputs.rows:
+            return None
+        rank = self.shard.rank
+        if self.shard.last_stage:
+            logits = self.model.head_logits(streams[:, list(inputs.rows)])[0]
+            if rank == 0:
+                return logits
+            if rank == self.logits_rank:
+                dist.send(logits.contiguous(), dst=0)
+            return None
+        if rank == 0:
+            logits = torch.empty(len(inputs.rows), cfg.vocab_size, dtype=self.dtype, device=self.device)
+            dist.recv(logits, src=self.logits_rank)
+            return logits
+        return None
+
+    def serve(self, channel: ControlChannel) -> None:
+        """A worker's loop: run every step rank 0 sends until STOP."""
+        while (inputs := channel.receive()) is not None:
+            self.run(inputs)
+
+
+class Driver:
+    """Rank 0's side: sends each step to the workers and runs its own part; resets are sent with the next step.
+
+    `stopped(error)` is the launcher's hook (runtime/workers.py): it names the failed rank and its cause (waiting
+    briefly for the watchdog to see a dying worker) and stops every rank; it returns the WorkerFailure to raise."""
+
+    def __init__(self, runner: StageRunner, channel: ControlChannel, stopped):
+        self.runner, self.channel, self._stopped = runner, channel, stopped
+        self.cache = runner.cache
+        self.failure: WorkerFailure | None = None
+        self._resets: list[int] = []
+
+    def reset(self, slot: int) -> None:
+        """Empty a cache slot now on rank 0, and on the other ranks before the next step."""
+        self.cache.reset(slot)
+        self._resets.append(slot)
+
+    def step(self, ids: torch.Tensor, batch: SeqBatch, rows: list[int]) -> torch.Tensor | None:
+        """Every rank runs the step of token ids [N] (CPU) and `batch`; -> logits [len(rows), vocab] (None if no
+        rows). Raises WorkerFailure when any rank fails (then and at every later call)."""
+        if self.failure is not None:
+            raise self.failure
+        inputs = StepInputs(ids, batch, tuple(rows), tuple(self._resets))
+        self._resets.clear()
+        with _interrupt_after():
+            try:
+                self.channel.send(inputs)
+                return self.runner.run(inputs)
+            except Exception as e:
+                self.failure = self._stopped(e)
+                raise self.failure from e
+
+    def stop(self) -> None:
+        """Tell the workers to leave their loop (a clean shutdown)."""
+        if self.failure is None:
+            self.channel.send(None)
+
+
+@contextmanager
+def _interrupt_after():
+    """Hold a Ctrl-C (SIGINT) that arrives during the block and raise it as KeyboardInterrupt after it: a step
+    stopped half-way on rank 0 would leave the other ranks waiting in a collective. Only the main thread can."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt

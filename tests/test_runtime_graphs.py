@@ -1,0 +1,47 @@
+"""The decode runner of `runtime.graphs` (static buffers, padded buckets, the device page table) run without capture
+on the CPU, inside the engine, against the engine's plain ragged step: identical greedy tokens for sequences that
+decode across window closes, CSA / HCA entries and page boundaries while the batch shrinks through several buckets,
+with a preempted-and-recomputed sequence and a slot reused by a new request. (The capture itself needs CUDA; the GPU
+run of `bench/e2e.py --modes graphs,eager` compares the two there.)"""
+
+import torch
+
+import dsv4
+import runtime_fixtures as rf
+from dsv4.runtime.cache import KVCache
+from dsv4.runtime.engine import Engine
+from dsv4.runtime.graphs import DecodeGraphs
+from dsv4.runtime.params import SamplingParams
+
+LENGTHS = (5, 126, 250, 31, 3)                # prompts; decoding crosses 128 and 256 (window, HCA, pages)
+NEW = (40, 9, 20, 14, 30)                     # tokens to generate: the batch shrinks 5 -> 4 -> 3 -> 2 -> 1
+
+
+def generate(engine: Engine, prompts) -> list[list[int]]:
+    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, NEW)]
+    while engine.has_unfinished():
+        engine.step()
+    return [list(s.tracker.token_ids) for s in seqs]
+
+
+def test_padded_decode_steps_give_the_plain_steps_tokens():
+    model = dsv4.load(rf.variant("wide"))
+    prompts = [rf.prompt_ids(n, seed=40 + i) for i, n in enumerate(LENGTHS)]
+    plain = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=4, max_num_batched_tokens=64)
+    want = generate(plain, prompts)
+    engine = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=4, max_num_batched_tokens=64)
+    # the CUDA layout on the CPU: one more cache slot for the padding rows, and the runner without capture
+    engine.cache = KVCache(model.config, 5, 4, torch.float32)
+    engine.graphs = DecodeGraphs(model, engine.cache.layers, 4, 320, pad_slot=4, capture=False)
+    assert engine.graphs.buckets == [1, 2, 4]
+    runs = []
+    original = engine.graphs.run
+    engine.graphs.run = lambda seqs: runs.append(len(seqs)) or original(seqs)
+    got = generate(engine, prompts)
+    assert got == want
+    assert {1, 2, 3, 4} <= set(runs)                   # every bucket, padded (3 -> 4) and exact
+    assert engine.scheduler.num_preemptions > 0 and plain.scheduler.num_preemptions > 0
+    # the padding slot holds no sequence's state that a real one reads: slot 4's ring was written, the others'
+    # rows are their own
+    assert engine.cache.layers[0].window[4].abs().sum() > 0
