@@ -139,3 +139,13 @@ def test_an_older_sequence_out_of_pages_preempts_the_youngest():
         plan = sch.schedule()
     assert a.num_cached == 512 and names(plan) == [("a", 1)]   # a's position 512 opens its third page: b's
     assert b.slot is None and list(sch.waiting) == [b] and len(a.page_table) == 3
+
+
+def test_chunk_feeds_the_prompt_then_the_generated_tokens_from_any_position():
+    s = seq("a", 5)                                         # prompt 2..6
+    s.tracker.token_ids.extend([100, 101, 102])
+    whole = s.prompt_token_ids + s.tracker.token_ids
+    for start in range(len(whole)):
+        for n in range(1, len(whole) - start + 1):
+            s.num_cached = start
+            assert s.chunk(n) == whole[start:start + n], (start, n)

@@ -32,11 +32,14 @@ class Sequence:
         return self.tracker.finished
 
     def chunk(self, n: int) -> list[int]:
-        """The next n tokens to feed (from the prompt, then the generated ones)."""
+        """The next n tokens to feed (from the prompt, then the generated ones), in O(n): a decode step of a long
+        sequence copies neither its prompt nor its output."""
         start, prompt = self.num_cached, self.prompt_token_ids
-        if start + n <= len(prompt):
+        p = len(prompt)
+        if start + n <= p:
             return prompt[start:start + n]
-        return (prompt + self.tracker.token_ids)[start:start + n]
+        generated = self.tracker.token_ids[max(0, start - p):start + n - p]
+        return prompt[start:] + generated if start < p else generated
 
     def output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [self.tracker.output()],
