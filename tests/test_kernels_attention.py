@@ -111,7 +111,8 @@ def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeyp
     def forbidden(*args, **kwargs):
         raise AssertionError("a kernel fell back to the reference")
 
-    for name in ("sparse_attention", "write_ring", "compress", "index_picks", "hc_pre", "hc_post", "hc_head"):
+    for name in ("sparse_attention", "write_ring", "compress", "index_picks", "norm_rope", "hc_pre", "hc_post",
+                 "hc_head"):
         monkeypatch.setattr(ref, name, forbidden)
     kernel_model = dsv4.load(rf.variant("wide"), ops=Ops.triton())
     monkeypatch.undo()

@@ -37,6 +37,8 @@ class Ops:
     # StepTokens, topk, ratio, scale, max_keys) -> [N, topk]
     compress: Callable = ref.compress
     index_picks: Callable = ref.index_picks
+    # RMS normalisation and rope of rows: (x [..., D], cos, sin, weight, eps, inverse) -> x's shape
+    norm_rope: Callable = ref.norm_rope
     # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps) -> (collapsed, post, comb); (out, streams,
     # post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps) -> the HyperHead's collapse
     hc_pre: Callable = ref.hc_pre
@@ -53,7 +55,7 @@ class Ops:
     @classmethod
     def triton(cls, strict: bool = False, w4a4: bool = False) -> "Ops":
         """strict=True: a call a kernel does not support raises instead of running the reference (tests, benchmarks)."""
-        from . import attention, compressor, dispatch, indexer, mhc, moe, w4a4 as w4a4_kernels  # triton only when asked
+        from . import attention, compressor, dispatch, indexer, mhc, moe, norm_rope, w4a4 as w4a4_kernels  # triton
         from .host import Scratch
 
         def fallback(reference: Callable) -> Callable:
@@ -70,7 +72,7 @@ class Ops:
                   partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
                   sparse_attention=partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)),
                   write_ring=attention.write_ring,
-                  compress=compressor.compress, index_picks=indexer.index_picks,
+                  compress=compressor.compress, index_picks=indexer.index_picks, norm_rope=norm_rope.norm_rope,
                   hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
                   hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
                   hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)), reads_tiled=True)

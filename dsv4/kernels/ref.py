@@ -142,6 +142,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat((x[..., :-rd], rotated.to(x.dtype)), dim=-1)
 
 
+def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
+              eps: float | None = None, inverse: bool = False) -> torch.Tensor:
+    """x [..., D] normalised (eps given: `rms_norm` with `weight`, or the unweighted `rms` without one), then rotated
+    (cos / sin given: [..., R] against x [..., D], or against each head of x [..., H, D]); `kernels.norm_rope`."""
+    if eps is not None:
+        x = rms(x, eps) if weight is None else rms_norm(x, weight, eps)
+    if cos is not None:
+        if x.dim() == cos.dim() + 1:
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        x = apply_rope(x, cos, sin, inverse)
+    return x
+
+
 # ------------------------------------------------------------------------------------------- compressor
 # Every `ratio` tokens pool into one compressed entry (dsv4-architecture.md; `model.compressor` has the math in
 # words). Window j holds positions j*ratio .. j*ratio + ratio - 1; CSA (overlap) entries also pool the Ca half

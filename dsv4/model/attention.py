@@ -34,7 +34,7 @@ from ..kernels.ref import attend, causal_entry_bias, picked_entry_bias, window_b
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Builder, grouped_linear
-from .norm_rope import RMSNorm, Rope, apply_rope, rms
+from .norm_rope import RMSNorm, Rope
 from .state import LayerState, SeqBatch
 
 
@@ -67,10 +67,10 @@ class Attention(nn.Module):
         """
         B, S, _ = x.shape
         cos, sin = self.rope(positions)                                   # [B, S, rope/2]
-        qr = self.q_norm(self.wq_a(x))
-        q = rms(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)                # [B, S, D]
+        ops = self.ops                                                    # norm + rope: one kernel each
+        qr = ops.norm_rope(self.wq_a(x), None, None, self.q_norm.weight, self.q_norm.eps)
+        q = ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
+        kv = ops.norm_rope(self.wkv(x), cos, sin, self.kv_norm.weight, self.kv_norm.eps)   # [B, S, D]
 
         if state is None:
             o = self._prefill(x, qr, q, kv, positions)
@@ -80,7 +80,7 @@ class Attention(nn.Module):
                 raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
                                  f"{tuple(x.shape)} and {got}")
             o = self._cached(x, qr, q, kv, positions, state, batch)
-        o = apply_rope(o, cos.unsqueeze(2), sin.unsqueeze(2), inverse=True)
+        o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
 

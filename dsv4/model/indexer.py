@@ -19,7 +19,7 @@ from ..config import ModelConfig
 from ..kernels.ref import index_scores, index_select
 from .compressor import Compressor
 from .linear import Builder
-from .norm_rope import Rope, apply_rope
+from .norm_rope import Rope
 
 
 class Indexer(nn.Module):
@@ -30,13 +30,14 @@ class Indexer(nn.Module):
         self.wq_b = b.linear("wq_b", cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = b.linear("weights_proj", cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg, 4, self.head_dim, b.sub("compressor"))
+        self.ops = b.ops
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
                 rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         """(rotated queries [B, S, H, hd], head weights fp32 [B, S, H]) of tokens x, qr at `positions`."""
         B, S, _ = x.shape
         cos, sin = rope(positions)
-        q = apply_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos.unsqueeze(2), sin.unsqueeze(2))
+        q = self.ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:

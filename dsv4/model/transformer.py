@@ -72,9 +72,11 @@ class Block(nn.Module):
         """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token."""
         ops = self.ops
         u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
-        x = ops.hc_post(self._summed(self.attn(self.attn_norm(u), positions, state, batch)), x, post, comb)
+        u = ops.norm_rope(u, None, None, self.attn_norm.weight, self.attn_norm.eps)
+        x = ops.hc_post(self._summed(self.attn(u, positions, state, batch)), x, post, comb)
         u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
-        return ops.hc_post(self._summed(self.ffn(self.ffn_norm(u), input_ids)), x, post, comb)
+        u = ops.norm_rope(u, None, None, self.ffn_norm.weight, self.ffn_norm.eps)
+        return ops.hc_post(self._summed(self.ffn(u, input_ids)), x, post, comb)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A sub-block's output: on tensor-parallel ranks the sum of their partial outputs."""
@@ -153,7 +155,8 @@ class Transformer(nn.Module):
         """Streams [B, S, n, d] -> logits [B, S, vocab] through a HyperHead (the model's, or an MTP block's)."""
         fn, base, scale = hc or (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
         y = self.ops.hc_head(streams, fn, base, scale, self.hc_eps, self.norm_eps)
-        logits = self.head((norm or self.norm)(y))
+        norm = norm or self.norm
+        logits = self.head(self.ops.norm_rope(y, None, None, norm.weight, norm.eps))
         return logits if self.comm is None else self.comm.gather_last(logits, self.vocab_sizes)
 
     @torch.inference_mode()

@@ -243,26 +243,28 @@ class Engine:
         for slot in self.scheduler.vacated:       # slots freed by preemption: reset before anyone writes them
             self._reset(slot)
         self.scheduler.vacated.clear()
-        batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
-                         tuple(n for _, n in plan), tuple(tuple(s.page_table.pages) for s, _ in plan))
-        ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long)
+        offsets = list(itertools.accumulate((n for _, n in plan[:-1]), initial=0))
         logits = None
-        if self.driver is not None:               # every rank runs the step; a failure of any propagates
-            rows = [off + n - 1 for (s, n), off in zip(plan, batch.offsets) if s.num_pending == n]
-            logits = self.driver.step(ids, batch, rows)
-        elif self.graphs is not None and self.graphs.takes(plan):   # a decode step: one graph replay
-            try:
+        if self.driver is None and self.graphs is not None and self.graphs.takes(plan):
+            try:                                  # a decode step: one graph replay (it reads the page tables itself)
                 logits = self.graphs.run([s for s, _ in plan])
             except Exception as e:
                 return self._end_all([s for s, _ in plan], uncommitted, e)
         else:
-            ids, positions = ids.to(self.device), batch.positions(self.device)
-            try:
-                streams = self.model(ids[None], positions[None], self.cache.layers, batch)
-            except Exception as e:
-                return self._end_all([s for s, _ in plan], uncommitted, e)
+            batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
+                             tuple(n for _, n in plan), tuple(tuple(s.page_table.pages) for s, _ in plan))
+            ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long)
+            if self.driver is not None:           # every rank runs the step; a failure of any propagates
+                rows = [off + n - 1 for (s, n), off in zip(plan, offsets) if s.num_pending == n]
+                logits = self.driver.step(ids, batch, rows)
+            else:
+                ids, positions = ids.to(self.device), batch.positions(self.device)
+                try:
+                    streams = self.model(ids[None], positions[None], self.cache.layers, batch)
+                except Exception as e:
+                    return self._end_all([s for s, _ in plan], uncommitted, e)
         due = []                                   # (sequence, row of its last token): it gets a token now
-        for (seq, n), off in zip(plan, batch.offsets):
+        for (seq, n), off in zip(plan, offsets):
             seq.num_cached += n
             if seq.num_pending == 0:
                 due.append((seq, off + n - 1))

@@ -1,0 +1,44 @@
+"""The fused norm + rope kernel (`kernels.norm_rope`) under the interpreter against its reference
+(`ref.norm_rope`: `rms` / `rms_norm` then `apply_rope`), for every use the model makes of it: weighted RMSNorm rows
+(block, q and kv norms; also a width that is not a power of two), the unweighted per-head RMS then rope (queries),
+rope alone (the indexer's queries) and the inverse rope (attention's output); fp32 and bf16 rows."""
+
+import pytest
+import torch
+
+from dsv4.kernels import ref
+from dsv4.kernels.norm_rope import norm_rope
+
+CASES = [  # (shape, rotate, weighted, normalised, inverse)
+    ((2, 5, 64), False, True, True, False),        # a block's RMSNorm
+    ((1, 3, 96), False, True, True, False),        # a width that is not a power of two
+    ((2, 5, 64), True, True, True, False),         # kv: RMSNorm, then rope
+    ((1, 6, 4, 64), True, False, True, False),     # q per head: unweighted RMS, then rope
+    ((1, 6, 4, 32), True, False, False, False),    # the indexer's queries: rope only
+    ((1, 6, 4, 64), True, False, False, True),     # attention's output: the inverse rope
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, rotate, weighted, normalised, inverse", CASES)
+def test_matches_the_reference(shape, rotate, weighted, normalised, inverse, dtype):
+    g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    tokens = shape[:2]
+    angle = torch.rand(*tokens, 8, generator=g) * 6
+    cos, sin = (angle.cos(), angle.sin()) if rotate else (None, None)
+    weight = torch.rand(shape[-1], generator=g) + 0.5 if weighted else None
+    eps = 1e-6 if normalised else None
+    got = norm_rope(x, cos, sin, weight, eps, inverse)
+    want = ref.norm_rope(x, cos, sin, weight, eps, inverse)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    exact = ref.norm_rope(x.double(), None if cos is None else cos.double(), None if sin is None else sin.double(),
+                          None if weight is None else weight.double(), eps, inverse)
+    err = lambda a: float((a.double() - exact).abs().max() / exact.abs().max())  # noqa: E731
+    if dtype == torch.float32:
+        assert err(got) < 1e-6 and err(want) < 1e-6
+    else:       # both round to bf16 up to three times (the RMS factor, the normalised row, the rotation)
+        assert err(got) < 2 ** -6 and err(want) < 2 ** -6
+        assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2 ** -6
+    if not normalised and not rotate:
+        assert torch.equal(got, x)
