@@ -45,3 +45,18 @@ def test_padded_decode_steps_give_the_plain_steps_tokens():
     # the padding slot holds no sequence's state that a real one reads: slot 4's ring was written, the others'
     # rows are their own
     assert engine.cache.layers[0].window[4].abs().sum() > 0
+
+
+def test_graph_check_script_compares_the_two_modes(tmp_path):
+    """bench/graph_check.py (the GPU run's graphs-vs-eager token check) on the CPU, where it compares the padded path."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench/graph_check.py", "--model", "tiny", "--out", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "graph_check.json").read_text())
+    assert res["identical"] and len(res["per_request"]) == 6 and not res["captured"]

@@ -1,0 +1,86 @@
+"""Decode CUDA graphs against eager steps: the same greedy tokens from `Engine()` (graphs) and
+`Engine(enforce_eager=True)` on the same requests, whose decode crosses CSA and HCA window closes, page boundaries
+and batch-size buckets (requests of different lengths finish at different steps, so the batch shrinks through
+them).
+
+    python bench/graph_check.py --out DIR                       # CUDA: dummy V4-Flash dims, 4 layers
+    python bench/graph_check.py --model tiny --out DIR          # CPU: the runner's padded path without capture
+
+On the CPU no graph is captured: the engine gets the runner with capture=False (its padded static-buffer path),
+the comparison the tests make. Writes DIR/graph_check.json; exits 1 if any token differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.kernels import ops_for  # noqa: E402
+from dsv4.runtime.cache import KVCache  # noqa: E402
+from dsv4.runtime.engine import Engine  # noqa: E402
+from dsv4.runtime.graphs import DecodeGraphs  # noqa: E402
+from dsv4.runtime.params import SamplingParams  # noqa: E402
+
+
+def generate(engine: Engine, prompts: list[list[int]], new: list[int]) -> list[list[int]]:
+    seqs = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, new)]
+    while engine.has_unfinished():
+        engine.step()
+    errors = [s.tracker.error for s in seqs if s.tracker.error]
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:2]}")
+    return [list(s.tracker.token_ids) for s in seqs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="v4-flash", help="preset (v4-flash, tiny) or a config.json path")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--format", default="nvfp4-experts")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = ModelConfig.from_json(args.model) if args.model.endswith(".json") else ModelConfig.preset(args.model)
+    cfg = base.with_layers(args.layers)
+    model = dummy_model(cfg, args.format, device, dtype, ops_for(device))
+    if device.type == "cuda":
+        model.tile_weights_()
+    gen = torch.Generator().manual_seed(0)
+    lengths, new = (5, 126, 250, 31, 3, 64), (40, 9, 20, 14, 30, 6)     # decode crosses 128 and 256; 6 -> 1 rows
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    kw = dict(max_num_seqs=8, max_model_len=320, num_cache_pages=16, max_num_batched_tokens=256)
+    t = time.perf_counter()
+    eager = generate(Engine(model, enforce_eager=True, **kw), prompts, list(new))
+    graphed_engine = Engine(model, **kw)
+    if graphed_engine.graphs is None:            # the CPU: the runner's padded path, without capture
+        graphed_engine.cache = KVCache(cfg, kw["max_num_seqs"] + 1, kw["num_cache_pages"], dtype, device)
+        graphed_engine.graphs = DecodeGraphs(model, graphed_engine.cache.layers, kw["max_num_seqs"],
+                                             kw["max_model_len"], pad_slot=kw["max_num_seqs"], capture=False)
+    graphed = generate(graphed_engine, prompts, list(new))
+    same = [a == b for a, b in zip(eager, graphed)]
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(eager, graphed)]
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
+           "layers": args.layers, "format": args.format, "captured": device.type == "cuda",
+           "graph_memory": graphed_engine.graph_memory, "identical": all(same), "per_request": same,
+           "first_difference": first_diff, "seconds": time.perf_counter() - t}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph_check.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res), flush=True)
+    return 0 if res["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
