@@ -96,7 +96,8 @@ class LLM:
         pipeline_parallel_size (contiguous layer ranges) and enable_expert_parallel (routed experts partitioned over
         the TP ranks instead of split): docs/parallel.md. A layout the model cannot be split into is refused
         before anything is loaded. On a GPU, decode steps replay CUDA graphs captured at start-up (one per batch
-        size bucket up to max_num_seqs); enforce_eager=True (vLLM's name) runs them eagerly."""
+        size and length bucket up to max_num_seqs and max_model_len); enforce_eager=True (vLLM's name) runs them
+        eagerly."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
         self._group = None

@@ -33,14 +33,16 @@ def test_padded_decode_steps_give_the_plain_steps_tokens():
     engine = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=4, max_num_batched_tokens=64)
     # the CUDA layout on the CPU: one more cache slot for the padding rows, and the runner without capture
     engine.cache = KVCache(model.config, 5, 4, torch.float32)
-    engine.graphs = DecodeGraphs(model, engine.cache.layers, 4, 320, pad_slot=4, capture=False)
+    engine.graphs = DecodeGraphs(model, engine.cache.layers, 4, 320, pad_slot=4, capture=False, lengths=[128, 320])
     assert engine.graphs.buckets == [1, 2, 4]
-    runs = []
-    original = engine.graphs.run
+    runs, shapes = [], set()
+    original, forward = engine.graphs.run, engine.graphs._forward
     engine.graphs.run = lambda seqs: runs.append(len(seqs)) or original(seqs)
+    engine.graphs._forward = lambda bucket, length: shapes.add((bucket, length)) or forward(bucket, length)
     got = generate(engine, prompts)
     assert got == want
     assert {1, 2, 3, 4} <= set(runs)                   # every bucket, padded (3 -> 4) and exact
+    assert {4, 2, 1} <= {b for b, _ in shapes} and {128, 320} == {n for _, n in shapes}   # both length buckets
     assert engine.scheduler.num_preemptions > 0 and plain.scheduler.num_preemptions > 0
     # the padding slot holds no sequence's state that a real one reads: slot 4's ring was written, the others'
     # rows are their own
@@ -60,3 +62,10 @@ def test_graph_check_script_compares_the_two_modes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "graph_check.json").read_text())
     assert res["identical"] and len(res["per_request"]) == 6 and not res["captured"]
+
+
+def test_length_buckets_grow_by_four_up_to_max_model_len():
+    from dsv4.runtime.graphs import length_buckets
+    assert length_buckets(320) == [320]
+    assert length_buckets(65536) == [4096, 16384, 65536]
+    assert length_buckets(100_000) == [4096, 16384, 65536, 100_000]

@@ -1,7 +1,9 @@
 """Decode steps as CUDA graph replays: embedding, every layer, the head and its logits in one launch.
 
 A decode step (every scheduled sequence feeds one token) of b sequences runs the graph captured for the smallest
-bucket B >= b (1, 2, 4, ... 256, and max_num_seqs). The graph reads static device buffers, filled in place before
+batch bucket B >= b (1, 2, 4, ... 256, and max_num_seqs) and the smallest length bucket L (4K, 16K, 64K, ... and
+max_model_len) that holds every sequence's positions: the indexer scores and sorts rows of L / 4 keys and attention
+splits its keys by L, so a short sequence does not pay for the longest one the engine allows. The graph reads static device buffers, filled in place before
 each replay: token ids, positions and cache slots (one pinned host buffer, one non-blocking copy); its step's page
 tables are gathered inside the graph from a device table of every slot's pages, which is written only when a
 sequence's pages change (every PAGE_TOKENS positions). Rows b..B-1 are padding: token 0 at position 0 in the
@@ -28,24 +30,35 @@ from .sequence import Sequence
 log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+FIRST_LENGTH, LENGTH_STEP = 4096, 4           # length buckets: 4K, 16K, 64K, ... then max_model_len
+
+
+def length_buckets(max_model_len: int) -> list[int]:
+    out, n = [], FIRST_LENGTH
+    while n < max_model_len:
+        out.append(n)
+        n *= LENGTH_STEP
+    return out + [max_model_len]
 
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, layers: list[LayerState], max_num_seqs: int, max_model_len: int,
-                 pad_slot: int, capture: bool = True):
-        """`layers`: the cache's layer states, whose slot `pad_slot` no sequence holds."""
+                 pad_slot: int, capture: bool = True, lengths: list[int] | None = None):
+        """`layers`: the cache's layer states, whose slot `pad_slot` no sequence holds. `lengths`: the length
+        buckets (by default `length_buckets(max_model_len)`)."""
         self.model, self.layers, self.pad_slot = model, layers, pad_slot
         self.device = model.embed.weight.device
         self.max_model_len = max_model_len
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {max_num_seqs})
+        self.lengths = sorted(lengths or length_buckets(max_model_len))
         width, largest = pages_for(max_model_len), self.buckets[-1]
         self.tables = torch.zeros(pad_slot + 1, width, dtype=torch.int32, device=self.device)
         self._rows: dict[int, tuple[int, int]] = {}       # slot -> (id of its sequence, pages on the device)
         pin = self.device.type == "cuda"
         self.host = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pin)   # token ids, positions, slots
         self.inputs = torch.zeros(3, largest, dtype=torch.int64, device=self.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # by (batch, length) bucket
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.memory = 0                                   # bytes the captured graphs hold
         if capture and self.device.type == "cuda":
             self._capture()
@@ -67,6 +80,8 @@ class DecodeGraphs:
         """Logits [len(seqs), vocab rows] of the next token of each sequence, which feeds its one pending token."""
         b = len(seqs)
         bucket = next(x for x in self.buckets if x >= b)
+        longest = max(s.num_cached for s in seqs) + 1
+        length = next((x for x in self.lengths if x >= longest), self.lengths[-1])
         for seq in seqs:
             self._sync_pages(seq)
         host = self.host
@@ -77,10 +92,10 @@ class DecodeGraphs:
         host[1, :b] = torch.tensor([s.num_cached for s in seqs])
         host[2, :b] = torch.tensor([s.slot for s in seqs])
         self.inputs[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
-        if bucket in self.graphs:
-            self.graphs[bucket].replay()
-            return self.outputs[bucket][:b]
-        return self._forward(bucket)[:b]
+        if (bucket, length) in self.graphs:
+            self.graphs[bucket, length].replay()
+            return self.outputs[bucket, length][:b]
+        return self._forward(bucket, length)[:b]
 
     def _sync_pages(self, seq: Sequence) -> None:
         pages = seq.page_table.pages
@@ -90,33 +105,35 @@ class DecodeGraphs:
         self.tables[seq.slot, :len(pages)].copy_(row)
         self._rows[seq.slot] = (id(seq), len(pages))
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        """The padded step of the static inputs' first `bucket` rows -> logits [bucket, vocab rows]."""
+    def _forward(self, bucket: int, length: int) -> torch.Tensor:
+        """The padded step of the static inputs' first `bucket` rows, sequences of at most `length` positions ->
+        logits [bucket, vocab rows]."""
         ids, pos, slot = self.inputs[0, :bucket], self.inputs[1, :bucket], self.inputs[2, :bucket]
         row = torch.arange(bucket, dtype=torch.int32, device=self.device)
         pos32, slot32 = pos.to(torch.int32), slot.to(torch.int32)
         steps = StepTokens(seq=row, pos=pos32, slot=slot32, start=pos32, first=row, pages=self.tables[slot])
         batch = SeqBatch(tuple(range(bucket)), (0,) * bucket, (1,) * bucket, tokens=steps,
-                         end_bound=self.max_model_len)
+                         end_bound=length)
         streams = self.model(ids[None], pos[None], self.layers, batch)
         return self.model.head_logits(streams)[0]
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """One graph per bucket, the largest first, all in one memory pool; a warm-up run on the padding slot
-        before each capture compiles and plans its kernels."""
+        """One graph per (batch, length) bucket, the largest first, all in one memory pool; a warm-up run on the
+        padding slot before each capture compiles and plans its kernels."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.inputs[2].fill_(self.pad_slot)
         pool = None
-        for bucket in reversed(self.buckets):
-            self._forward(bucket)
+        for key in sorted(((b, n) for b in self.buckets for n in self.lengths), reverse=True):
+            self._forward(*key)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._forward(bucket)
+                out = self._forward(*key)
             pool = graph.pool()
-            self.graphs[bucket], self.outputs[bucket] = graph, out
+            self.graphs[key], self.outputs[key] = graph, out
         torch.cuda.synchronize(self.device)
         self.memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        log.info("captured decode CUDA graphs for batch sizes %s (%.2f GiB)", self.buckets, self.memory / 2**30)
+        log.info("captured decode CUDA graphs for batch sizes %s x lengths %s (%.2f GiB)", self.buckets, self.lengths,
+                 self.memory / 2**30)
