@@ -50,7 +50,7 @@ def test_padded_decode_steps_give_the_plain_steps_tokens():
 
 
 def test_graph_check_script_compares_the_two_modes(tmp_path):
-    """bench/graph_check.py (the GPU run's graphs-vs-eager token check) on the CPU, where it compares the padded path."""
+    """bench/graph_check.py (the GPU run's graphs-vs-eager token check) on the CPU: the padded path."""
     import json
     import subprocess
     import sys

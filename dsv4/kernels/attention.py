@@ -13,11 +13,11 @@ Inputs (N tokens of B sequences; D = head_dim, W = window, E entries per page):
 A program takes one token and BH heads: every key row it loads serves all BH heads (MQA), so a decode step reads
 each sequence's rows H / BH times, not H times. When the step has too few (token, head block) programs to fill the
 GPU (a small decode batch), the keys are split too (flash-decoding): program s = 0 takes the window, programs
-1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum)
-in a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding positions in
-(p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys score -inf.
-The sink joins only the denominator. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16 on the
-GPU; fp32 in the interpreter, whose bf16 dot is wrong).
+1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum) in
+a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding
+positions in (p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys
+score -inf. The sink joins only the denominator. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16
+on the GPU; fp32 in the interpreter, whose bf16 dot is wrong).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ over the keys each token's sequence has emitted, read through its page table, th
     scores   [N, max_keys]  fp32: scale * sum_h weights[h] relu(q[h] . key_j) for j < (pos + 1) // ratio,
                             -inf beyond
 
-Program (token t, block of BT keys): the token's H x hd queries (H padded to a power of two >= 16) against BT keys in one dot (all heads share each
-key row). max_keys, the width of the score rows, is a host bound on any sequence's keys, so the launch has no
-data-dependent shape. The picks are `torch.topk` of each row (k = min(topk, max_keys)); picks past a token's
-visible keys (-inf scores) become -1, and the rows are padded with -1 to topk columns.
+Program (token t, block of BT keys): the token's H x hd queries (H padded to a power of two >= 16) against BT keys
+in one dot (all heads share each key row). max_keys, the width of the score rows, is a host bound on any sequence's
+keys, so the launch has no data-dependent shape. The picks are `torch.topk` of each row (k = min(topk, max_keys));
+picks past a token's visible keys (-inf scores) become -1, and the rows are padded with -1 to topk columns.
 """
 
 from __future__ import annotations

@@ -3,13 +3,14 @@
 A decode step (every scheduled sequence feeds one token) of b sequences runs the graph captured for the smallest
 batch bucket B >= b (1, 2, 4, ... 256, and max_num_seqs) and the smallest length bucket L (4K, 16K, 64K, ... and
 max_model_len) that holds every sequence's positions: the indexer scores and sorts rows of L / 4 keys and attention
-splits its keys by L, so a short sequence does not pay for the longest one the engine allows. The graph reads static device buffers, filled in place before
-each replay: token ids, positions and cache slots (one pinned host buffer, one non-blocking copy); its step's page
-tables are gathered inside the graph from a device table of every slot's pages, which is written only when a
-sequence's pages change (every PAGE_TOKENS positions). Rows b..B-1 are padding: token 0 at position 0 in the
-cache's padding slot (a slot no sequence holds), where no compressed window closes and nothing a real sequence reads
-is written. Kernel plans are made at capture (a warm-up run per bucket on the padding slot first); every launch of
-the step is then on the device, with no host synchronization until the caller reads the sampled tokens.
+splits its keys by L, so a short sequence does not pay for the longest one the engine allows. The graph reads static
+device buffers, filled in place before each replay: token ids, positions and cache slots (one pinned host buffer,
+one non-blocking copy); its step's page tables are gathered inside the graph from a device table of every slot's
+pages, which is written only when a sequence's pages change (every PAGE_TOKENS positions). Rows b..B-1 are padding:
+token 0 at position 0 in the cache's padding slot (a slot no sequence holds), where no compressed window closes and
+nothing a real sequence reads is written. Kernel plans are made at capture (a warm-up run per bucket on the padding
+slot first); every launch of the step is then on the device, with no host synchronization until the caller reads the
+sampled tokens.
 
 Without capture (`capture=False`, and everywhere but CUDA) `run` executes the same padded static-buffer step
 eagerly: the path the tests compare against the engine's plain step on the CPU.
