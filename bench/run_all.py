@@ -222,6 +222,79 @@ def attention_and_mhc(run: Run, record) -> None:
     y = run.ops.hc_head(x, fn[:n], base[:n], scale[:1], 1e-6, 1e-6)
     record(f"mhc hc_head T={T} d={d}", rel_err(y, ref.hc_head(x.float(), fn[:n], base[:n], scale[:1], 1e-6, 1e-6)),
            1e-2, written=bool(torch.isfinite(y).all()))
+    compressor_indexer_norms(run, record, starts, lengths, page_tokens)
+
+
+def compressor_indexer_norms(run: Run, record, starts, lengths, page_tokens) -> None:
+    """The compressor, indexer, ring and norm / rope kernels at V4's shapes (CSA 2 x 512 wide, HCA 512, the indexer's
+    compressor 2 x 128; 64 index heads of 128, top-512; rows of 512 and 4096) against their references on fp32
+    copies: the entries and open / Ca state one ragged step leaves, the picks (as sets: a bf16 dot may swap
+    near-tied keys), the rings (exact)."""
+    from dsv4.kernels.steps import StepTokens
+    from dsv4.model.state import CompressorState
+    dev, gen = run.device, run.gen
+    B, N = len(starts), sum(lengths)
+    per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
+    perm = torch.randperm(sum(per_seq) + 3).tolist()
+    pages, o = [], 0
+    for n in per_seq:
+        pages.append(tuple(perm[o:o + n]))
+        o += n
+    steps = StepTokens.build(tuple(range(1, B + 1)), starts, lengths, pages, dev)
+    for ratio, hd in ((4, 32), (128, 32), (4, 16)) if run.toy else ((4, 512), (128, 512), (4, 128)):
+        width = hd * (2 if ratio == 4 else 1)
+        state = CompressorState(
+            torch.randn(B + 1, ratio, width, device=dev, generator=gen).bfloat16(),
+            torch.randn(B + 1, ratio, width, device=dev, generator=gen),
+            torch.randn(B + 1, ratio, hd, device=dev, generator=gen).bfloat16() if ratio == 4 else None,
+            torch.randn(B + 1, ratio, hd, device=dev, generator=gen) if ratio == 4 else None,
+            torch.zeros(len(perm), page_tokens // ratio, hd, device=dev, dtype=torch.bfloat16))
+        theirs = CompressorState(*(None if getattr(state, f) is None else getattr(state, f).float().clone()
+                                   for f in ("open_kv", "open_score", "prev_kv", "prev_score", "entries")))
+        kv = torch.randn(N, width, device=dev, generator=gen).bfloat16()
+        score = torch.randn(N, width, device=dev, generator=gen) * 2
+        angle = torch.rand(N, 4 if run.toy else 32, device=dev, generator=gen) * 6     # the rope's 64 channels
+        weight = torch.rand(hd, device=dev, generator=gen) + 0.5
+        run.ops.compress(kv, score, steps, state, ratio, angle.cos(), angle.sin(), weight, 1e-6,
+                         -(-max(lengths) // ratio))
+        ref.compress(kv.float(), score, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        closing = sum((s + n) // ratio - s // ratio for s, n in zip(starts, lengths))
+        written = int((state.entries.abs().sum(-1) > 0).sum())
+        record(f"compress ratio {ratio} hd {hd}: {written} entries of steps {lengths} at {starts}",
+               rel_err(state.entries, theirs.entries) if closing else 0.0, 1e-2,
+               exact=torch.equal(state.open_score, theirs.open_score), written=written == closing)
+        if ratio == 4:
+            record(f"compress ratio 4 hd {hd}: the Ca half kept", rel_err(state.prev_kv, theirs.prev_kv), 1e-2,
+                   exact=torch.equal(state.prev_score, theirs.prev_score))
+    Hi, hdi, topk = (4, 16, 5) if run.toy else (64, 128, 512)
+    q = torch.randn(N, Hi, hdi, device=dev, generator=gen).bfloat16()
+    w = torch.randn(N, Hi, device=dev, generator=gen)
+    keys = torch.randn(len(perm), page_tokens // 4, hdi, device=dev, generator=gen).bfloat16()
+    bound = max((s + n) // 4 for s, n in zip(starts, lengths))
+    got = run.ops.index_picks(q, w, keys, steps, topk, 4, hdi ** -0.5, bound)
+    want = ref.index_picks(q.float(), w, keys.float(), steps, topk, 4, hdi ** -0.5)
+    same = sum(len(set(a.tolist()) & set(b.tolist()) - {-1}) for a, b in zip(got, want))
+    valid = int((want >= 0).sum())
+    record(f"index picks H={Hi} hd={hdi} top-{topk}: share of the reference's {valid} picks missed",
+           1 - same / max(valid, 1), 2e-2, exact=torch.equal((got >= 0).sum(1), (want >= 0).sum(1)))
+    D, W = (32, 16) if run.toy else (512, 128)
+    ring = torch.randn(B + 1, W, D, device=dev, generator=gen).bfloat16()
+    theirs_ring = ring.clone()
+    rows = torch.randn(N, D, device=dev, generator=gen).bfloat16()
+    run.ops.write_ring(ring, rows, steps)
+    ref.write_ring(theirs_ring, rows, steps)
+    record(f"write_ring W={W} D={D}", 0.0, 0.0, exact=torch.equal(ring, theirs_ring))
+    H = 4 if run.toy else 64
+    angle = torch.rand(N, 32 if not run.toy else 8, device=dev, generator=gen) * 6
+    x = torch.randn(N, H, D, device=dev, generator=gen).bfloat16()
+    got = run.ops.norm_rope(x, angle.cos(), angle.sin(), None, 1e-6)
+    record(f"norm_rope q rows H={H} D={D}", rel_err(got, ref.norm_rope(x.float(), angle.cos(), angle.sin(), None,
+                                                                         1e-6)), 1e-2)
+    d = 64 if run.toy else 4096
+    x = torch.randn(N, d, device=dev, generator=gen).bfloat16()
+    weight = torch.rand(d, device=dev, generator=gen) + 0.5
+    got = run.ops.norm_rope(x, None, None, weight, 1e-6)
+    record(f"norm_rope RMSNorm d={d}", rel_err(got, ref.norm_rope(x.float(), None, None, weight, 1e-6)), 1e-2)
 
 
 def correctness(run: Run):

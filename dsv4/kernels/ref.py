@@ -210,7 +210,8 @@ def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ra
         w = k.shape[0] // m
         if w:
             win_k, win_s = k[:w * m].unflatten(0, (w, m))[None], s[:w * m].unflatten(0, (w, m))[None]
-            prev = (state.prev_kv[slot:slot + 1], state.prev_score[slot:slot + 1]) if overlap else None
+            # the Ca half of the window before: none for the sequence's first window (whatever the state holds)
+            prev = (state.prev_kv[slot:slot + 1], state.prev_score[slot:slot + 1]) if overlap and j0 else None
             j = torch.arange(j0, j0 + w, device=kv.device)
             close = first + (j + 1) * m - 1 - start            # the step token that closes window j
             new = compress_finish(compress_pool(win_k, win_s, prev, overlap, hd)[0], cos[close], sin[close],
