@@ -79,7 +79,7 @@ class Attention(nn.Module):
                 got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
                 raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
                                  f"{tuple(x.shape)} and {got}")
-            o = self._cached(x, qr, q, kv, positions, state, batch)
+            o = self._cached(x, qr, q, kv, positions, (cos, sin), state, batch)
         o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
@@ -95,21 +95,22 @@ class Attention(nn.Module):
             kv, bias = torch.cat((kv, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
-    def _cached(self, x, qr, q, kv, positions, state: LayerState, batch: SeqBatch) -> torch.Tensor:
+    def _cached(self, x, qr, q, kv, positions, rope: tuple[torch.Tensor, torch.Tensor], state: LayerState,
+                batch: SeqBatch) -> torch.Tensor:
         """The compressors and the indexer's picks for every sequence at once (`ops.compress`, `ops.index_picks`),
         then attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows
-        and the paged entries; then the rings."""
+        and the paged entries; then the rings. `rope`: (cos, sin) at the tokens' positions."""
         batch = batch.on(x.device)
         steps = batch.tokens
         entries = picks = None
         if self.compressor is not None:
-            batch.check_pages(state.compressor.entries.shape[1], self.ratio)
-            self._compress(self.compressor, state.compressor, x, positions, batch)
+            window = self.compressor.window_rope(positions, self.rope)     # both compressors' (CSA: ratio 4)
+            self._compress(self.compressor, state.compressor, x, positions, window, batch)
             entries = state.compressor.entries
             if self.indexer is not None:
                 ix = self.indexer
-                self._compress(ix.compressor, state.indexer, x, positions, batch)
-                iq, iw = ix.queries(x, qr, positions, self.rope)
+                self._compress(ix.compressor, state.indexer, x, positions, window, batch)
+                iq, iw = ix.queries(x, qr, *rope)
                 picks = self.ops.index_picks(iq[0], iw[0], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4))
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
@@ -117,8 +118,8 @@ class Attention(nn.Module):
         self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
 
-    def _compress(self, compressor: Compressor, cstate, x, positions, batch: SeqBatch) -> None:
+    def _compress(self, compressor: Compressor, cstate, x, positions, window, batch: SeqBatch) -> None:
         kv, score = compressor.project(x, positions)
-        cos, sin = compressor.window_rope(positions, self.rope)
+        cos, sin = window
         self.ops.compress(kv[0], score[0], batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
-                          compressor.norm.weight, compressor.norm.eps, -(-max(batch.lengths) // compressor.ratio))
+                          compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio))

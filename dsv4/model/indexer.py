@@ -32,16 +32,16 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, 4, self.head_dim, b.sub("compressor"))
         self.ops = b.ops
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
-                rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rotated queries [B, S, H, hd], head weights fp32 [B, S, H]) of tokens x, qr at `positions`."""
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotated queries [B, S, H, hd], head weights fp32 [B, S, H]) of tokens x, qr whose positions' rope is
+        cos / sin [B, S, rope / 2] (the layer's, which attention computed)."""
         B, S, _ = x.shape
-        cos, sin = rope(positions)
         q = self.ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Picks [B, S, k] of a fresh prefill (keys from this chunk only) for queries at `positions`."""
         keys = self.compressor(x, positions, rope)
-        q, w = self.queries(x, qr, positions, rope)
+        q, w = self.queries(x, qr, *rope(positions))
         return index_select(index_scores(q, w, keys, self.scale), positions, self.topk, self.compressor.ratio)

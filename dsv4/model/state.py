@@ -20,6 +20,7 @@ columns as device tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
@@ -89,9 +90,19 @@ class SeqBatch:
                                  f"entries of ratio {ratio}; position {start + n - 1} needs entry "
                                  f"{(start + n) // ratio - 1}")
 
+    @cached_property
+    def max_length(self) -> int:
+        """The most tokens any sequence feeds in the step."""
+        return max(self.lengths)
+
+    @cached_property
+    def max_end(self) -> int:
+        """The most tokens any sequence holds after the step (or `end_bound`, where given)."""
+        return self.end_bound or max(s + n for s, n in zip(self.starts, self.lengths))
+
     def key_bound(self, ratio: int) -> int:
         """The most compressed entries of ratio `ratio` any sequence holds after the step (or `end_bound` allows)."""
-        return (self.end_bound or max(s + n for s, n in zip(self.starts, self.lengths))) // ratio
+        return self.max_end // ratio
 
     @property
     def offsets(self) -> tuple[int, ...]:

@@ -141,6 +141,9 @@ class Transformer(nn.Module):
             raise ValueError(f"{len(states)} layer states for a model of {len(self.stage)} layers")
         if batch is not None:
             batch = batch.on(input_ids.device)
+            first = next((s.compressor for s in states or () if s.compressor is not None), None)
+            if first is not None:      # once a step: every compressed layer's pages cover the same positions
+                batch.check_pages(first.entries.shape[1], first.open_kv.shape[1])
         x = streams
         if x is None:
             h = self.embed(input_ids)
