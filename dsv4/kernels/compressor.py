@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_rope import norm_rope_row
 from .steps import StepTokens
 
 
@@ -128,15 +129,10 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
             acc, mx, den = _pool_rows(acc, mx, den, T, S, slot, start, first, j * M + r, r, r < 0, off + d, L)
         dtype = T.entries.dtype.element_ty
         h = (acc / den).to(dtype).to(tl.float32)                 # the pooled entry, rounded as the reference's
-        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / HD + eps)
-        h = (tl.load(T.weight + d) * h).to(dtype).to(tl.float32)
-        # the rope at position j m on the trailing HALF_ROPE pairs (2i, 2i + 1); the other pairs keep their values
-        a, c = tl.split(tl.reshape(h, [HD // 2, 2]))
-        i = tl.arange(0, HD // 2) - (HD // 2 - HALF_ROPE)
-        tok = (first + (j + 1) * M - 1 - start).to(tl.int64)    # the step token that closes window j
-        cos = tl.load(T.cos + tok * S.rope_t + i, mask=i >= 0, other=1.0)
-        sin = tl.load(T.sin + tok * S.rope_t + i, mask=i >= 0, other=0.0)
-        out = tl.reshape(tl.join(a * cos - c * sin, c * cos + a * sin), [HD])
+        # RMSNorm, then the rope at position j m (the angles of the step token that closes window j)
+        tok = (first + (j + 1) * M - 1 - start).to(tl.int64)
+        out = norm_rope_row(h, d, d < HD, T.weight, T.cos + tok * S.rope_t, T.sin + tok * S.rope_t, eps, dtype,
+                            HD, HD, 2, HALF_ROPE, False)
         page = tl.load(steps.pages + b * S.pages_seq + j // E).to(tl.int64)
         tl.store(T.entries + (page * E + j % E) * HD + d, out.to(dtype))
 

@@ -31,31 +31,40 @@ class Shape(NamedTuple):
 
 
 @triton.jit
-def _norm_rope_kernel(x, out, weight, cos, sin, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
-    D: tl.constexpr = L.D
-    BD: tl.constexpr = L.BD
-    HALF_ROPE: tl.constexpr = L.HALF_ROPE
-    r = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BD)
-    dmask = d < D
-    dtype = out.dtype.element_ty
-    v = tl.load(x + r * x_r + d, mask=dmask, other=0.0).to(tl.float32)
-    if L.NORM == 1:
+def norm_rope_row(v, d, dmask, weight, cos, sin, eps, dtype, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
+                  HALF_ROPE: tl.constexpr, INVERSE: tl.constexpr):
+    """One row v fp32 [BD] (channels d, the first D real) normalised and rotated as the module docstring says, with
+    the reference's roundings to `dtype`; cos / sin point at the row's token's HALF_ROPE angles. -> fp32 [BD]."""
+    if NORM == 1:
         f = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps).to(dtype).to(tl.float32)
         v = (v * f).to(dtype).to(tl.float32)
-    if L.NORM == 2:
+    if NORM == 2:
         v = v * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
         v = (tl.load(weight + d, mask=dmask, other=0.0) * v).to(dtype).to(tl.float32)
     if HALF_ROPE > 0:
         a, b = tl.split(tl.reshape(v, [BD // 2, 2]))
         i = tl.arange(0, BD // 2) - (D // 2 - HALF_ROPE)
         rot = (i >= 0) & (i < HALF_ROPE)
-        t = r // heads
-        c = tl.load(cos + t * rope_r + i, mask=rot, other=1.0)
-        s = tl.load(sin + t * rope_r + i, mask=rot, other=0.0)
-        if L.INVERSE:
+        c = tl.load(cos + i, mask=rot, other=1.0)
+        s = tl.load(sin + i, mask=rot, other=0.0)
+        if INVERSE:
             s = -s
         v = tl.reshape(tl.join(a * c - b * s, b * c + a * s), [BD])
+    return v
+
+
+@triton.jit
+def _norm_rope_kernel(x, out, weight, cos, sin, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
+    D: tl.constexpr = L.D
+    BD: tl.constexpr = L.BD
+    r = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    dtype = out.dtype.element_ty
+    v = tl.load(x + r * x_r + d, mask=dmask, other=0.0).to(tl.float32)
+    t = r // heads
+    v = norm_rope_row(v, d, dmask, weight, cos + t * rope_r, sin + t * rope_r, eps, dtype, D, BD, L.NORM,
+                      L.HALF_ROPE, L.INVERSE)
     tl.store(out + r * out_r + d, v.to(dtype), mask=dmask)
 
 
