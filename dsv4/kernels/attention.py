@@ -251,15 +251,21 @@ def attention_split(programs: int, entries: int, sms: int) -> int:
 
 
 @triton.jit
+def sequence_tokens(steps, N, B, b):
+    """(slot as int64, start, first token, token count) of sequence b of a step of N tokens in B sequences."""
+    slot = tl.load(steps.slot + b).to(tl.int64)
+    first = tl.load(steps.first + b)
+    nxt = tl.load(steps.first + b + 1, mask=b + 1 < B, other=N)
+    return slot, tl.load(steps.start + b), first, nxt - first
+
+
+@triton.jit
 def _write_ring_kernel(ring, kv, steps, N, B, ring_slot, kv_t, W: tl.constexpr, D: tl.constexpr):
     """Token t's row into its slot's ring at row pos mod W, if it is among its sequence's last W of the step."""
     t = tl.program_id(0)
-    b = tl.load(steps.seq + t)
     p = tl.load(steps.pos + t)
-    first = tl.load(steps.first + b)
-    n = tl.load(steps.first + b + 1, mask=b + 1 < B, other=N) - first
-    if p >= tl.load(steps.start + b) + n - W:
-        slot = tl.load(steps.slot + b).to(tl.int64)
+    slot, start, _, n = sequence_tokens(steps, N, B, tl.load(steps.seq + t))
+    if p >= start + n - W:
         d = tl.arange(0, D)
         tl.store(ring + slot * ring_slot + (p % W) * D + d, tl.load(kv + t.to(tl.int64) * kv_t + d))
 

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import sequence_tokens
 from .norm_rope import norm_rope_row
 from .steps import StepTokens
 
@@ -63,16 +64,6 @@ class Shape(NamedTuple):
 
 
 @triton.jit
-def _tokens(steps, N, b):
-    """(slot, start, first token, token count) of sequence b."""
-    slot = tl.load(steps.slot + b).to(tl.int64)
-    start = tl.load(steps.start + b)
-    first = tl.load(steps.first + b)
-    nxt = tl.load(steps.first + b + 1, mask=b + 1 < tl.num_programs(0), other=N)
-    return slot, start, first, nxt - first
-
-
-@triton.jit
 def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L: tl.constexpr):
     """Rows at positions `pos` [RB] (row r of their window), channels ch [HD] of the row layout, into the running
     per-channel softmax: from the step (pos >= start), else from prev (prev_rows: the window closed before the step),
@@ -108,7 +99,7 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
     E: tl.constexpr = L.E
     HALF_ROPE: tl.constexpr = L.HALF_ROPE
     b = tl.program_id(0)
-    slot, start, first, n = _tokens(steps, N, b)
+    slot, start, first, n = sequence_tokens(steps, N, tl.num_programs(0), b)
     j = start // M + tl.program_id(1)
     if (j + 1) * M <= start + n:
         d = tl.arange(0, HD)
@@ -145,7 +136,7 @@ def _state_kernel(T, steps, S, N, L: tl.constexpr):
     RB: tl.constexpr = L.RB
     WB: tl.constexpr = L.WB
     b = tl.program_id(0)
-    slot, start, first, n = _tokens(steps, N, b)
+    slot, start, first, n = sequence_tokens(steps, N, tl.num_programs(0), b)
     end = start + n
     if L.OVERLAP:       # the Ca half of the last window that closed feeds the next entry
         jc = end // M - 1

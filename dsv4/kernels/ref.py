@@ -201,9 +201,7 @@ def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ra
     overlap = state.prev_kv is not None
     hd, per_page = state.entries.shape[-1], state.entries.shape[1]
     m = ratio
-    slots, starts, firsts = steps.slot.tolist(), steps.start.tolist(), steps.first.tolist()
-    counts = torch.bincount(steps.seq.long(), minlength=len(slots)).tolist()
-    for b, (slot, start, first, n) in enumerate(zip(slots, starts, firsts, counts)):
+    for b, (slot, start, first, n) in enumerate(steps.spans()):
         held, j0 = start % m, start // m                   # rows of the open window already in the state
         k = torch.cat((state.open_kv[slot, :held], kv[first:first + n]))
         s = torch.cat((state.open_score[slot, :held], score[first:first + n]))
@@ -252,9 +250,7 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
     of any sequence (the kernel sizes its score rows by it; unused here)."""
     per_page = entries.shape[1]
     picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    starts, firsts = steps.start.tolist(), steps.first.tolist()
-    counts = torch.bincount(steps.seq.long(), minlength=len(starts)).tolist()
-    for b, (start, first, n) in enumerate(zip(starts, firsts, counts)):
+    for b, (_, start, first, n) in enumerate(steps.spans()):
         tok = slice(first, first + n)
         count = (start + n) // ratio
         used = steps.pages[b, :-(-count // per_page)].long()
@@ -323,9 +319,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]. max_entries:
     a bound on the entries any token sees (the kernel's key split; unused here)."""
     W, out = ring.shape[1], []
-    slots, starts, firsts = steps.slot.tolist(), steps.start.tolist(), steps.first.tolist()
-    counts = torch.bincount(steps.seq.long(), minlength=len(slots)).tolist()
-    for b, (slot, start, first, n) in enumerate(zip(slots, starts, firsts, counts)):
+    for b, (slot, start, first, n) in enumerate(steps.spans()):
         tok = slice(first, first + n)
         pos = steps.pos[tok].long()
         keys = torch.cat((ring[slot], kv[tok]))

@@ -17,6 +17,12 @@ class StepTokens(NamedTuple):
     first: torch.Tensor        # [B] its first token's index in the step
     pages: torch.Tensor        # [B, max pages] its page table (rows padded with 0)
 
+    def spans(self) -> list[tuple[int, int, int, int]]:
+        """(slot, start, first token, token count) of each sequence, on the host (one synchronisation): what the
+        references loop over."""
+        counts = torch.bincount(self.seq.long(), minlength=self.slot.shape[0]).tolist()
+        return list(zip(self.slot.tolist(), self.start.tolist(), self.first.tolist(), counts))
+
     @classmethod
     def build(cls, slots, starts, lengths, pages, device) -> "StepTokens":
         """From a step's host columns (a `SeqBatch`'s slots, starts, lengths and page tables)."""
