@@ -173,10 +173,10 @@ def attention_and_mhc(run: Run, record) -> None:
     positions; 4 streams of 4096) against their references on fp32 copies of the same inputs: ragged steps of decode
     tokens and a prefill chunk, CSA picks with -1 padding, HCA entries, pages in scrambled order."""
     from dsv4.kernels.steps import StepTokens
+    from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
     dev, gen = run.device, run.gen
     H, D, W, topk, d = (4, 32, 16, 5, 64) if run.toy else (64, 512, 128, 512, 4096)
-    page_tokens = 256                                      # PAGE_TOKENS
-    starts, lengths = ((7, 60, 0, 33), (1, 1, 20, 1)) if run.toy else ((8191, 1000, 70000, 129), (1, 1, 256, 1))
+    starts, lengths = ragged_step(run)
     B, N = len(starts), sum(lengths)
     for ratio in (0, 4, 128):
         E = page_tokens // ratio if ratio else 1
@@ -222,17 +222,23 @@ def attention_and_mhc(run: Run, record) -> None:
     y = run.ops.hc_head(x, fn[:n], base[:n], scale[:1], 1e-6, 1e-6)
     record(f"mhc hc_head T={T} d={d}", rel_err(y, ref.hc_head(x.float(), fn[:n], base[:n], scale[:1], 1e-6, 1e-6)),
            1e-2, written=bool(torch.isfinite(y).all()))
-    compressor_indexer_norms(run, record, starts, lengths, page_tokens)
 
 
-def compressor_indexer_norms(run: Run, record, starts, lengths, page_tokens) -> None:
+def ragged_step(run: Run) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(starts, lengths) of the checks' step: decode tokens deep into a sequence and a 256-token prefill chunk."""
+    return ((7, 60, 0, 33), (1, 1, 20, 1)) if run.toy else ((8191, 1000, 70000, 129), (1, 1, 256, 1))
+
+
+def compressor_indexer_norms(run: Run, record) -> None:
     """The compressor, indexer, ring and norm / rope kernels at V4's shapes (CSA 2 x 512 wide, HCA 512, the indexer's
     compressor 2 x 128; 64 index heads of 128, top-512; rows of 512 and 4096) against their references on fp32
     copies: the entries and open / Ca state one ragged step leaves, the picks (as sets: a bf16 dot may swap
     near-tied keys), the rings (exact)."""
     from dsv4.kernels.steps import StepTokens
     from dsv4.model.state import CompressorState
+    from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
     dev, gen = run.device, run.gen
+    starts, lengths = ragged_step(run)
     B, N = len(starts), sum(lengths)
     per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
     perm = torch.randperm(sum(per_seq) + 3).tolist()
@@ -312,6 +318,7 @@ def correctness(run: Run):
               flush=True)
 
     attention_and_mhc(run, record)
+    compressor_indexer_norms(run, record)
     sh = run.models[0] if run.toy else FLASH
     big = run.models[-1]
     # dense linears: formats x shapes x M, bf16 activations, NaN-poisoned outputs

@@ -12,9 +12,9 @@ from dsv4.kernels.ref import swiglu
 from dsv4.model import Builder, LinearFormat, QLinear, build_model
 from dsv4.model.compressor import Compressor
 from dsv4.model.indexer import Indexer
-from dsv4.kernels.ref import hc_head, hc_post, hc_pre
+from dsv4.kernels.ref import apply_rope, hc_head, hc_post, hc_pre
 from dsv4.model.moe import Experts
-from dsv4.model.norm_rope import Rope, apply_rope
+from dsv4.model.norm_rope import Rope
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf  # noqa: E402

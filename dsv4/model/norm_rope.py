@@ -1,4 +1,5 @@
-"""RMS normalisations and V4's rotary embedding (interleaved pairs on the trailing channels, per-layer rope).
+"""The weighted RMSNorm module and V4's rotary embedding (interleaved pairs on the trailing channels, per-layer rope);
+the math of both (`rms_norm`, `apply_rope`) is in `kernels.ref`, and the model applies them through `Ops.norm_rope`.
 
 Sliding-only layers use the main rope (theta = rope_theta, no scaling); CSA/HCA layers use the compress
 rope (theta = compress_rope_theta with YaRN) for every rotation in the layer. YaRN here changes only the
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kernels.ref import apply_rope, rms, rms_norm  # noqa: F401  (the math lives with the kernels' references)
+from ..kernels.ref import rms_norm
 
 
 class RMSNorm(nn.Module):
