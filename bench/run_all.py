@@ -258,12 +258,13 @@ def compressor_indexer_norms(run: Run, record) -> None:
         theirs = CompressorState(*(None if getattr(state, f) is None else getattr(state, f).float().clone()
                                    for f in ("open_kv", "open_score", "prev_kv", "prev_score", "entries")))
         kv = torch.randn(N, width, device=dev, generator=gen).bfloat16()
-        score = torch.randn(N, width, device=dev, generator=gen) * 2
+        score = (torch.randn(N, width, device=dev, generator=gen) * 2).bfloat16()    # the gate's bf16 logits
         angle = torch.rand(N, 4 if run.toy else 32, device=dev, generator=gen) * 6     # the rope's 64 channels
         weight = torch.rand(hd, device=dev, generator=gen) + 0.5
-        run.ops.compress(kv, score, steps, state, ratio, angle.cos(), angle.sin(), weight, 1e-6,
+        ape = torch.randn(ratio, width, device=dev, generator=gen)
+        run.ops.compress(kv, score, ape, steps, state, ratio, angle.cos(), angle.sin(), weight, 1e-6,
                          -(-max(lengths) // ratio))
-        ref.compress(kv.float(), score, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        ref.compress(kv.float(), score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
         closing = sum((s + n) // ratio - s // ratio for s, n in zip(starts, lengths))
         written = int((state.entries.abs().sum(-1) > 0).sum())
         record(f"compress ratio {ratio} hd {hd}: {written} entries of steps {lengths} at {starts}",

@@ -46,6 +46,7 @@ def test_compress_matches_the_reference_step_after_step(ratio, hd):
     mine = fresh_state(slots, num_pages, ratio, hd, g)
     theirs = clone(mine)
     weight = torch.rand(hd, generator=g) + 0.5
+    ape = torch.randn(ratio, mine.open_kv.shape[-1], generator=g)
     done = {slot: 0 for slot, _ in runs}
     for step in range(max(len(lengths) for _, lengths in runs)):
         live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
@@ -55,8 +56,8 @@ def test_compress_matches_the_reference_step_after_step(ratio, hd):
         width = mine.open_kv.shape[-1]
         kv, score = torch.randn(N, width, generator=g), torch.randn(N, width, generator=g) * 2
         angle = torch.rand(N, 8, generator=g) * 6
-        compressor.compress(kv, score, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        ref.compress(kv, score, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        compressor.compress(kv, score, ape, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        ref.compress(kv, score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
         for s, n in live:
             done[s] += n
         for name in ("entries", "prev_kv", "prev_score"):

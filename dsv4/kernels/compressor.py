@@ -1,13 +1,15 @@
 """A compressor's step for every sequence of a ragged step in two launches (`ref.compress`'s contract).
 
 Inputs (N tokens of B sequences; m = ratio, hd = head_dim, width = 2 hd for CSA's overlapping windows, else hd):
-    kv, score        [N, width]             the step's projected rows (score fp32, ape included)
+    kv, score        [N, width]             the step's projected rows (score: the gate logits, ape not added)
+    ape              [m, width] fp32        added to the score of position p's row: ape[p mod m]
     cos, sin         [N, rope / 2]          the rope at each token's window start
     state            open_kv / open_score [slots, m, width] (position p at row p mod m), prev_kv / prev_score
                      [slots, m, hd] (CSA: the Ca half of the last complete window), entries [pages, E, hd]
     steps            `StepTokens`: per sequence its slot, start, first token and page table
 
-`_emit_kernel`, program (sequence b, window w): window j = start // m + w closes in this step iff
+Scores are fp32 from their load on: the step's rows become score + ape[p mod m] as they are read, as the open state
+holds them. `_emit_kernel`, program (sequence b, window w): window j = start // m + w closes in this step iff
 (j + 1) m <= start + n (a condition on the device: the grid is the host's bound on windows per sequence). It pools
 the window's rows (those before `start` from the open state, the rest from the step) and, for CSA, the Ca half of
 window j - 1 (from prev when that window closed before the step) with one online softmax per channel in fp32, then
@@ -32,6 +34,7 @@ from .steps import StepTokens
 class Tensors(NamedTuple):
     kv: torch.Tensor
     score: torch.Tensor
+    ape: torch.Tensor          # [m, width] fp32
     cos: torch.Tensor
     sin: torch.Tensor
     weight: torch.Tensor       # the norm's fp32 weight [hd]
@@ -64,6 +67,14 @@ class Shape(NamedTuple):
 
 
 @triton.jit
+def _step_scores(T, S, tok, pos, ch, rows, WIDTH: tl.constexpr, M: tl.constexpr):
+    """The step's score rows `tok` (positions `pos`) at channels ch, where `rows`, with ape[pos mod M] added (fp32);
+    0 elsewhere."""
+    s = tl.load(T.score + tok[:, None] * S.score_t + ch[None, :], mask=rows[:, None], other=0.0).to(tl.float32)
+    return s + tl.load(T.ape + (pos % M)[:, None] * WIDTH + ch[None, :], mask=rows[:, None], other=0.0)
+
+
+@triton.jit
 def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L: tl.constexpr):
     """Rows at positions `pos` [RB] (row r of their window), channels ch [HD] of the row layout, into the running
     per-channel softmax: from the step (pos >= start), else from prev (prev_rows: the window closed before the step),
@@ -81,7 +92,7 @@ def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L:
     k = tl.load(T.kv + tok[:, None] * S.kv_t + ch[None, :], mask=step_row[:, None], other=0.0).to(tl.float32)
     k += tl.load(T.open_kv + orow[:, None] + ch[None, :], mask=from_open[:, None], other=0.0).to(tl.float32)
     k += tl.load(T.prev_kv + prow[:, None] + d[None, :], mask=from_prev[:, None], other=0.0).to(tl.float32)
-    s = tl.load(T.score + tok[:, None] * S.score_t + ch[None, :], mask=step_row[:, None], other=0.0)
+    s = _step_scores(T, S, tok, pos, ch, step_row, WIDTH, M)
     s += tl.load(T.open_score + orow[:, None] + ch[None, :], mask=from_open[:, None], other=0.0)
     s += tl.load(T.prev_score + prow[:, None] + d[None, :], mask=from_prev[:, None], other=0.0)
     m_new = tl.maximum(mx, tl.max(s, axis=0))
@@ -150,7 +161,7 @@ def _state_kernel(T, steps, S, N, L: tl.constexpr):
                 orow = slot * S.open_slot + (pos % M).to(tl.int64) * WIDTH
                 k = tl.load(T.kv + tok[:, None] * S.kv_t + d[None, :], mask=step_row[:, None], other=0.0)
                 k += tl.load(T.open_kv + orow[:, None] + d[None, :], mask=(~step_row)[:, None], other=0.0)
-                s = tl.load(T.score + tok[:, None] * S.score_t + d[None, :], mask=step_row[:, None], other=0.0)
+                s = _step_scores(T, S, tok, pos, d, step_row, WIDTH, M)
                 s += tl.load(T.open_score + orow[:, None] + d[None, :], mask=(~step_row)[:, None], other=0.0)
                 prow = slot * S.prev_slot + r.to(tl.int64) * HD
                 tl.store(T.prev_kv + prow[:, None] + d[None, :], k)
@@ -164,13 +175,14 @@ def _state_kernel(T, steps, S, N, L: tl.constexpr):
         for c0 in range(0, WIDTH, WB):
             c = c0 + tl.arange(0, WB)
             k = tl.load(T.kv + tok[:, None] * S.kv_t + c[None, :], mask=valid[:, None], other=0.0)
-            s = tl.load(T.score + tok[:, None] * S.score_t + c[None, :], mask=valid[:, None], other=0.0)
+            s = _step_scores(T, S, tok, pos, c, valid, WIDTH, M)
             tl.store(T.open_kv + orow[:, None] + c[None, :], k, mask=valid[:, None])
             tl.store(T.open_score + orow[:, None] + c[None, :], s, mask=valid[:, None])
 
 
-def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ratio: int, cos: torch.Tensor,
-             sin: torch.Tensor, weight: torch.Tensor, eps: float, max_windows: int | None = None) -> None:
+def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: StepTokens, state, ratio: int,
+             cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, eps: float,
+             max_windows: int | None = None) -> None:
     """`ref.compress` in two launches (module docstring). max_windows: a bound on the windows any sequence closes
     in the step (the emit grid's second axis); by default the step's token count bounds it."""
     N = kv.shape[0]
@@ -183,12 +195,14 @@ def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ra
     if hd & (hd - 1) or width != hd * (2 if overlap else 1):
         raise ValueError(f"compress: head_dim {hd} must be a power of two and kv {tuple(kv.shape)} [N, "
                          f"{hd * (2 if overlap else 1)}]")
+    if ape.shape != (m, width) or ape.dtype != torch.float32:
+        raise ValueError(f"compress: ape must be fp32 [{m}, {width}], got {ape.dtype} {tuple(ape.shape)}")
     if max_windows is None:
         max_windows = (N - 1) // m + 1
     prev_kv = state.prev_kv if overlap else state.open_kv
     prev_score = state.prev_score if overlap else state.open_score
     kv, score, cos, sin = kv.contiguous(), score.contiguous(), cos.contiguous(), sin.contiguous()
-    tensors = Tensors(kv, score, cos, sin, weight, state.open_kv, state.open_score, prev_kv, prev_score,
+    tensors = Tensors(kv, score, ape.contiguous(), cos, sin, weight, state.open_kv, state.open_score, prev_kv, prev_score,
                       state.entries)
     strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
                       steps.pages.stride(0))

@@ -186,12 +186,14 @@ def compress_finish(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return apply_rope(rms_norm(pooled, weight, eps), cos, sin)
 
 
-def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ratio: int, cos: torch.Tensor,
-             sin: torch.Tensor, weight: torch.Tensor, eps: float, max_windows: int | None = None) -> None:
+def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: StepTokens, state, ratio: int,
+             cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, eps: float,
+             max_windows: int | None = None) -> None:
     """One step of a compressor for every sequence of a ragged step (`kernels.compressor.compress`'s contract).
 
-    kv [N, width] (compute dtype) and score [N, width] (fp32, ape included) are the step's projected rows; cos / sin
-    [N, rope_dim / 2] the rope at each token's window start. `state` holds open_kv / open_score [slots, ratio,
+    kv [N, width] (compute dtype) and score [N, width] (the gate logits) are the step's projected rows; a row at
+    position p scores score + ape[p mod ratio] in fp32 (ape [ratio, width] fp32); cos / sin [N, rope_dim / 2] the
+    rope at each token's window start. `state` holds open_kv / open_score [slots, ratio,
     width] (the open window, position p at row p mod ratio), prev_kv / prev_score [slots, ratio, head_dim] (CSA:
     the Ca half of the last complete window; -inf scores = none) and entries [pages, E, head_dim] (entry j of a
     sequence at row j mod E of page pages[j // E]). Per sequence: the open rows and its tokens form its windows;
@@ -201,6 +203,7 @@ def compress(kv: torch.Tensor, score: torch.Tensor, steps: StepTokens, state, ra
     overlap = state.prev_kv is not None
     hd, per_page = state.entries.shape[-1], state.entries.shape[1]
     m = ratio
+    score = score.float() + ape[steps.pos.long() % m]
     for b, (slot, start, first, n) in enumerate(steps.spans()):
         held, j0 = start % m, start // m                   # rows of the open window already in the state
         k = torch.cat((state.open_kv[slot, :held], kv[first:first + n]))

@@ -34,7 +34,7 @@ from ..kernels.ref import attend, causal_entry_bias, picked_entry_bias, window_b
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Builder, grouped_linear
-from .norm_rope import RMSNorm, Rope
+from .norm_rope import RMSNorm, Rope, StepRope
 from .state import LayerState, SeqBatch
 
 
@@ -59,14 +59,16 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, b.sub("indexer")) if self.ratio == 4 else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState | None = None,
-                batch: SeqBatch | None = None) -> torch.Tensor:
+                batch: SeqBatch | None = None, ropes: StepRope | None = None) -> torch.Tensor:
         """x [B, S, d] (the attn_norm'ed block input) at `positions` [B, S] -> [B, S, d].
 
         state=None: a fresh causal prefill from position 0. Otherwise B = 1 and the S tokens are the ragged
-        `batch`'s sequences, whose states this call reads and extends.
+        `batch`'s sequences, whose states this call reads and extends. `ropes`: the forward's rope tables at
+        `positions` (shared by its layers), else computed here.
         """
         B, S, _ = x.shape
-        cos, sin = self.rope(positions)                                   # [B, S, rope/2]
+        ropes = ropes or StepRope(positions)
+        cos, sin = ropes.at(self.rope)                                    # [B, S, rope/2]
         ops = self.ops                                                    # norm + rope: one kernel each
         qr = ops.norm_rope(self.wq_a(x), None, None, self.q_norm.weight, self.q_norm.eps)
         q = ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
@@ -79,7 +81,7 @@ class Attention(nn.Module):
                 got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
                 raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
                                  f"{tuple(x.shape)} and {got}")
-            o = self._cached(x, qr, q, kv, positions, (cos, sin), state, batch)
+            o = self._cached(x, qr, q, kv, positions, ropes, state, batch)
         o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
@@ -95,22 +97,21 @@ class Attention(nn.Module):
             kv, bias = torch.cat((kv, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
-    def _cached(self, x, qr, q, kv, positions, rope: tuple[torch.Tensor, torch.Tensor], state: LayerState,
-                batch: SeqBatch) -> torch.Tensor:
+    def _cached(self, x, qr, q, kv, positions, ropes: StepRope, state: LayerState, batch: SeqBatch) -> torch.Tensor:
         """The compressors and the indexer's picks for every sequence at once (`ops.compress`, `ops.index_picks`),
         then attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows
-        and the paged entries; then the rings. `rope`: (cos, sin) at the tokens' positions."""
+        and the paged entries; then the rings."""
         batch = batch.on(x.device)
         steps = batch.tokens
         entries = picks = None
         if self.compressor is not None:
-            window = self.compressor.window_rope(positions, self.rope)     # both compressors' (CSA: ratio 4)
-            self._compress(self.compressor, state.compressor, x, positions, window, batch)
+            window = ropes.at(self.rope, self.ratio)                      # both compressors' (CSA: ratio 4)
+            self._compress(self.compressor, state.compressor, x, window, batch)
             entries = state.compressor.entries
             if self.indexer is not None:
                 ix = self.indexer
-                self._compress(ix.compressor, state.indexer, x, positions, window, batch)
-                iq, iw = ix.queries(x, qr, *rope)
+                self._compress(ix.compressor, state.indexer, x, window, batch)
+                iq, iw = ix.queries(x, qr, *ropes.at(self.rope))
                 picks = self.ops.index_picks(iq[0], iw[0], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4))
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
@@ -118,8 +119,8 @@ class Attention(nn.Module):
         self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
 
-    def _compress(self, compressor: Compressor, cstate, x, positions, window, batch: SeqBatch) -> None:
-        kv, score = compressor.project(x, positions)
+    def _compress(self, compressor: Compressor, cstate, x, window, batch: SeqBatch) -> None:
+        kv, score = compressor.logits(x)
         cos, sin = window
-        self.ops.compress(kv[0], score[0], batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
+        self.ops.compress(kv[0], score[0], compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
                           compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio))

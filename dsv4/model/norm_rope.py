@@ -1,5 +1,6 @@
 """The weighted RMSNorm module and V4's rotary embedding (interleaved pairs on the trailing channels, per-layer rope);
 the math of both (`rms_norm`, `apply_rope`) is in `kernels.ref`, and the model applies them through `Ops.norm_rope`.
+`StepRope` computes one forward's cos / sin once per rope and window ratio for all its layers.
 
 Sliding-only layers use the main rope (theta = rope_theta, no scaling); CSA/HCA layers use the compress
 rope (theta = compress_rope_theta with YaRN) for every rotation in the layer. YaRN here changes only the
@@ -64,3 +65,24 @@ class Rope(nn.Module):
         """positions [...] -> (cos, sin) fp32 [..., rope_dim / 2]."""
         freqs = positions[..., None].float() * self.inv_freq
         return freqs.cos(), freqs.sin()
+
+
+class StepRope:
+    """cos / sin of one forward's positions, computed once per (rope, window ratio) and shared by every layer.
+
+    Layers of the same kind have equal ropes (`Rope` depends only on the config and `compress`), so the tables of
+    the first layer that asks serve the others: a step computes at most four (main, compress, and the compress rope
+    at the window starts of ratio 4 and 128) instead of two or three per layer. Lives for one forward call."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.positions = positions
+        self._tables: dict[tuple[bool, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def at(self, rope: Rope, ratio: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope`'s (cos, sin) [..., rope_dim / 2] at the positions (ratio 1) or at their window starts
+        floor(p / ratio) * ratio (where a compressor rotates the entry that window closes)."""
+        key = (rope.compress, ratio)
+        if key not in self._tables:
+            p = self.positions
+            self._tables[key] = rope(p if ratio == 1 else torch.div(p, ratio, rounding_mode="floor") * ratio)
+        return self._tables[key]

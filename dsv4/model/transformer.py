@@ -24,7 +24,7 @@ from ..parallel import Communicator, Shard
 from .attention import Attention
 from .linear import Builder, LinearFormat, QLinear
 from .moe import MoE
-from .norm_rope import RMSNorm
+from .norm_rope import RMSNorm, StepRope
 from .state import LayerState, SeqBatch
 
 
@@ -68,12 +68,14 @@ class Block(nn.Module):
         self.ops, self.comm = b.ops, b.comm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
-                state: LayerState | None = None, batch: SeqBatch | None = None) -> torch.Tensor:
-        """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token."""
+                state: LayerState | None = None, batch: SeqBatch | None = None,
+                ropes: StepRope | None = None) -> torch.Tensor:
+        """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token. `ropes`: the forward's
+        rope tables (shared by its layers)."""
         ops = self.ops
         u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
         u = ops.norm_rope(u, None, None, self.attn_norm.weight, self.attn_norm.eps)
-        x = ops.hc_post(self._summed(self.attn(u, positions, state, batch)), x, post, comb)
+        x = ops.hc_post(self._summed(self.attn(u, positions, state, batch, ropes)), x, post, comb)
         u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
         u = ops.norm_rope(u, None, None, self.ffn_norm.weight, self.ffn_norm.eps)
         return ops.hc_post(self._summed(self.ffn(u, input_ids)), x, post, comb)
@@ -148,9 +150,10 @@ class Transformer(nn.Module):
         if x is None:
             h = self.embed(input_ids)
             x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
+        ropes = StepRope(positions)                                  # cos / sin once per rope, for every layer
         for i in self.stage:
             x = self.layers[i](x, positions, input_ids, None if states is None else states[i - self.stage.start],
-                               batch)
+                               batch, ropes)
         return x
 
     def head_logits(self, streams: torch.Tensor, hc: tuple[torch.Tensor, ...] | None = None,
