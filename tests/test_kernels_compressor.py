@@ -86,6 +86,12 @@ def test_index_picks_match_the_reference():
     want = ref.index_picks(q, w, entries, steps, topk, 4, hd ** -0.5)
     assert got.shape == want.shape == (N, topk)
     assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    # raw bf16 head weights, scaled in fp32 as they are read: the picks of the pre-scaled fp32 weights
+    raw = (w * 3).bfloat16()
+    scaled = indexer.index_picks(q, raw, entries, steps, topk, 4, hd ** -0.5, (77 + 2) // 4, weight_scale=0.5)
+    halved = ref.index_picks(q, raw.float() * 0.5, entries, steps, topk, 4, hd ** -0.5)
+    assert torch.equal(scaled.sort(dim=1).values, halved.sort(dim=1).values)
+    assert torch.equal(ref.index_picks(q, raw, entries, steps, topk, 4, hd ** -0.5, weight_scale=0.5), halved)
     assert bool((want[0] == -1).all()) and int((want >= 0).sum(1).max()) == topk     # none visible / a full row
     # scores past each token's visible keys are -inf, and the bound may exceed every sequence's keys
     scores = indexer.index_scores(q, w, entries, steps, 4, hd ** -0.5, 40)

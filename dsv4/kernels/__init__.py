@@ -33,8 +33,8 @@ class Ops:
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
     # a compressor's step for every sequence (kv, gate logits [N, width], ape [ratio, width], StepTokens, state,
-    # ratio, cos, sin [N, r/2], norm weight, eps) -> None, state updated in place; the indexer's picks (q [N, H, hd], weights [N, H], entries,
-    # StepTokens, topk, ratio, scale, max_keys) -> [N, topk]
+    # ratio, cos, sin [N, r/2], norm weight, eps) -> None, state updated in place; the indexer's picks (q [N, H, hd],
+    # weights [N, H], entries, StepTokens, topk, ratio, scale, max_keys, weight_scale) -> [N, topk]
     compress: Callable = ref.compress
     index_picks: Callable = ref.index_picks
     # RMS normalisation and rope of rows: (x [..., D], cos, sin, weight, eps, inverse) -> x's shape

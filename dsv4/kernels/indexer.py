@@ -2,7 +2,7 @@
 over the keys each token's sequence has emitted, read through its page table, then a top-k on the device.
 
     q        [N, H, hd]     rotated index queries
-    weights  [N, H]         fp32 head weights (weights_proj(x) * H^-1/2)
+    weights  [N, H]         weights_proj(x); the head weights are these in fp32 times weight_scale (H^-1/2)
     entries  [pages, E, hd] the indexer compressor's keys
     scores   [N, max_keys]  fp32: scale * sum_h weights[h] relu(q[h] . key_j) for j < (pos + 1) // ratio,
                             -inf beyond
@@ -36,7 +36,8 @@ class Shape(NamedTuple):
 
 
 @triton.jit
-def _scores_kernel(q, w, entries, out, steps, H, q_t, w_t, out_t, pages_seq, max_keys, scale, L: tl.constexpr):
+def _scores_kernel(q, w, entries, out, steps, H, q_t, w_t, out_t, pages_seq, max_keys, scale, w_scale,
+                   L: tl.constexpr):
     HP: tl.constexpr = L.HP
     HD: tl.constexpr = L.HD
     E: tl.constexpr = L.E
@@ -55,13 +56,13 @@ def _scores_kernel(q, w, entries, out, steps, H, q_t, w_t, out_t, pages_seq, max
         page = tl.load(steps.pages + b * pages_seq + j // E, mask=valid, other=0).to(tl.int64)
         k = tl.load(entries + (page * E + j % E)[:, None] * HD + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(qt.to(DOT), tl.trans(k.to(DOT)), out_dtype=tl.float32)                 # [H, BT]
-        wt = tl.load(w + t.to(tl.int64) * w_t + h, mask=h < H, other=0.0)
+        wt = tl.load(w + t.to(tl.int64) * w_t + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
         score = tl.where(valid, tl.sum(tl.maximum(s, 0.0) * scale * wt[:, None], axis=0), float("-inf"))
     tl.store(out + t.to(tl.int64) * out_t + j, score, mask=j < max_keys)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, ratio: int,
-                 scale: float, max_keys: int) -> torch.Tensor:
+                 scale: float, max_keys: int, weight_scale: float = 1.0) -> torch.Tensor:
     """Score rows fp32 [N, max_keys] (module docstring)."""
     N, H, hd = q.shape
     if hd & (hd - 1) or hd < 16:
@@ -72,21 +73,21 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, 
     interp = q.device.type != "cuda"
     dot = tl.float32 if interp or q.dtype == torch.float32 else tl.bfloat16
     bt = max(16, min(64, next_pow2(max_keys)))
-    q, weights = q.contiguous(), weights.float().contiguous()
+    q, weights = q.contiguous(), weights.contiguous()
     shape = Shape(max(16, next_pow2(H)), hd, entries.shape[1], ratio, bt, dot)
     _scores_kernel[(N, triton.cdiv(max_keys, bt))](q, weights, entries, out, steps, H, q.stride(0), weights.stride(0),
-                                                  out.stride(0), steps.pages.stride(0), max_keys, scale, shape,
-                                                  num_warps=4)
+                                                  out.stride(0), steps.pages.stride(0), max_keys, scale,
+                                                  weight_scale, shape, num_warps=4)
     return out
 
 
 def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, topk: int,
-                ratio: int, scale: float, max_keys: int | None = None) -> torch.Tensor:
+                ratio: int, scale: float, max_keys: int | None = None, weight_scale: float = 1.0) -> torch.Tensor:
     """[N, topk] int64 entry ids, -1 past each token's picks (module docstring). max_keys: a bound on any sequence's
     keys after the step (by default every key the pages could hold)."""
     if max_keys is None:
         max_keys = steps.pages.shape[1] * entries.shape[1]
-    scores = index_scores(q, weights, entries, steps, ratio, scale, max_keys)
+    scores = index_scores(q, weights, entries, steps, ratio, scale, max_keys, weight_scale)
     picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     k = min(topk, max_keys)
     if k:

@@ -246,12 +246,14 @@ def index_select(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio
 
 
 def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, topk: int,
-                ratio: int, scale: float, max_keys: int | None = None) -> torch.Tensor:
+                ratio: int, scale: float, max_keys: int | None = None, weight_scale: float = 1.0) -> torch.Tensor:
     """The indexer's picks for every token of a ragged step (`kernels.indexer.index_picks`'s contract): q [N, H, hd]
-    (rotated), weights fp32 [N, H]; each token scored against every key its sequence has emitted (entries [pages,
-    E, hd] through its page table) -> [N, topk] int64, -1 past each token's picks. max_keys: a bound on the keys
-    of any sequence (the kernel sizes its score rows by it; unused here)."""
+    (rotated), weights [N, H] (the head weights are weights in fp32 times weight_scale); each token scored against
+    every key its sequence has emitted (entries [pages, E, hd] through its page table) -> [N, topk] int64, -1 past
+    each token's picks. max_keys: a bound on the keys of any sequence (the kernel sizes its score rows by it; unused
+    here)."""
     per_page = entries.shape[1]
+    weights = weights.float() * weight_scale
     picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
     for b, (_, start, first, n) in enumerate(steps.spans()):
         tok = slice(first, first + n)

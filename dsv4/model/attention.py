@@ -113,7 +113,7 @@ class Attention(nn.Module):
                 self._compress(ix.compressor, state.indexer, x, window, batch)
                 iq, iw = ix.queries(x, qr, *ropes.at(self.rope))
                 picks = self.ops.index_picks(iq[0], iw[0], state.indexer.entries, steps, ix.topk, 4, ix.scale,
-                                             batch.key_bound(4))
+                                             batch.key_bound(4), ix.head_scale)
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
                                       self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None)
         self.ops.write_ring(state.window, kv[0], steps)

@@ -27,6 +27,7 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.scale = self.head_dim ** -0.5
+        self.head_scale = self.n_heads ** -0.5             # on weights_proj's outputs
         self.wq_b = b.linear("wq_b", cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = b.linear("weights_proj", cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg, 4, self.head_dim, b.sub("compressor"))
@@ -34,14 +35,16 @@ class Indexer(nn.Module):
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rotated queries [B, S, H, hd], head weights fp32 [B, S, H]) of tokens x, qr whose positions' rope is
-        cos / sin [B, S, rope / 2] (the layer's, which attention computed)."""
+        """(rotated queries [B, S, H, hd], weights_proj(x) [B, S, H]) of tokens x, qr whose positions' rope is
+        cos / sin [B, S, rope / 2] (the layer's, which attention computed). The head weights are the second in fp32
+        times `head_scale` (`Ops.index_picks` scales them as it reads them)."""
         B, S, _ = x.shape
         q = self.ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        return q, self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, self.weights_proj(x)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Picks [B, S, k] of a fresh prefill (keys from this chunk only) for queries at `positions`."""
         keys = self.compressor(x, positions, rope)
         q, w = self.queries(x, qr, *rope(positions))
-        return index_select(index_scores(q, w, keys, self.scale), positions, self.topk, self.compressor.ratio)
+        return index_select(index_scores(q, w.float() * self.head_scale, keys, self.scale), positions, self.topk,
+                            self.compressor.ratio)
