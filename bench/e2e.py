@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
             t = time.perf_counter()
             model = dummy_model(cfg, fmt, device, dtype, ops_for(device))
             if device.type == "cuda":
-                model.tile_weights_()
+                model.prepare_for_kernels_()
             sync(device)
             build_s = time.perf_counter() - t
             for batch in ints(args.batch):

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = base.with_layers(args.layers)
     model = dummy_model(cfg, args.format, device, dtype, ops_for(device))
     if device.type == "cuda":
-        model.tile_weights_()
+        model.prepare_for_kernels_()
     gen = torch.Generator().manual_seed(0)
     lengths, new = (5, 126, 250, 31, 3, 64), (40, 9, 20, 14, 30, 6)     # decode crosses 128 and 256; 6 -> 1 rows
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]

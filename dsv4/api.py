@@ -130,7 +130,7 @@ class LLM:
             path, cfg = _dummy_config(model, hf_overrides)
             self.model = dummy_model(cfg, dummy_format, device, _dtype(dtype, device), ops, seed)
             if ops.reads_tiled and device.type == "cuda":
-                self.model.tile_weights_()
+                self.model.prepare_for_kernels_()
         elif load_format == "auto":
             if hf_overrides:
                 raise ValueError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")

@@ -111,3 +111,22 @@ def test_write_ring_matches_the_reference():
     write_ring(mine, kv, steps)
     ref.write_ring(theirs, kv, steps)
     assert torch.equal(mine, theirs)
+
+
+def test_compress_reads_row_strided_views():
+    """The step's rows may be column slices of one wider product (the fused projections): no copy needed, the same
+    state as from contiguous rows."""
+    g = torch.Generator().manual_seed(9)
+    ratio, hd = 4, 32
+    steps = StepTokens.build((0, 1), (3, 0), (2, 9), ((1, 0), (2, 3)), "cpu")
+    a = fresh_state(2, 4, ratio, hd, g)
+    b = clone(a)
+    wide = torch.randn(11, 5 * hd, generator=g)
+    kv, score = wide[:, :2 * hd], wide[:, 3 * hd:]
+    ape = torch.randn(ratio, 2 * hd, generator=g)
+    angle = torch.rand(11, 8, generator=g)
+    compressor.compress(kv, score, ape, steps, a, ratio, angle.cos(), angle.sin(), torch.ones(hd), 1e-6)
+    compressor.compress(kv.contiguous(), score.contiguous(), ape, steps, b, ratio, angle.cos(), angle.sin(),
+                        torch.ones(hd), 1e-6)
+    for name in ("entries", "prev_kv", "prev_score", "open_kv", "open_score"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -331,3 +331,37 @@ def test_presets_instantiate_on_meta_with_published_parameter_counts(preset, tot
     experts = model.layers[5].ffn.experts
     assert experts.w13.weight.shape == (cfg.n_routed_experts, 2, cfg.moe_intermediate_size, cfg.hidden_size)
     assert math.isclose(model.num_parameters() / 1e9, {"flash": 284.3, "pro": 1573.0}[preset], rel_tol=1e-3)
+
+
+def test_fused_projections_give_the_separate_products_logits():
+    """`prepare_for_kernels_`'s fusion of each attention's dense projections of x (compressor and indexer
+    compressor wkv / wgate, weights_proj) into one weight: the decode steps' logits stay those of the separate
+    products (to fp32 rounding), the weights become views of the fused buffer and the state dict is unchanged."""
+    import dsv4
+    import runtime_fixtures as rf
+    from dsv4.model.state import SeqBatch
+    from dsv4.runtime.cache import KVCache
+
+    model = dsv4.load(rf.variant("wide"))
+    ids = torch.tensor([rf.prompt_ids(140, seed=3)])
+
+    def decode_logits():
+        cache, start, out = KVCache(model.config, 2, 4, torch.float32), 0, []
+        with torch.inference_mode():
+            for n in (100, 30, 1, 9):
+                batch = SeqBatch((1,), (start,), (n,), ((3, 2),))
+                out.append(model.head_logits(model(ids[:, start:start + n], batch.positions()[None], cache.layers,
+                                                   batch))[0])
+                start += n
+        return torch.cat(out)
+
+    want, keys = decode_logits(), set(model.state_dict())
+    fused = model.fuse_projections_()
+    assert fused == sum(1 for r in model.config.compress_ratios[:model.config.num_hidden_layers] if r)
+    assert model.fuse_projections_() == fused                      # idempotent
+    attn = next(b.attn for b in model.layers if b.attn.indexer is not None)
+    parts = attn.dense_projections()
+    assert [p.weight.data_ptr() for p in parts][0] == attn.x_dense.data_ptr() and len(parts) == 5
+    assert set(model.state_dict()) == keys
+    got = decode_logits()
+    assert (got - want).abs().max() / want.abs().max() < 1e-5

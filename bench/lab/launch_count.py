@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     root = str(Path(__file__).resolve().parents[2])
     cfg = small_v4()
     model = dummy_model(cfg, args.format, "cpu", torch.float32, Ops.reference())
-    model.tile_weights_()
+    model.prepare_for_kernels_()
     kw = dict(max_num_seqs=args.batch, max_model_len=args.context + 8, num_cache_pages=4 * args.batch,
               max_num_batched_tokens=512)
     engine = Engine(model, enforce_eager=True, **kw)

@@ -85,7 +85,7 @@ def dummy_model(cfg: ModelConfig, fmt: str = "nvfp4-experts", device: torch.devi
                 shard: Shard | None = None, comm: Communicator | None = None) -> Transformer:
     """The model of `cfg` with random weights stored as checkpoint format `fmt` stores them, on `device`
     (reproducible from `seed` on a given device). Quantized weights stay row-major: the caller tiles them for the
-    GPU kernels (`Transformer.tile_weights_`), as the loader does.
+    GPU kernels (`Transformer.prepare_for_kernels_`), as the loader does.
 
     Each module draws from generators seeded by (seed, its path), so one rank of a parallel engine (`shard`, `comm`)
     holds exactly its slices of what one process draws: it draws each of its modules whole, one at a time, and keeps

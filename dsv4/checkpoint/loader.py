@@ -378,7 +378,7 @@ def load_checkpoint(ckpt: Checkpoint, device: torch.device | str = "cpu", dtype:
     if tile_weights is None:   # only the GPU kernels gain from it; the reference would untile at every call
         tile_weights = device.type == "cuda" and ops.reads_tiled
     if tile_weights:
-        model.tile_weights_()
+        model.prepare_for_kernels_()
     if ckpt.lacks_mtp:
         logger.warning("%s: %s", ckpt.path, NO_MTP_NOTE)
     return model
@@ -394,8 +394,9 @@ def load(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtyp
     dequantized exactly. ops: the kernel table the model computes with, the caller's choice (`kernels.ops_for`;
     `Ops.triton(w4a4=True)` emulates NVFP4 W4A4 GEMMs, Blackwell numerics, for NVFP4 layers that carry an
     input_scale); None = `ops_for(device)`, the device's exact default. progress=True shows a progress bar (bytes
-    read) on stderr. tile_weights: store quantized weights tile-major, the order the GPU kernels read
-    (`formats.tiling`; same logits, faster decode); None = on CUDA where the table's kernels read them.
+    read) on stderr. tile_weights: lay the weights out for the GPU kernels (`Transformer.prepare_for_kernels_`:
+    quantized weights tile-major, `formats.tiling`; each attention's dense projections of x as one product); None =
+    on CUDA where the table's kernels read them.
     shard / comm: load one rank's part of the model (`parallel.Shard`) reading only its slices, its collectives
     through `comm` (the runtime's workers do this; docs/parallel.md).
     """

@@ -201,9 +201,9 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
         max_windows = (N - 1) // m + 1
     prev_kv = state.prev_kv if overlap else state.open_kv
     prev_score = state.prev_score if overlap else state.open_score
-    kv, score, cos, sin = kv.contiguous(), score.contiguous(), cos.contiguous(), sin.contiguous()
-    tensors = Tensors(kv, score, ape.contiguous(), cos, sin, weight, state.open_kv, state.open_score, prev_kv, prev_score,
-                      state.entries)
+    kv, score, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score, cos, sin))   # row strides
+    tensors = Tensors(kv, score, ape.contiguous(), cos, sin, weight, state.open_kv, state.open_score, prev_kv,
+                      prev_score, state.entries)
     strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
                       steps.pages.stride(0))
     rb = min(m, 16 if hd <= 256 else 8)

@@ -73,7 +73,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, 
     interp = q.device.type != "cuda"
     dot = tl.float32 if interp or q.dtype == torch.float32 else tl.bfloat16
     bt = max(16, min(64, next_pow2(max_keys)))
-    q, weights = q.contiguous(), weights.contiguous()
+    q, weights = q.contiguous(), weights if weights.stride(-1) == 1 else weights.contiguous()   # weights: row stride
     shape = Shape(max(16, next_pow2(H)), hd, entries.shape[1], ratio, bt, dot)
     _scores_kernel[(N, triton.cdiv(max_keys, bt))](q, weights, entries, out, steps, H, q.stride(0), weights.stride(0),
                                                   out.stride(0), steps.pages.stride(0), max_keys, scale,

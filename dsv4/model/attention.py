@@ -30,10 +30,11 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..formats import QWeight
 from ..kernels.ref import attend, causal_entry_bias, picked_entry_bias, window_bias
 from .compressor import Compressor
 from .indexer import Indexer
-from .linear import Builder, grouped_linear
+from .linear import Builder, QLinear, grouped_linear
 from .norm_rope import RMSNorm, Rope, StepRope
 from .state import LayerState, SeqBatch
 
@@ -57,6 +58,34 @@ class Attention(nn.Module):
         self.rope = Rope(cfg, compress=self.ratio > 0)
         self.compressor = Compressor(cfg, self.ratio, D, b.sub("compressor")) if self.ratio else None
         self.indexer = Indexer(cfg, b.sub("indexer")) if self.ratio == 4 else None
+        # `fuse_projections_`: the dense projections of x in one weight, and their widths (a plain attribute, not a
+        # buffer: built after loading, on the device, from the loaded weights, which become views of it)
+        self.x_dense: torch.Tensor | None = None
+        self.x_dense_widths: tuple[int, ...] = ()
+
+    def dense_projections(self) -> list[QLinear]:
+        """The dense-capable projections of x a cached step runs besides wq_a / wkv, in the order of their rows in
+        `x_dense`: the compressor's wkv, wgate, and on CSA layers the indexer compressor's and weights_proj."""
+        if self.compressor is None:
+            return []
+        ix = self.indexer
+        extra = [ix.compressor.wkv, ix.compressor.wgate, ix.weights_proj] if ix is not None else []
+        return [self.compressor.wkv, self.compressor.wgate, *extra]
+
+    def fuse_projections_(self) -> bool:
+        """Run `dense_projections` as one product: their weights (all dense, in one dtype) move into one [sum N, d]
+        buffer, each module's weight becoming a view of its rows (no memory added). The device placement calls this
+        (one GEMV instead of up to five per layer); rounding may differ from separate products in the last bit, so
+        the CPU's reference model keeps them apart. Returns whether the layer's projections are fused."""
+        parts = self.dense_projections()
+        if self.x_dense is None and parts and all(p.format.fmt == "dense" for p in parts) \
+                and len({p.weight.dtype for p in parts}) == 1:
+            self.x_dense = torch.cat([p.weight for p in parts])
+            rows = self.x_dense.split([p.out_features for p in parts])
+            for p, w in zip(parts, rows):
+                p.weight = w
+            self.x_dense_widths = tuple(p.out_features for p in parts)
+        return self.x_dense is not None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState | None = None,
                 batch: SeqBatch | None = None, ropes: StepRope | None = None) -> torch.Tensor:
@@ -105,22 +134,26 @@ class Attention(nn.Module):
         steps = batch.tokens
         entries = picks = None
         if self.compressor is not None:
+            if self.x_dense is not None:                                  # kv, score (, index kv, score, weights)
+                rows = self.ops.linear(x[0], QWeight("dense", self.x_dense)).split(self.x_dense_widths, -1)
+            else:
+                rows = [p(x[0]) for p in self.dense_projections()]
             window = ropes.at(self.rope, self.ratio)                      # both compressors' (CSA: ratio 4)
-            self._compress(self.compressor, state.compressor, x, window, batch)
+            self._compress(self.compressor, state.compressor, rows[0], rows[1], window, batch)
             entries = state.compressor.entries
             if self.indexer is not None:
                 ix = self.indexer
-                self._compress(ix.compressor, state.indexer, x, window, batch)
-                iq, iw = ix.queries(x, qr, *ropes.at(self.rope))
-                picks = self.ops.index_picks(iq[0], iw[0], state.indexer.entries, steps, ix.topk, 4, ix.scale,
+                self._compress(ix.compressor, state.indexer, rows[2], rows[3], window, batch)
+                iq = ix.rotated_queries(qr, *ropes.at(self.rope))
+                picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4), ix.head_scale)
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
                                       self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None)
         self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
 
-    def _compress(self, compressor: Compressor, cstate, x, window, batch: SeqBatch) -> None:
-        kv, score = compressor.logits(x)
+    def _compress(self, compressor: Compressor, cstate, kv, score, window, batch: SeqBatch) -> None:
+        """kv, score [N, width]: the step's rows of the compressor's wkv and wgate (ape not added)."""
         cos, sin = window
-        self.ops.compress(kv[0], score[0], compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
+        self.ops.compress(kv, score, compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
                           compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio))

@@ -13,9 +13,10 @@ Entry j is complete once token j*ratio + ratio - 1 is seen; query t may use it i
 
 The math lives with the kernels' references (`kernels.ref.compress_pool` / `compress_finish`): the stateless
 prefill (`forward`) pools the complete windows of a fresh sequence here; a cached step runs `Ops.compress` on the
-projected rows (`logits`; the kernel adds ape as it reads them) of every sequence at once (the Triton kernel on the GPU), which keeps the open window's rows and,
-for the overlapping scheme, the Ca half of the last complete window in the layer's `CompressorState`, so chunk
-boundaries may fall anywhere relative to the windows and the entries equal those of a one-shot prefill.
+rows of wkv and wgate (ape added as they are read) of every sequence at once (the Triton kernel on the GPU), which
+keeps the open window's rows and, for the overlapping scheme, the Ca half of the last complete window in the layer's
+`CompressorState`, so chunk boundaries may fall anywhere relative to the windows and the entries equal those of a
+one-shot prefill.
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ class Compressor(nn.Module):
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, S, d] at `positions` [B, S] -> (kv, score) [B, S, width]; score includes ape[pos mod ratio]."""
         return self.wkv(x), self.wgate(x) + self.ape[positions % self.ratio]
-
-    def logits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, S, d] -> (kv, gate logits) [B, S, width], ape not added (`Ops.compress` adds it as it reads)."""
-        return self.wkv(x), self.wgate(x)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Stateless: entries [B, n, head_dim] of a fresh sequence at positions 0..S-1 (the incomplete tail

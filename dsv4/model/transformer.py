@@ -187,6 +187,17 @@ class Transformer(nn.Module):
         (the loader calls it on CUDA)."""
         return sum(m.tile_() for m in self.modules() if isinstance(m, QLinear))
 
+    def fuse_projections_(self) -> int:
+        """Each attention's dense projections of x as one product (`Attention.fuse_projections_`); returns how many
+        layers run them fused. Logits may change in the last bit (one GEMM's rounding instead of several)."""
+        return sum(m.fuse_projections_() for m in self.modules() if isinstance(m, Attention))
+
+    def prepare_for_kernels_(self) -> None:
+        """The device placement's layout for the GPU kernels: weights tile-major (`tile_weights_`) and fused
+        projections (`fuse_projections_`). The loader and the dummy builders' callers run it on CUDA."""
+        self.tile_weights_()
+        self.fuse_projections_()
+
     def num_parameters(self, include_mtp: bool = False) -> int:
         """Logical (dequantized) parameter count: gate biases in; tid2eid, quantization scales, rope out."""
         n = 0

@@ -89,7 +89,7 @@ def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> 
     if spec.checkpoint is None:
         model = dummy_model(cfg, spec.dummy_format, device, spec.dtype, ops, spec.seed, shard=shard, comm=comm)
         if ops.reads_tiled and device.type == "cuda":
-            model.tile_weights_()
+            model.prepare_for_kernels_()
     else:
         model = load(spec.checkpoint, device, spec.dtype, ops, progress=spec.progress and rank == 0, shard=shard,
                      comm=comm)
