@@ -130,3 +130,25 @@ def test_compress_reads_row_strided_views():
                         torch.ones(hd), 1e-6)
     for name in ("entries", "prev_kv", "prev_score", "open_kv", "open_score"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("n, topk", [(1500, 64), (40, 64), (2048, 512), (3000, 1)])
+def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
+    """The indexer's radix-select top-k against a stable sort by (score descending, id): rows with negative and
+    positive scores, exact ties across the threshold (ReLU zeros), -inf tails (keys not visible) and rows with fewer
+    finite scores than topk; picks in ascending id order, -1 after them."""
+    g = torch.Generator().manual_seed(n + topk)
+    rows = [torch.randn(n, generator=g),
+            torch.randn(n, generator=g).clamp(min=0),                      # many exact zeros: ties at T
+            torch.randint(-3, 3, (n,), generator=g).float(),               # few distinct values
+            torch.randn(n, generator=g) * 1e-30,                           # tiny magnitudes, both signs
+            torch.full((n,), float("-inf")),                               # nothing visible
+            torch.cat((torch.randn(n // 3, generator=g), torch.full((n - n // 3,), float("-inf"))))]
+    scores = torch.stack(rows)
+    got = indexer.index_picks_of_scores(scores, topk)
+    assert got.dtype == torch.long and got.shape == (len(rows), topk)
+    for row, picks in zip(scores, got):
+        order = sorted(range(n), key=lambda j: (-row[j].item(), j))
+        want = sorted(j for j in order[:topk] if row[j] > float("-inf"))
+        assert picks[:len(want)].tolist() == want
+        assert bool((picks[len(want):] == -1).all())

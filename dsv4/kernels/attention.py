@@ -38,7 +38,7 @@ class Tensors(NamedTuple):
     kv: torch.Tensor
     ring: torch.Tensor
     entries: torch.Tensor      # (the ring where the layer has none: never read)
-    picks: torch.Tensor        # int32 (the step's `seq` where there are none: never read)
+    picks: torch.Tensor        # int32 or int64 (the step's `seq` where there are none: never read)
     sinks: torch.Tensor        # fp32 [H]
     out: torch.Tensor
     part_o: torch.Tensor       # SPLIT: fp32 [N, H, 1 + SPLIT, D] partial accumulators (else `out`: never used)
@@ -218,7 +218,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     ent = entries if entries is not None else ring              # never read when RATIO = 0
     E = entries.shape[1] if entries is not None else 1
     K = picks.shape[1] if picks is not None else 0
-    pk = picks.to(torch.int32).contiguous() if picks is not None else steps.seq
+    pk = picks.contiguous() if picks is not None else steps.seq
     kv, ring, ent = kv.contiguous(), ring.contiguous(), ent.contiguous()
     tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),

@@ -1,5 +1,5 @@
 """The lightning indexer's picks for every token of a ragged step (`ref.index_picks`'s contract): one scoring launch
-over the keys each token's sequence has emitted, read through its page table, then a top-k on the device.
+over the keys each token's sequence has emitted, read through its page table, then one top-k launch.
 
     q        [N, H, hd]     rotated index queries
     weights  [N, H]         weights_proj(x); the head weights are these in fp32 times weight_scale (H^-1/2)
@@ -9,8 +9,14 @@ over the keys each token's sequence has emitted, read through its page table, th
 
 Program (token t, block of BT keys): the token's H x hd queries (H padded to a power of two >= 16) against BT keys
 in one dot (all heads share each key row). max_keys, the width of the score rows, is a host bound on any sequence's
-keys, so the launch has no data-dependent shape. The picks are `torch.topk` of each row (k = min(topk, max_keys));
-picks past a token's visible keys (-inf scores) become -1, and the rows are padded with -1 to topk columns.
+keys, so the launch has no data-dependent shape.
+
+`_topk_kernel`, program (token t): the ids of the row's topk largest finite scores, in ascending id order, then -1 to
+topk columns (every finite score where there are at most topk). A radix select: scores map to integer keys of the
+same order (sign-magnitude to two's complement), four passes over the row histogram one byte of the keys among those
+that share the bytes found so far, which gives the topk-th largest key T and how many keys equal to T to take; a last
+pass writes every id with a key above T and the lowest ids with key T (ties go to the lower id; `torch.topk` leaves
+them unspecified). No sort: the attention reading the picks is a sum over them.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import triton.language as tl
 
 from .policy import next_pow2
 from .steps import StepTokens
+
+TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes
 
 
 class Shape(NamedTuple):
@@ -61,6 +69,57 @@ def _scores_kernel(q, w, entries, out, steps, H, q_t, w_t, out_t, pages_seq, max
     tl.store(out + t.to(tl.int64) * out_t + j, score, mask=j < max_keys)
 
 
+@triton.jit
+def _ordered_keys(scores_row, j, n):
+    """Scores at ids j (< n) -> (keys as int64 in [0, 2^32) ordered as the scores, finite mask)."""
+    s = tl.load(scores_row + j, mask=j < n, other=float("-inf"))
+    u = s.to(tl.int32, bitcast=True)
+    key = tl.where(u < 0, u ^ 0x7FFFFFFF, u)          # negative floats: larger magnitude, smaller key
+    return key.to(tl.int64) + 2147483648, s > float("-inf")
+
+
+@triton.jit
+def _topk_kernel(scores, out, n, scores_t, out_t, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    row = scores + t * scores_t
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.int64)        # the bytes of T found so far
+    need = tl.zeros([], tl.int32) + TOPK   # keys equal to the prefix still to take
+    finite = tl.zeros([], tl.int32)
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
+            if p > 0:
+                valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
+        total = tl.sum(hist, axis=0)
+        if p == 0:
+            finite = total
+        above = total - tl.cumsum(hist, axis=0)              # keys with a larger byte here
+        d = tl.maximum(tl.max(tl.where(above + hist >= need, bins, -1), axis=0), 0)
+        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
+        prefix = prefix | (d.to(tl.int64) << shift)
+    if finite <= TOPK:                      # every finite score is a pick
+        prefix = tl.zeros([], tl.int64)
+        need = tl.zeros([], tl.int32)
+    written = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        key, valid = _ordered_keys(row, j, n)
+        tie = valid & (key == prefix)
+        take = (valid & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), axis=0) <= need))
+        at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out + t * out_t + at, j.to(tl.int64), mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+        ties += tl.sum(tie.to(tl.int32), axis=0)
+    for i0 in range(0, TOPK, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        tl.store(out + t * out_t + i, tl.full([BLOCK], -1, tl.int64), mask=(i >= written) & (i < TOPK))
+
+
 def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, ratio: int,
                  scale: float, max_keys: int, weight_scale: float = 1.0) -> torch.Tensor:
     """Score rows fp32 [N, max_keys] (module docstring)."""
@@ -87,10 +146,14 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
     keys after the step (by default every key the pages could hold)."""
     if max_keys is None:
         max_keys = steps.pages.shape[1] * entries.shape[1]
-    scores = index_scores(q, weights, entries, steps, ratio, scale, max_keys, weight_scale)
-    picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-    k = min(topk, max_keys)
-    if k:
-        top = scores.topk(k, dim=-1)
-        picks[:, :k] = top.indices.masked_fill(top.values == float("-inf"), -1)
+    return index_picks_of_scores(index_scores(q, weights, entries, steps, ratio, scale, max_keys, weight_scale), topk)
+
+
+def index_picks_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
+    order (ties to the lower id), then -1 (`_topk_kernel`, module docstring)."""
+    picks = torch.empty(scores.shape[0], topk, dtype=torch.long, device=scores.device)
+    if scores.shape[0]:
+        _topk_kernel[(scores.shape[0],)](scores, picks, scores.shape[1], scores.stride(0), picks.stride(0), topk,
+                                         TOPK_BLOCK, num_warps=4)
     return picks
