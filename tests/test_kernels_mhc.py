@@ -76,3 +76,26 @@ def test_plans_and_refusals():
     empty = torch.zeros(0, 4, 64)
     fn, base, scale = params(4, 64, 24, seed=0)
     assert mhc.hc_pre(empty, fn, base, scale, 20, EPS, EPS)[0].shape == (0, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, n, d", [(3, 4, 1024), (2, 4, 96)])
+def test_collapse_with_the_blocks_norm(T, n, d, dtype):
+    """hc_pre / hc_head given the next norm's weight: the collapse normalised in the same launch equals the collapse
+    followed by the norm kernel (`norm_rope`) and the reference's rms_norm of the reference's collapse."""
+    from dsv4.kernels import norm_rope
+    x = streams(T, n, d, seed=11, dtype=dtype)
+    fn, base, scale = params(n, d, (2 + n) * n, seed=12)
+    w = torch.rand(d, generator=torch.Generator().manual_seed(13)) + 0.5
+    u, post, comb = mhc.hc_pre(x, fn, base, scale, 20, EPS, EPS, w, 1e-5)
+    plain = mhc.hc_pre(x, fn, base, scale, 20, EPS, EPS)
+    assert torch.equal(post, plain[1]) and torch.equal(comb, plain[2])
+    then_normed = norm_rope.norm_rope(plain[0], None, None, w, 1e-5)
+    want = ref.hc_pre(x, fn, base, scale, 20, EPS, EPS, w, 1e-5)[0]
+    assert torch.equal(want, ref.rms_norm(ref.hc_pre(x, fn, base, scale, 20, EPS, EPS)[0], w, 1e-5))
+    bound = 4e-6 if dtype == torch.float32 else 2.0 ** -7
+    assert u.dtype == dtype and rel(u, then_normed) <= bound and rel(u, want) <= 2 * bound
+    fh, bh, sh = params(n, d, n, seed=14)
+    y = mhc.hc_head(x, fh, bh, sh[:1], EPS, EPS, w, 1e-5)
+    assert rel(y, norm_rope.norm_rope(mhc.hc_head(x, fh, bh, sh[:1], EPS, EPS), None, None, w, 1e-5)) <= bound
+    assert rel(y, ref.hc_head(x, fh, bh, sh[:1], EPS, EPS, w, 1e-5)) <= 2 * bound

@@ -39,8 +39,9 @@ class Ops:
     index_picks: Callable = ref.index_picks
     # RMS normalisation and rope of rows: (x [..., D], cos, sin, weight, eps, inverse) -> x's shape
     norm_rope: Callable = ref.norm_rope
-    # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps) -> (collapsed, post, comb); (out, streams,
-    # post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps) -> the HyperHead's collapse
+    # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps[, norm weight, its eps]) -> (collapsed (and
+    # normed), post, comb); (out, streams, post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps[,
+    # norm weight, its eps]) -> the HyperHead's collapse
     hc_pre: Callable = ref.hc_pre
     hc_post: Callable = ref.hc_post
     hc_head: Callable = ref.hc_head

@@ -9,7 +9,8 @@ Per token, streams X [n, d] (n = hc_mult, R = (2 + n) n mixing rows, or n for th
 `hc_pre` and `hc_head` are two launches: `_mix_kernel` splits n*d into K chunks over programs (a decode step has
 a few tokens but fn is R x n d: 1.5 MB for V4-Flash) and writes per-chunk partial dot products and sums of squares;
 `_finish_kernel` (one program per token) adds the chunks in a fixed order, normalises, runs the sigmoids and the
-Sinkhorn iterations in registers, and collapses the streams. The RMS factor multiplies the finished dot product
+Sinkhorn iterations in registers, and collapses the streams; given the block's norm weight it holds the whole row and
+applies that RMSNorm too (`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished dot product
 instead of every input: the same value within fp32 rounding. `hc_post` is one launch,
 X'[k] = post[k] out + sum_j comb[j, k] X[j], accumulated in fp32 and rounded once to the stream dtype.
 """
@@ -24,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .norm_rope import norm_rope_row
 from .policy import cdiv, next_pow2
 
 MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most): (n d) / 512 programs per token block
@@ -92,11 +94,12 @@ def _sigmoid(v):
 
 
 @triton.jit
-def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr, C, D, stride_xt, stride_pc,
-                   stride_pt, stride_ut, norm_eps, hc_eps, ITERS: tl.constexpr, N: tl.constexpr, RP: tl.constexpr,
-                   HEAD: tl.constexpr, BD: tl.constexpr):
+def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr, w_ptr, C, D, stride_xt, stride_pc,
+                   stride_pt, stride_ut, norm_eps, hc_eps, w_eps, ITERS: tl.constexpr, N: tl.constexpr,
+                   RP: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
     """One token: mixes from the chunk partials, then pre (and, unless HEAD, post and the Sinkhorn comb), then
-    u = sum_j pre[j] X[j] in fp32, stored in u's dtype."""
+    u = sum_j pre[j] X[j] in fp32, stored in u's dtype; NORM (BD >= D: the whole row at once): rounded to u's dtype,
+    then the RMSNorm by w (eps w_eps) before the store."""
     t = tl.program_id(0)
     j = tl.arange(0, N)
     mix_pre = tl.zeros([N], tl.float32)
@@ -125,13 +128,17 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_p
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
         tl.store(post_ptr + t * N + j, post)
         tl.store(comb_ptr + t * N * N + cell, comb)
+    dtype = u_ptr.dtype.element_ty
     for d0 in range(0, D, BD):
         dd = d0 + tl.arange(0, BD)
         dmask = dd < D
         xs = tl.load(x_ptr + t.to(tl.int64) * stride_xt + j[:, None] * D + dd[None, :], mask=dmask[None, :],
                      other=0.0).to(tl.float32)
         u = tl.sum(pre[:, None] * xs, axis=0)
-        tl.store(u_ptr + t.to(tl.int64) * stride_ut + dd, u.to(u_ptr.dtype.element_ty), mask=dmask)
+        if NORM:
+            u = norm_rope_row(u.to(dtype).to(tl.float32), dd, dmask, w_ptr, w_ptr, w_ptr, w_eps, dtype, D, BD, 2, 0,
+                              False)
+        tl.store(u_ptr + t.to(tl.int64) * stride_ut + dd, u.to(dtype), mask=dmask)
 
 
 @triton.jit
@@ -156,7 +163,7 @@ def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, stride_ot, stride
 
 
 def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-              norm_eps: float, head: bool):
+              norm_eps: float, head: bool, weight: torch.Tensor | None, weight_eps: float):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     xt = x.reshape(-1, n * d).contiguous()
     T, R = xt.shape[0], fn.shape[0]
@@ -166,14 +173,17 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     u = torch.empty(T, d, dtype=x.dtype, device=dev)
     post = torch.empty(T, n, dtype=torch.float32, device=dev)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
+    norm = weight is not None
+    bd = next_pow2(d) if norm else min(COLLAPSE_BD, next_pow2(d))
     if T:
         _mix_kernel[(plan.token_blocks, plan.chunks)](
             xt, fn.float().contiguous(), part, T, n * d, R, xt.stride(0), part.stride(0), part.stride(1),
             RP=plan.rows_p2, BT=MIX_TOKENS, CHUNK=plan.chunk, BK=MIX_BK)
         _finish_kernel[(T,)](
-            xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb, plan.chunks, d,
-            xt.stride(0), part.stride(0), part.stride(1), u.stride(0), norm_eps, hc_eps, ITERS=iters, N=n,
-            RP=plan.rows_p2, HEAD=head, BD=min(COLLAPSE_BD, next_pow2(d)))
+            xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
+            weight if norm else base, plan.chunks, d, xt.stride(0), part.stride(0), part.stride(1), u.stride(0),
+            norm_eps, hc_eps, weight_eps, ITERS=iters, N=n, RP=plan.rows_p2, HEAD=head, BD=bd, NORM=norm,
+            num_warps=16 if n * bd >= 32768 else 8 if n * bd >= 8192 else 4)
     return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
 
 
@@ -183,19 +193,22 @@ def takes(streams: torch.Tensor) -> bool:
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-           hc_eps: float, norm_eps: float, fallback=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Streams x [..., n, d] -> (collapsed [..., d] in x.dtype, post fp32 [..., n], comb fp32 [..., n, n])."""
+           hc_eps: float, norm_eps: float, weight: torch.Tensor | None = None, weight_eps: float = 0.0,
+           fallback=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Streams x [..., n, d] -> (collapsed [..., d] in x.dtype, post fp32 [..., n], comb fp32 [..., n, n]); with
+    `weight`, the collapse RMS-normalised by it (`ref.hc_pre`)."""
     if fallback is not None and not takes(x):
-        return fallback(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, head=False)
+        return fallback(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight, weight_eps)
+    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, weight, weight_eps)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float, fallback=None) -> torch.Tensor:
-    """Final collapse of the streams [..., n, d] -> [..., d] (a `pre` only)."""
+            norm_eps: float, weight: torch.Tensor | None = None, weight_eps: float = 0.0,
+            fallback=None) -> torch.Tensor:
+    """Final collapse of the streams [..., n, d] -> [..., d] (a `pre` only); with `weight`, RMS-normalised by it."""
     if fallback is not None and not takes(x):
-        return fallback(x, fn, base, scale, hc_eps, norm_eps)
-    return _collapse(x, fn, base, scale, 0, hc_eps, norm_eps, head=True)[0]
+        return fallback(x, fn, base, scale, hc_eps, norm_eps, weight, weight_eps)
+    return _collapse(x, fn, base, scale, 0, hc_eps, norm_eps, True, weight, weight_eps)[0]
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,

@@ -385,8 +385,10 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int,
-           hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Streams x [B, S, n, d] -> (collapsed [B, S, d] in x.dtype, post fp32 [B, S, n], comb fp32 [B, S, n, n])."""
+           hc_eps: float, norm_eps: float, weight: torch.Tensor | None = None,
+           weight_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Streams x [B, S, n, d] -> (collapsed [B, S, d] in x.dtype, post fp32 [B, S, n], comb fp32 [B, S, n, n]).
+    With `weight` (the block's attn_norm / ffn_norm) the collapsed rows come out `rms_norm`ed by it, eps weight_eps."""
     n = x.shape[-2]
     pre_w, post_w, comb_w = _mixes(x, fn, norm_eps).split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
@@ -394,7 +396,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
     comb = sinkhorn(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), sinkhorn_iters, hc_eps)
     collapsed = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
-    return collapsed, post, comb
+    return (collapsed if weight is None else rms_norm(collapsed, weight, weight_eps)), post, comb
 
 
 def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -408,7 +410,9 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float) -> torch.Tensor:
-    """Final collapse of the streams [B, S, n, d] -> [B, S, d]: a `pre` only (no post, no comb, no Sinkhorn)."""
+            norm_eps: float, weight: torch.Tensor | None = None, weight_eps: float = 0.0) -> torch.Tensor:
+    """Final collapse of the streams [B, S, n, d] -> [B, S, d]: a `pre` only (no post, no comb, no Sinkhorn); with
+    `weight` (the final norm's) `rms_norm`ed by it, eps weight_eps."""
     pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+    return collapsed if weight is None else rms_norm(collapsed, weight, weight_eps)

@@ -73,11 +73,11 @@ class Block(nn.Module):
         """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token. `ropes`: the forward's
         rope tables (shared by its layers)."""
         ops = self.ops
-        u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args)
-        u = ops.norm_rope(u, None, None, self.attn_norm.weight, self.attn_norm.eps)
+        u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args,
+                                   self.attn_norm.weight, self.attn_norm.eps)          # collapsed and normed
         x = ops.hc_post(self._summed(self.attn(u, positions, state, batch, ropes)), x, post, comb)
-        u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args)
-        u = ops.norm_rope(u, None, None, self.ffn_norm.weight, self.ffn_norm.eps)
+        u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args,
+                                   self.ffn_norm.weight, self.ffn_norm.eps)
         return ops.hc_post(self._summed(self.ffn(u, input_ids)), x, post, comb)
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
@@ -160,9 +160,9 @@ class Transformer(nn.Module):
                     norm: RMSNorm | None = None) -> torch.Tensor:
         """Streams [B, S, n, d] -> logits [B, S, vocab] through a HyperHead (the model's, or an MTP block's)."""
         fn, base, scale = hc or (self.hc_head_fn, self.hc_head_base, self.hc_head_scale)
-        y = self.ops.hc_head(streams, fn, base, scale, self.hc_eps, self.norm_eps)
         norm = norm or self.norm
-        logits = self.head(self.ops.norm_rope(y, None, None, norm.weight, norm.eps))
+        logits = self.head(self.ops.hc_head(streams, fn, base, scale, self.hc_eps, self.norm_eps, norm.weight,
+                                            norm.eps))                  # collapsed and normed
         return logits if self.comm is None else self.comm.gather_last(logits, self.vocab_sizes)
 
     @torch.inference_mode()
