@@ -222,6 +222,14 @@ def attention_and_mhc(run: Run, record) -> None:
     y = run.ops.hc_head(x, fn[:n], base[:n], scale[:1], 1e-6, 1e-6)
     record(f"mhc hc_head T={T} d={d}", rel_err(y, ref.hc_head(x.float(), fn[:n], base[:n], scale[:1], 1e-6, 1e-6)),
            1e-2, written=bool(torch.isfinite(y).all()))
+    w = torch.rand(d, device=dev, generator=gen) + 0.5               # the collapse with the block's norm fused
+    u = run.ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)[0]
+    want = ref.hc_pre(x.float(), fn, base, scale, 20, 1e-6, 1e-6, w, 1e-6)[0]
+    record(f"mhc hc_pre + norm T={T} d={d}", rel_err(u, want), 1e-2, written=bool(torch.isfinite(u).all()))
+    y = run.ops.hc_head(x, fn[:n], base[:n], scale[:1], 1e-6, 1e-6, w, 1e-6)
+    record(f"mhc hc_head + norm T={T} d={d}", rel_err(y, ref.hc_head(x.float(), fn[:n], base[:n], scale[:1], 1e-6,
+                                                                     1e-6, w, 1e-6)), 1e-2,
+           written=bool(torch.isfinite(y).all()))
 
 
 def ragged_step(run: Run) -> tuple[tuple[int, ...], tuple[int, ...]]:
