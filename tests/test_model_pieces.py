@@ -365,3 +365,26 @@ def test_fused_projections_give_the_separate_products_logits():
     assert set(model.state_dict()) == keys
     got = decode_logits()
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_router_logits_are_fp32_products_of_the_bf16_values():
+    """The gate computes in fp32 from bf16 activations and weights (DeepSeek's reference does), before and after the
+    device placement stores its weight in fp32 (`Gate.widen_`): the same logits, not rounded to bf16."""
+    from dsv4.config import ModelConfig
+    from dsv4.kernels import Ops
+    from dsv4.model.linear import DENSE
+    from dsv4.model.moe import Gate
+    from dsv4.model.linear import Builder
+
+    cfg = ModelConfig.tiny()
+    gate = Gate(cfg, 3, Builder({}, torch.bfloat16, Ops.reference()))
+    assert gate.format == DENSE
+    g = torch.Generator().manual_seed(0)
+    gate.weight = torch.randn(cfg.n_routed_experts, cfg.hidden_size, generator=g).bfloat16()
+    x = torch.randn(5, cfg.hidden_size, generator=g).bfloat16()
+    want = x.double() @ gate.weight.double().T
+    got = gate(x)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(got, got.bfloat16().float())                 # more than bf16 holds
+    assert gate.widen_() and gate.weight.dtype == torch.float32
+    assert torch.equal(gate(x), got)

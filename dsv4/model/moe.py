@@ -11,6 +11,7 @@ Module layout (the two places where module paths are not canonical names):
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -18,6 +19,8 @@ from .linear import Builder, QLinear
 
 
 class Gate(QLinear):
+    """The router's projection: logits in fp32, as DeepSeek's reference computes them (x and W in fp32)."""
+
     def __init__(self, cfg: ModelConfig, layer: int, b: Builder):
         super().__init__(cfg.hidden_size, cfg.n_routed_experts, b.format("gate"), b.dtype, b.ops)
         self.hash = cfg.is_hash_layer(layer)
@@ -25,6 +28,21 @@ class Gate(QLinear):
             self.register_buffer("tid2eid", torch.empty(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
         else:
             self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] -> fp32 logits [..., E]: a dense weight multiplies x in fp32 (exact products of bf16 values,
+        fp32 sums; `widen_` stores the weight in fp32 once so that no call converts it); a quantized one runs its
+        kernel and the logits are widened."""
+        if self.format.fmt == "dense":
+            return F.linear(x.float(), self.weight.float())
+        return self.ops.linear(x, self.qweight()).float()
+
+    def widen_(self) -> bool:
+        """Store a dense weight in fp32 (the device placement: 2 bytes more per weight, no conversion per step);
+        returns whether the weight is fp32 now."""
+        if self.format.fmt == "dense" and self.weight.dtype != torch.float32:
+            self.weight = self.weight.float()
+        return self.format.fmt == "dense"
 
 
 class Experts(nn.Module):

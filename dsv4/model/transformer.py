@@ -23,7 +23,7 @@ from ..kernels import Ops
 from ..parallel import Communicator, Shard
 from .attention import Attention
 from .linear import Builder, LinearFormat, QLinear
-from .moe import MoE
+from .moe import Gate, MoE
 from .norm_rope import RMSNorm, StepRope
 from .state import LayerState, SeqBatch
 
@@ -193,10 +193,14 @@ class Transformer(nn.Module):
         return sum(m.fuse_projections_() for m in self.modules() if isinstance(m, Attention))
 
     def prepare_for_kernels_(self) -> None:
-        """The device placement's layout for the GPU kernels: weights tile-major (`tile_weights_`) and fused
-        projections (`fuse_projections_`). The loader and the dummy builders' callers run it on CUDA."""
+        """The device placement's layout for the GPU kernels: weights tile-major (`tile_weights_`), fused
+        projections (`fuse_projections_`) and the routers' dense weights in fp32 (`Gate.widen_`). The loader and the
+        dummy builders' callers run it on CUDA."""
         self.tile_weights_()
         self.fuse_projections_()
+        for m in self.modules():
+            if isinstance(m, Gate):
+                m.widen_()
 
     def num_parameters(self, include_mtp: bool = False) -> int:
         """Logical (dequantized) parameter count: gate biases in; tid2eid, quantization scales, rope out."""
