@@ -74,6 +74,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--context", type=int, default=140)
     ap.add_argument("--format", default="nvfp4-experts")
+    ap.add_argument("--as-gpu", action="store_true", help="plan every call as for an H200 (132 SMs, the GPU's choices "
+                    "of split-K, streams aside) while the kernels still run interpreted")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -96,6 +98,14 @@ def main(argv=None) -> dict:
                            SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     while any(s.num_cached < args.context for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()                                   # prefill, on the reference table (fast on the CPU)
+    if args.as_gpu:
+        import dsv4.kernels.attention as attention_kernels
+        import dsv4.kernels.dispatch as dispatch
+        import dsv4.kernels.gemv_launch as gemv_launch
+        from dsv4.kernels.policy import Device
+        gpu = Device(sms=132, gpu=True, interpreted=True, pdl=False)
+        dispatch.device_info = lambda device: gpu
+        attention_kernels.num_sms = gemv_launch.num_sms = lambda device: 132
     table = Ops.triton()                                # the decode step: the GPU's table (fallbacks are counted
     for m in model.modules():                           # by their ATen ops, as on the GPU)
         if hasattr(m, "ops"):
