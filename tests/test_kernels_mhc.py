@@ -99,3 +99,26 @@ def test_collapse_with_the_blocks_norm(T, n, d, dtype):
     y = mhc.hc_head(x, fh, bh, sh[:1], EPS, EPS, w, 1e-5)
     assert rel(y, norm_rope.norm_rope(mhc.hc_head(x, fh, bh, sh[:1], EPS, EPS), None, None, w, 1e-5)) <= bound
     assert rel(y, ref.hc_head(x, fh, bh, sh[:1], EPS, EPS, w, 1e-5)) <= 2 * bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T, n, d", [(5, 4, 256), (1, 4, 1024)])
+def test_post_then_pre_in_two_launches(T, n, d, dtype):
+    """hc_post_pre (the residual update made inside the next collapse's mixing launch) gives the streams of hc_post
+    bit for bit and the collapse of hc_pre on them, and equals the reference's hc_post then hc_pre."""
+    x = streams(T, n, d, seed=21, dtype=dtype)
+    g = torch.Generator().manual_seed(22)
+    out = torch.randn(2, T, d, generator=g).to(dtype)
+    fn0, base0, scale0 = params(n, d, (2 + n) * n, seed=23)
+    _, post, comb = mhc.hc_pre(x, fn0, base0, scale0, 20, EPS, EPS)
+    fn, base, scale = params(n, d, (2 + n) * n, seed=24)
+    w = torch.rand(d, generator=g) + 0.5
+    new, u, p, c = mhc.hc_post_pre(out, x, post, comb, fn, base, scale, 20, EPS, EPS, w, 1e-5)
+    apart = mhc.hc_post(out, x, post, comb)
+    assert new.dtype == dtype and torch.equal(new, apart)
+    for mine, theirs in zip((u, p, c), mhc.hc_pre(apart, fn, base, scale, 20, EPS, EPS, w, 1e-5)):
+        assert torch.equal(mine, theirs)
+    want = ref.hc_post_pre(out, x, post, comb, fn, base, scale, 20, EPS, EPS, w, 1e-5)
+    bound = 4e-6 if dtype == torch.float32 else 2.0 ** -6
+    for mine, theirs in zip((new, u, p, c), want):
+        assert rel(mine, theirs) <= bound

@@ -41,10 +41,12 @@ class Ops:
     norm_rope: Callable = ref.norm_rope
     # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps[, norm weight, its eps]) -> (collapsed (and
     # normed), post, comb); (out, streams, post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps[,
-    # norm weight, its eps]) -> the HyperHead's collapse
+    # norm weight, its eps]) -> the HyperHead's collapse; (out, streams, post, comb, then hc_pre's arguments after the
+    # streams) -> (new streams, collapsed, post, comb): one sub-block's update and the next one's collapse
     hc_pre: Callable = ref.hc_pre
     hc_post: Callable = ref.hc_post
     hc_head: Callable = ref.hc_head
+    hc_post_pre: Callable = ref.hc_post_pre
     w4a4: bool = False        # NVFP4 weights with an input_scale run the W4A4 emulation (Blackwell numerics)
     reads_tiled: bool = False  # the kernels read tile-major weights (the loader stores them so on CUDA)
 
@@ -76,7 +78,8 @@ class Ops:
                   compress=compressor.compress, index_picks=indexer.index_picks, norm_rope=norm_rope.norm_rope,
                   hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
                   hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
-                  hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)), reads_tiled=True)
+                  hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)),
+                  hc_post_pre=partial(mhc.hc_post_pre, fallback=fallback(ref.hc_post_pre)), reads_tiled=True)
         return emulation.variant(ops) if w4a4 else ops
 
     def emulates(self, w: QWeight) -> bool:

@@ -13,6 +13,9 @@ Sinkhorn iterations in registers, and collapses the streams; given the block's n
 applies that RMSNorm too (`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished dot product
 instead of every input: the same value within fp32 rounding. `hc_post` is one launch,
 X'[k] = post[k] out + sum_j comb[j, k] X[j], accumulated in fp32 and rounded once to the stream dtype.
+`hc_post_pre` (a sub-block's update, then the next sub-block's collapse) computes X' inside the mixing launch
+(`_post_mix_kernel`: each program makes the columns of X' it multiplies, from the same columns of every stream, as
+`_post_kernel` does, and stores them), then `_finish_kernel`: two launches for what `hc_post` + `hc_pre` do in three.
 """
 
 from __future__ import annotations
@@ -83,6 +86,41 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_p
         w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         ss += tl.sum(x * x, axis=1)
+    base = part_ptr + c * stride_pc + t[:, None] * stride_pt
+    tl.store(base + r[None, :], acc, mask=tmask[:, None])
+    tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
+
+
+@triton.jit
+def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, K, R, D, stride_ot, stride_xt,
+                     stride_yt, stride_pc, stride_pt, N: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
+                     CHUNK: tl.constexpr, BK: tl.constexpr):
+    """`_mix_kernel` of the updated streams y = X' (stored in y's dtype as they are made, `_post_kernel`'s sum order):
+    column k of the flattened y is stream s = k // D, y[s, col] = post[s] out[col] + sum_j comb[j, s] X[j, col]
+    (D a multiple of BK: a BK block lies in one stream)."""
+    tb, c = tl.program_id(0), tl.program_id(1)
+    t = tb * BT + tl.arange(0, BT)
+    r = tl.arange(0, RP)
+    tmask, rmask = t < T, r < R
+    t64 = t.to(tl.int64)
+    dtype = y_ptr.dtype.element_ty
+    acc = tl.zeros([BT, RP], tl.float32)
+    ss = tl.zeros([BT], tl.float32)
+    for k0 in range(c * CHUNK, (c + 1) * CHUNK, BK):
+        s = k0 // D
+        col = k0 - s * D + tl.arange(0, BK)
+        o = tl.load(out_ptr + t64[:, None] * stride_ot + col[None, :], mask=tmask[:, None], other=0.0)
+        y = tl.load(post_ptr + t * N + s, mask=tmask, other=0.0)[:, None] * o.to(tl.float32)
+        for j in tl.static_range(N):
+            xj = tl.load(x_ptr + t64[:, None] * stride_xt + j * D + col[None, :], mask=tmask[:, None], other=0.0)
+            y += tl.load(comb_ptr + t * N * N + j * N + s, mask=tmask, other=0.0)[:, None] * xj.to(tl.float32)
+        k = k0 + tl.arange(0, BK)
+        y = y.to(dtype)
+        tl.store(y_ptr + t64[:, None] * stride_yt + k[None, :], y, mask=tmask[:, None])
+        yf = y.to(tl.float32)
+        w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
+        acc += tl.sum(yf[:, None, :] * w[None, :, :], axis=2)
+        ss += tl.sum(yf * yf, axis=1)
     base = part_ptr + c * stride_pc + t[:, None] * stride_pt
     tl.store(base + r[None, :], acc, mask=tmask[:, None])
     tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
@@ -163,9 +201,14 @@ def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, stride_ot, stride
 
 
 def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-              norm_eps: float, head: bool, weight: torch.Tensor | None, weight_eps: float):
+              norm_eps: float, head: bool, weight: torch.Tensor | None, weight_eps: float, update=None):
+    """The collapse of streams x; with `update` = (out, post, comb), of the streams hc_post(out, x, post, comb),
+    which the mixing launch makes and stores (returned fourth)."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     xt = x.reshape(-1, n * d).contiguous()
+    src = xt
+    if update is not None:
+        xt = torch.empty_like(src)
     T, R = xt.shape[0], fn.shape[0]
     plan = plan_hc(T, n, d, R)
     dev = x.device
@@ -175,16 +218,24 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     comb = torch.empty(T, n, n, dtype=torch.float32, device=dev)
     norm = weight is not None
     bd = next_pow2(d) if norm else min(COLLAPSE_BD, next_pow2(d))
-    if T:
+    if T and update is not None:
+        out, post_in, comb_in = update
+        o = out.reshape(-1, d).contiguous()
+        _post_mix_kernel[(plan.token_blocks, plan.chunks)](
+            o, src, post_in.reshape(T, n).float().contiguous(), comb_in.reshape(T, n, n).float().contiguous(), xt,
+            fn.float().contiguous(), part, T, n * d, R, d, o.stride(0), src.stride(0), xt.stride(0), part.stride(0),
+            part.stride(1), N=n, RP=plan.rows_p2, BT=MIX_TOKENS, CHUNK=plan.chunk, BK=MIX_BK)
+    elif T:
         _mix_kernel[(plan.token_blocks, plan.chunks)](
             xt, fn.float().contiguous(), part, T, n * d, R, xt.stride(0), part.stride(0), part.stride(1),
             RP=plan.rows_p2, BT=MIX_TOKENS, CHUNK=plan.chunk, BK=MIX_BK)
+    if T:
         _finish_kernel[(T,)](
             xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
             weight if norm else base, plan.chunks, d, xt.stride(0), part.stride(0), part.stride(1), u.stride(0),
             norm_eps, hc_eps, weight_eps, ITERS=iters, N=n, RP=plan.rows_p2, HEAD=head, BD=bd, NORM=norm,
             num_warps=16 if n * bd >= 32768 else 8 if n * bd >= 8192 else 4)
-    return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n)
+    return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n), xt.view(x.shape)
 
 
 def takes(streams: torch.Tensor) -> bool:
@@ -199,7 +250,20 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     `weight`, the collapse RMS-normalised by it (`ref.hc_pre`)."""
     if fallback is not None and not takes(x):
         return fallback(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight, weight_eps)
-    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, weight, weight_eps)
+    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, weight, weight_eps)[:3]
+
+
+def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                weight: torch.Tensor | None = None, weight_eps: float = 0.0, fallback=None):
+    """`hc_post` then `hc_pre` of its streams in two launches (module docstring) -> (new streams, collapsed, post,
+    comb), as `ref.hc_post_pre`."""
+    if fallback is not None and not (takes(streams) and streams.shape[-1] % MIX_BK == 0):
+        return fallback(out, streams, post, comb, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight,
+                        weight_eps)
+    u, p, c, new = _collapse(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, False, weight, weight_eps,
+                             (out, post, comb))
+    return new, u, p, c
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,

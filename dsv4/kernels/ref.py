@@ -409,6 +409,15 @@ def hc_post(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: 
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
+def hc_post_pre(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                weight: torch.Tensor | None = None, weight_eps: float = 0.0):
+    """One sub-block's residual update and the next one's collapse: the new streams `hc_post(out, streams, post,
+    comb)`, then `hc_pre` of them -> (new streams, collapsed, post, comb)."""
+    new = hc_post(out, streams, post, comb)
+    return (new, *hc_pre(new, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight, weight_eps))
+
+
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
             norm_eps: float, weight: torch.Tensor | None = None, weight_eps: float = 0.0) -> torch.Tensor:
     """Final collapse of the streams [B, S, n, d] -> [B, S, d]: a `pre` only (no post, no comb, no Sinkhorn); with

@@ -28,6 +28,9 @@ from .norm_rope import RMSNorm, StepRope
 from .state import LayerState, SeqBatch
 
 
+Pending = tuple[torch.Tensor, torch.Tensor, torch.Tensor]    # a residual update not yet applied: (out, post, comb)
+
+
 def _hc_buffers(module: nn.Module, prefix: str, rows: int, cols: int, n_scales: int) -> None:
     """mHC parameters `{prefix}_fn [rows, cols]`, `_base [rows]`, `_scale [n_scales]`, fp32."""
     for leaf, shape in (("fn", (rows, cols)), ("base", (rows,)), ("scale", (n_scales,))):
@@ -68,17 +71,28 @@ class Block(nn.Module):
         self.ops, self.comm = b.ops, b.comm
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
-                state: LayerState | None = None, batch: SeqBatch | None = None,
-                ropes: StepRope | None = None) -> torch.Tensor:
-        """Streams x [B, S, n, d] -> [B, S, n, d]. Everything but attention is per token. `ropes`: the forward's
-        rope tables (shared by its layers)."""
+                state: LayerState | None = None, batch: SeqBatch | None = None, ropes: StepRope | None = None,
+                pending: Pending | None = None) -> tuple[torch.Tensor, Pending]:
+        """Streams x [B, S, n, d] -> (streams, pending): the block's attention residual is applied to the streams,
+        its MoE's is returned as pending (MoE output, post, comb), which the next block's collapse applies in the
+        same launches (`Ops.hc_post_pre`) or `settle` applies. `pending`: the previous block's, applied here first
+        the same way. Everything but attention is per token. `ropes`: the forward's rope tables (shared by its
+        layers)."""
         ops = self.ops
-        u, post, comb = ops.hc_pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args,
-                                   self.attn_norm.weight, self.attn_norm.eps)          # collapsed and normed
-        x = ops.hc_post(self._summed(self.attn(u, positions, state, batch, ropes)), x, post, comb)
-        u, post, comb = ops.hc_pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc_args,
-                                   self.ffn_norm.weight, self.ffn_norm.eps)
-        return ops.hc_post(self._summed(self.ffn(u, input_ids)), x, post, comb)
+        attn = (self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc_args, self.attn_norm.weight,
+                self.attn_norm.eps)                                  # the collapse comes out normed
+        if pending is None:
+            u, post, comb = ops.hc_pre(x, *attn)
+        else:
+            x, u, post, comb = ops.hc_post_pre(pending[0], x, pending[1], pending[2], *attn)
+        a = self._summed(self.attn(u, positions, state, batch, ropes))
+        x, u, post, comb = ops.hc_post_pre(a, x, post, comb, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale,
+                                           *self.hc_args, self.ffn_norm.weight, self.ffn_norm.eps)
+        return x, (self._summed(self.ffn(u, input_ids)), post, comb)
+
+    def settle(self, x: torch.Tensor, pending: Pending) -> torch.Tensor:
+        """The streams with a pending residual update applied (`forward`)."""
+        return self.ops.hc_post(pending[0], x, pending[1], pending[2])
 
     def _summed(self, partial: torch.Tensor) -> torch.Tensor:
         """A sub-block's output: on tensor-parallel ranks the sum of their partial outputs."""
@@ -103,7 +117,7 @@ class MTPBlock(Block):
                 next_ids: torch.Tensor, state=None) -> torch.Tensor:
         """Main-model streams [B, S, n, d] at t and embed(token t+1) [B, S, d] -> the draft's streams."""
         x = self.e_proj(self.enorm(next_embed)).unsqueeze(2) + self.h_proj(self.hnorm(streams))
-        return super().forward(x, positions, next_ids, state)
+        return self.settle(*super().forward(x, positions, next_ids, state))
 
 
 class Transformer(nn.Module):
@@ -151,10 +165,12 @@ class Transformer(nn.Module):
             h = self.embed(input_ids)
             x = h.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
         ropes = StepRope(positions)                                  # cos / sin once per rope, for every layer
+        pending = None                                               # a block's MoE residual, applied by the next
         for i in self.stage:
-            x = self.layers[i](x, positions, input_ids, None if states is None else states[i - self.stage.start],
-                               batch, ropes)
-        return x
+            x, pending = self.layers[i](x, positions, input_ids,
+                                        None if states is None else states[i - self.stage.start], batch, ropes,
+                                        pending)
+        return x if pending is None else self.layers[self.stage[-1]].settle(x, pending)
 
     def head_logits(self, streams: torch.Tensor, hc: tuple[torch.Tensor, ...] | None = None,
                     norm: RMSNorm | None = None) -> torch.Tensor:
