@@ -130,3 +130,29 @@ def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeyp
         logits.append(torch.cat(out))
     got, want = logits
     assert (got - want).abs().max() / want.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+@pytest.mark.parametrize("split", [0, 2])
+def test_a_decode_step_updates_the_rings_in_the_attention_launch(ratio, split):
+    """update_ring on a decode step (one token per sequence; rings full, part full, empty): the same output as
+    without it, and the rings `write_ring` leaves; the reference twin does the same."""
+    starts, lengths = (150, 5, 0), (1, 1, 1)          # CSA: 37 of the 48 entries the pages hold
+    q, kv, ring, entries, picks, steps, pages, sinks = make_step(40 + ratio, ratio, starts, lengths)
+    want = sparse_attention(q, kv, ring.clone(), entries, picks, steps, ratio, sinks, D ** -0.5, split=split)
+    want_ring = ring.clone()
+    write_ring(want_ring, kv, steps)
+    mine, theirs = ring.clone(), ring.clone()
+    got = sparse_attention(q, kv, mine, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True,
+                           split=split)
+    twin = ref.sparse_attention(q, kv, theirs, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True)
+    assert torch.equal(got, want) and torch.equal(mine, want_ring) and torch.equal(theirs, want_ring)
+    assert (twin - want).abs().max() / want.abs().max() < 1e-5
+    spaced = torch.randn(ring.shape[0], W + 3, D)[:, :W]                # slots further apart: written in place
+    spaced.copy_(ring)
+    got = sparse_attention(q, kv, spaced, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True,
+                           split=split)
+    assert torch.equal(got, want) and torch.equal(spaced, want_ring)
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        sparse_attention(q, kv, torch.randn(ring.shape[0], W, 2 * D)[..., :D], entries, picks, steps, ratio, sinks,
+                         D ** -0.5, update_ring=True)

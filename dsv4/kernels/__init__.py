@@ -29,7 +29,8 @@ class Ops:
     moe: Callable             # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
     grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
     # cached attention of a ragged step: (q [N, H, D], kv [N, D], ring, entries, picks, StepTokens, ratio, sinks,
-    # scale, max_entries) -> [N, H, D]; and the step's rows into the rings
+    # scale, max_entries, update_ring: also write the rings, decode steps only) -> [N, H, D]; and the step's rows into
+    # the rings
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
     # a compressor's step for every sequence (kv, gate logits [N, width], ape [ratio, width], StepTokens, state,

@@ -16,7 +16,10 @@ GPU (a small decode batch), the keys are split too (flash-decoding): program s =
 1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum) in
 a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding
 positions in (p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys
-score -inf. The sink joins only the denominator. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16
+score -inf. The sink joins only the denominator. `update_ring` (decode steps: one token per sequence) also writes
+each token's row into its ring at row p mod W, from the program of head block 0 and share 0 before it reads any key:
+the row it replaces holds position p - W, which no query of the step sees, so every program's read of that row is
+masked whatever it finds there. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16
 on the GPU; fp32 in the interpreter, whose bf16 dot is wrong).
 """
 
@@ -66,6 +69,7 @@ class Shape(NamedTuple):
     BK: int                    # keys per block
     DOT: object                # operand dtype of the products
     SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
+    UPDATE_RING: bool          # the step's rows into the rings (decode steps)
 
 
 @triton.jit
@@ -101,6 +105,9 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     first = tl.load(steps.first + b)
     h = hb * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
+    if L.UPDATE_RING:      # first: the row it replaces (position p - W) is masked for every query of the step
+        if (hb == 0) & (part == 0):
+            tl.store(T.ring + slot * S.ring_slot + (p % W) * D + d, tl.load(T.kv + t.to(tl.int64) * S.kv_t + d))
     q = tl.load(T.q + t.to(tl.int64) * S.q_t + h[:, None] * S.q_h + d[None, :], mask=(h < H)[:, None], other=0.0)
     acc = tl.zeros([BH, D], tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
@@ -193,17 +200,17 @@ def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.conste
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float, max_entries: int | None = None, split: int | None = None,
+                     scale: float, max_entries: int | None = None, update_ring: bool = False, split: int | None = None,
                      dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
     """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
     goes to `fallback` (the reference), or raises without one. max_entries: a bound on the entries any token sees
-    (HCA; by default what the pages hold), which sizes the key split; split: the split itself, else planned
-    (`attention_split`)."""
+    (HCA; by default what the pages hold), which sizes the key split; update_ring: also `write_ring` (the caller
+    guarantees one token per sequence); split: the split itself, else planned (`attention_split`)."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
         if fallback is not None:
-            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale, max_entries)
+            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale, max_entries, update_ring)
         raise ValueError(f"sparse_attention needs a power-of-two head_dim >= 16, got {D}")
     o = torch.empty_like(q)
     if N == 0:
@@ -215,11 +222,16 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     BH = max(16, min(64, next_pow2(H), 16384 // D))
     BK = 16 if D > 256 else 32
     warps = 8 if BH * D >= 16384 else 4
-    ent = entries if entries is not None else ring              # never read when RATIO = 0
+    ent = entries if entries is not None else kv     # never read when RATIO = 0 (not the ring, which may be written)
     E = entries.shape[1] if entries is not None else 1
     K = picks.shape[1] if picks is not None else 0
     pk = picks.contiguous() if picks is not None else steps.seq
-    kv, ring, ent = kv.contiguous(), ring.contiguous(), ent.contiguous()
+    if ring.stride(2) != 1 or ring.stride(1) != D:        # rows of D values; any slot stride
+        if update_ring:
+            raise ValueError(f"update_ring writes the rings in place: their rows must be contiguous, got strides "
+                             f"{ring.stride()}")
+        ring = ring.contiguous()
+    kv, ent = kv.contiguous(), ent.contiguous()
     tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
                       kv.stride(0))
@@ -232,7 +244,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
         part_o = torch.empty(N, H, split + 1, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(N, H, split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split)
+    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split, update_ring)
     _attention_kernel[(N, triton.cdiv(H, BH), split + 1)](tensors, steps, strides, H, scale, shape, num_warps=warps)
     if split:
         bh = 8 if D > 256 else 16
@@ -278,6 +290,9 @@ def write_ring(ring: torch.Tensor, kv: torch.Tensor, steps: StepTokens) -> None:
         return
     if D & (D - 1):
         raise ValueError(f"write_ring needs a power-of-two head_dim, got {D}")
+    if ring.stride(2) != 1 or ring.stride(1) != D:
+        raise ValueError(f"write_ring writes the rings in place: their rows must be contiguous, got strides "
+                         f"{ring.stride()}")
     kv = kv.contiguous()
     _write_ring_kernel[(N,)](ring, kv, steps, N, steps.slot.shape[0], ring.stride(0), kv.stride(0), ring.shape[1], D,
                              num_warps=4)

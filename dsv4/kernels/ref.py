@@ -318,11 +318,13 @@ def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.T
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float, max_entries: int | None = None) -> torch.Tensor:
+                     scale: float, max_entries: int | None = None, update_ring: bool = False) -> torch.Tensor:
     """Cached attention of a ragged step (`kernels.attention.sparse_attention`'s contract): per sequence, its ring,
     its step rows and its entries (HCA: all visible ones; CSA: the picks [N, K], -1 = none) through its page table,
     with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]. max_entries:
-    a bound on the entries any token sees (the kernel's key split; unused here)."""
+    a bound on the entries any token sees (the kernel's key split; unused here). update_ring: then the step's rows
+    into the rings as `write_ring` does (the kernel writes them in the same launch, which is right only for a decode
+    step: one token per sequence)."""
     W, out = ring.shape[1], []
     for b, (slot, start, first, n) in enumerate(steps.spans()):
         tok = slice(first, first + n)
@@ -340,6 +342,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
                 entry_bias = causal_entry_bias(pos[None], count, ratio)
             keys, bias = torch.cat((keys, seq_entries)), torch.cat((bias, entry_bias), dim=-1)
         out.append(attend(q[None, tok], keys[None], bias, sinks, scale)[0])
+    if update_ring:
+        write_ring(ring, kv, steps)
     return torch.cat(out) if out else torch.empty_like(q)
 
 

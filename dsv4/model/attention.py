@@ -147,9 +147,12 @@ class Attention(nn.Module):
                 iq = ix.rotated_queries(qr, *ropes.at(self.rope))
                 picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4), ix.head_scale)
+        decode = batch.max_length == 1        # one token per sequence: the attention launch updates the rings
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
-                                      self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None)
-        self.ops.write_ring(state.window, kv[0], steps)
+                                      self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None,
+                                      update_ring=decode)
+        if not decode:
+            self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
 
     def _compress(self, compressor: Compressor, cstate, kv, score, window, batch: SeqBatch) -> None:
