@@ -69,6 +69,22 @@ def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
 
 
 @triton.jit
+def _mix_block(acc, ss, x, fn_ptr, r, rmask, k, K):
+    """One block of the flattened streams x fp32 [BT, BK] (columns k) into the partial products acc [BT, RP] and the
+    sums of squares ss [BT]."""
+    w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
+    return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2), ss + tl.sum(x * x, axis=1)
+
+
+@triton.jit
+def _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP: tl.constexpr):
+    """Chunk c's partials of tokens t: part[c, t, :RP] = acc, part[c, t, RP] = ss."""
+    base = part_ptr + c * stride_pc + t[:, None] * stride_pt
+    tl.store(base + r[None, :], acc, mask=tmask[:, None])
+    tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
+
+
+@triton.jit
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_pt,
                 RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr):
     """Partial products of chunk c: part[c, t, r] = sum_{k in chunk} fn[r, k] x[t, k] for r < R, and
@@ -82,13 +98,8 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_p
     for k0 in range(c * CHUNK, (c + 1) * CHUNK, BK):
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=tmask[:, None], other=0.0)
-        x = x.to(tl.float32)
-        w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-        ss += tl.sum(x * x, axis=1)
-    base = part_ptr + c * stride_pc + t[:, None] * stride_pt
-    tl.store(base + r[None, :], acc, mask=tmask[:, None])
-    tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
+        acc, ss = _mix_block(acc, ss, x.to(tl.float32), fn_ptr, r, rmask, k, K)
+    _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP)
 
 
 @triton.jit
@@ -117,13 +128,8 @@ def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr
         k = k0 + tl.arange(0, BK)
         y = y.to(dtype)
         tl.store(y_ptr + t64[:, None] * stride_yt + k[None, :], y, mask=tmask[:, None])
-        yf = y.to(tl.float32)
-        w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
-        acc += tl.sum(yf[:, None, :] * w[None, :, :], axis=2)
-        ss += tl.sum(yf * yf, axis=1)
-    base = part_ptr + c * stride_pc + t[:, None] * stride_pt
-    tl.store(base + r[None, :], acc, mask=tmask[:, None])
-    tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
+        acc, ss = _mix_block(acc, ss, y.to(tl.float32), fn_ptr, r, rmask, k, K)
+    _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP)
 
 
 @triton.jit
