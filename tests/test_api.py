@@ -157,3 +157,34 @@ def test_import_stays_light_and_llm_is_exported():
     probe = "import sys, dsv4; print('torch' in sys.modules, 'LLM' in dsv4.__all__)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.stdout.split() == ["False", "True"], done.stderr
+
+
+def test_a_stop_string_found_while_the_next_step_runs_drops_that_steps_token(llm):
+    """The stop string is seen when its token renders, while the next step already computes a row for the sequence:
+    that row's token is dropped, the sequence ends as if it had stopped at once, and a request beside it gets the
+    tokens it gets alone; afterwards every slot and page is free."""
+    greedy = dsv4.SamplingParams(temperature=0, max_tokens=12)
+    text = llm.generate("Hello", greedy)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    beside = dsv4.SamplingParams(temperature=0.9, seed=4, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("Bonjour", beside)[0].outputs[0].token_ids
+    engine = llm.engine
+    plans, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append([s.request_id for s, _ in plan])
+        return plan
+    engine.scheduler.schedule = recording
+    try:
+        outs = llm.generate(["Hello", "Bonjour"], [dsv4.SamplingParams(temperature=0, max_tokens=12, stop=[stop]),
+                                                   beside], use_tqdm=False)
+    finally:
+        del engine.scheduler.schedule
+    cut = outs[0].outputs[0]
+    assert cut.text == text[:text.index(stop)] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    stopped = outs[0].request_id
+    assert sum(stopped in p for p in plans) == len(cut.token_ids) + 1   # one more step ran it: its token dropped
+    assert outs[1].outputs[0].token_ids == alone
+    assert len(engine.scheduler.free_slots) == engine.cache.num_slots
+    assert engine.scheduler.pages.num_free == engine.cache.num_pages

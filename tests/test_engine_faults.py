@@ -88,7 +88,7 @@ def test_sampler_fault_ends_only_its_request(model, alone, monkeypatch, after_dr
         mine = bad.params.seed in batch.seeds.tolist()
         calls.append(mine)
         out = real_sample(logits, batch) if after_draw else None
-        if mine and len(bad.tracker.token_ids) == 2:
+        if mine and bad.tracker.num_sampled == 2:
             raise RuntimeError("injected sampler fault")
         return out if after_draw else real_sample(logits, batch)
 

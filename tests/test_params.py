@@ -267,3 +267,41 @@ def test_logprobs_accumulate(tok):
     with pytest.raises(ValueError, match="logprobs were requested"):
         t.append(3)
     assert OutputTracker(SamplingParams(), tok).output().cumulative_logprob is None
+
+
+def test_accept_then_render_matches_append():
+    """accept says at once whether a token ends the sequence (EOS, stop id, max_tokens); readers see rendered tokens
+    only; a stop string found in rendering drops the accepted tokens after it; fail drops unrendered tokens, finish
+    renders them first."""
+    t = OutputTracker(SamplingParams(stop=["</answer>"], max_tokens=8), PieceTokenizer())
+    assert [t.accept(i) for i in (0, 1, 2)] == [False, False, False]
+    assert (t.token_ids, t.num_sampled, t.output().text, t.output().token_ids) == ([], 3, "", [])
+    assert t.render() and t.text == "Hello <" and t.token_ids == [0, 1, 2] and not t.render()
+    for i in (3, 4, 5):                                   # "</ans" "wer>" complete the stop string; "!" comes after
+        assert not t.accept(i)
+    assert t.sampled_ids(1, 6) == [1, 2, 3, 4, 5]
+    t.render()
+    want, _ = run(SamplingParams(stop=["</answer>"], max_tokens=8), [0, 1, 2, 3, 4, 5])
+    assert (t.text, t.token_ids, t.finish_reason, t.stop_reason, t.num_sampled) == \
+        (want.text, want.token_ids, "stop", "</answer>", 5)
+
+    eos = OutputTracker(SamplingParams(), PieceTokenizer())
+    assert not eos.accept(0) and eos.accept(99)          # EOS ends it: nothing more may be taken before it renders
+    with pytest.raises(RuntimeError, match="already finished"):
+        eos.accept(1)
+    eos.render()
+    assert (eos.text, eos.finish_reason, eos.token_ids) == ("Hel", "stop", [0, 99])
+    assert OutputTracker(SamplingParams(max_tokens=2), PieceTokenizer()).accept(0) is False
+    short = OutputTracker(SamplingParams(max_tokens=2), PieceTokenizer())
+    assert [short.accept(0), short.accept(1)] == [False, True]
+
+    aborted = OutputTracker(SamplingParams(), PieceTokenizer())
+    aborted.accept(0)
+    aborted.accept(1)
+    aborted.finish("abort")
+    assert (aborted.text, aborted.token_ids, aborted.finish_reason) == ("Hello", [0, 1], "abort")
+    failed = OutputTracker(SamplingParams(), PieceTokenizer())
+    failed.append(0)
+    failed.accept(1)
+    failed.fail("error", "boom")
+    assert (failed.text, failed.token_ids, failed.num_sampled, failed.error) == ("Hel", [0], 1, "boom")

@@ -186,3 +186,72 @@ def test_a_cache_smaller_than_one_sequence_is_refused(small_engine_model):
     with pytest.raises(CacheCapacityError, match=r"holds 1 pages of 256 tokens \(256 tokens\), fewer than one sequence "
                                                  "of max_model_len=512"):
         Engine(small_engine_model, max_model_len=512, num_cache_pages=1)
+
+
+def test_a_steps_tokens_render_while_the_next_step_runs(small_engine_model):
+    """Token k (k >= 2) is rendered, and its callback called, after the model forward of step k + 1 has been launched
+    and before that step's token is accepted; the first token and the last (max_tokens) render at once. The
+    while_running hook gets exactly the rendered sequences, and the outputs are those of a plain run."""
+    engine = Engine(small_engine_model, max_num_seqs=2)
+    events = []
+    real_forward = engine.model.forward
+
+    def forward(*args, **kwargs):
+        events.append("forward")
+        return real_forward(*args, **kwargs)
+    engine.model.forward = forward
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    seq = engine.add_request(rf.prompt_ids(12, seed=3), params,
+                             on_output=lambda s: events.append(("render", len(s.tracker.token_ids),
+                                                                s.tracker.num_sampled)))
+    hooked = []
+
+    def while_running(rendered):
+        hooked.append([(s.request_id, s.tracker.num_sampled) for s in rendered])
+    try:
+        while engine.has_unfinished():
+            engine.step(while_running=while_running)
+    finally:
+        del engine.model.forward
+    renders = [(i, e) for i, e in enumerate(events) if e != "forward"]
+    forwards_before = [events[:i].count("forward") for i, _ in renders]
+    assert [e[1] for _, e in renders] == [1, 2, 3, 4, 5]
+    assert [e[2] for _, e in renders] == [1, 2, 3, 4, 5]   # rendered before the step's own token was accepted
+    assert forwards_before == [1, 3, 4, 5, 5]               # token k >= 2 after step k + 1's forward; the last at once
+    assert hooked == [[], [], [(seq.request_id, 2)], [(seq.request_id, 3)], [(seq.request_id, 4)]]
+    alone = finish_all(Engine(small_engine_model, max_num_seqs=1), [rf.prompt_ids(12, seed=3)], [params])[0]
+    assert seq.output().outputs[0].token_ids == alone.token_ids and alone.finish_reason == "length"
+
+
+def test_abort_renders_the_token_taken_before_it(small_engine_model):
+    engine = Engine(small_engine_model, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seq = engine.add_request(rf.prompt_ids(12, seed=4), params)
+    engine.step()
+    engine.step()
+    assert (len(seq.tracker.token_ids), seq.tracker.num_sampled) == (1, 2)
+    assert seq.output().outputs[0].token_ids == seq.tracker.token_ids          # a reader sees rendered tokens only
+    engine.abort(seq.request_id)
+    out = seq.output().outputs[0]
+    assert out.finish_reason == "abort" and len(out.token_ids) == 2
+    alone = finish_all(Engine(small_engine_model, max_num_seqs=1), [rf.prompt_ids(12, seed=4)], [params])[0]
+    assert out.token_ids == alone.token_ids[:2]
+    assert not engine.has_unfinished() and list(engine.scheduler.free_slots) == [0]
+
+
+def test_the_sampling_batch_is_rebuilt_only_when_the_rows_change(small_engine_model):
+    engine = Engine(small_engine_model, max_num_seqs=2)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=6, ignore_eos=True)
+    a = engine.add_request(rf.prompt_ids(12, seed=5), seeded)
+    engine.step()                                        # a's prefill
+    built = engine._sampling[1]
+    engine.step()                                        # a decodes: same rows, same columns, new counters
+    assert engine._sampling[1].temperature is built.temperature
+    assert engine._sampling[1].counters.tolist() == [1]
+    b = engine.add_request(rf.prompt_ids(9, seed=6), SamplingParams(temperature=0, max_tokens=3))
+    engine.step()                                        # a decodes and b prefills: the rows changed
+    assert engine._sampling[1].temperature is not built.temperature
+    while engine.has_unfinished():
+        engine.step()
+    alone = finish_all(Engine(small_engine_model, max_num_seqs=1), [rf.prompt_ids(12, seed=5)], [seeded])[0]
+    assert a.output().outputs[0].token_ids == alone.token_ids and b.finished

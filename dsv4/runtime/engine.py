@@ -8,12 +8,20 @@ ends on its SamplingParams (EOS, stop ids/strings, max_tokens) or, with finish_r
 reaches max_model_len; its cache slot and pages are freed in the same step. When the cache's pages run out, the
 scheduler preempts the youngest sequence, which recomputes its tokens later (scheduler.py).
 
+The host's work on a step's tokens stays off the device's critical path. A step launches its work (the model, the
+head, the sampler: no host sync on CUDA), then renders the tokens the previous step sampled (detokenization, stop
+strings, logprobs, callbacks) while the device runs, and only then reads its own tokens back. Taking a token
+(`OutputTracker.accept`) already decides whether it ends the sequence by EOS, a stop token id, max_tokens or
+max_model_len: such a token, and a sequence's first, render at once. A stop string is found one step late: the
+sequence has then been given a row in the running step, whose token is dropped.
+
 A step is a transaction per sequence. A sequence's step commits when its cache state, `num_cached` and (if
 it is due one) its sampled token have all advanced; until then a failure ends it, frees its slot and resets
 it, and touches no other sequence:
 * the model forward (or the head) raises: the sequences it was computing end with finish_reason "error";
 * one request's own work raises (its sampling, detokenization, stop handling or `on_output` callback): that
-  request ends with "error", and every other one goes on with exactly the tokens it would have had alone;
+  request ends with "error" (keeping the tokens rendered before), and every other one goes on with exactly the
+  tokens it would have had alone;
 * an interrupt (KeyboardInterrupt) or an error in the engine itself: the step's uncommitted sequences end
   ("abort" for an interrupt, "error" otherwise) and the exception propagates to the caller.
 Every failure is logged with its traceback (logger `dsv4.runtime.engine`) and named in the output's `error`.
@@ -122,6 +130,8 @@ class Engine:
         # Requests without a seed draw with this one (from torch's global generator) and the count of such draws.
         self._unseeded_seed = int(torch.randint(0, 2**62, ()))
         self._unseeded_draws = 0
+        self._sampling: tuple[tuple[Sequence, ...], SamplingBatch] | None = None   # the last step's, by its rows
+        self._unrendered: list[Sequence] = []     # took a token in the last step, rendered in the next
 
     def _pages_that_fit(self, slots: int, step_tokens: int, utilization: float) -> int:
         cfg = self.model.config
@@ -163,8 +173,8 @@ class Engine:
                     prompt: str | None = None, on_output: Callable[[Sequence], None] | None = None) -> Sequence:
         """Queue one request; nothing runs until `step`. prompt_token_ids: a list / tuple of ints or a 1-D integer
         array or tensor. params are copied and checked (a later change to the caller's object has no effect).
-        on_output(seq) is called after each of the request's new tokens; if it raises, the request ends with
-        "error". Raises RequestError (a ValueError; RequestTypeError is also a TypeError) naming what is wrong,
+        on_output(seq) is called each time the request's output advances (a token rendered, or the end); if it
+        raises, the request ends with "error". Raises RequestError (a ValueError; RequestTypeError is also a TypeError) naming what is wrong,
         and then leaves the engine as it was."""
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if i not in self._live)
@@ -212,34 +222,51 @@ class Engine:
         return ids, params
 
     def abort(self, request_id: str) -> None:
+        """End a request with "abort" (its accepted tokens rendered first); an unknown or finished id is ignored."""
         seq = self._live.get(str(request_id))
-        if seq is not None:
+        if seq is None:
+            return
+        try:
             seq.tracker.finish("abort")
-            self._release(seq)
+        except Exception as e:
+            self._fail(seq, e)
+            return
+        self._release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def step(self) -> list[Sequence]:
-        """Run one model step; returns the sequences that got a new token or ended (failed ones included)."""
+    def step(self, while_running: Callable[[list[Sequence]], None] | None = None) -> list[Sequence]:
+        """Run one model step. Returns the sequences whose output changed: those whose previous token was rendered in
+        this call, those that got their first token, and those that ended (failed ones included).
+
+        The step's work is launched first; then, while the device runs it, the tokens sampled by the previous step are
+        rendered (detokenized, checked for stop strings, their callbacks called) and `while_running(rendered)` is
+        called, if given; only then are this step's tokens read back. A sequence that a stop string ends while it
+        renders has already been given a row in this step: that row's token is dropped."""
         plan = self.scheduler.schedule()
         if not plan:
-            return []
+            rendered = self._render()
+            if while_running is not None:
+                while_running(rendered)
+            return rendered
         uncommitted = {seq.request_id: seq for seq, _ in plan}
         try:
-            return self._step(plan, uncommitted)
+            return self._step(plan, uncommitted, while_running)
         except BaseException as e:
             reason = "error" if isinstance(e, Exception) else "abort"
             if uncommitted:
                 log.log(logging.WARNING if reason == "error" else logging.INFO, "step stopped by %s; requests %s end "
                         "with %r", type(e).__name__, list(uncommitted), reason)
             for seq in uncommitted.values():
-                self._end(seq, reason, e)
+                if not seq.finished:
+                    self._end(seq, reason, e)
             raise
 
-    def _step(self, plan: list[tuple[Sequence, int]], uncommitted: dict[str, Sequence]) -> list[Sequence]:
+    def _step(self, plan: list[tuple[Sequence, int]], uncommitted: dict[str, Sequence],
+              while_running: Callable[[list[Sequence]], None] | None) -> list[Sequence]:
         for slot in self.scheduler.vacated:       # slots freed by preemption: reset before anyone writes them
             self._reset(slot)
         self.scheduler.vacated.clear()
@@ -270,58 +297,111 @@ class Engine:
                 due.append((seq, off + n - 1))
             else:                                  # a prefill chunk short of the prompt's end: committed
                 del uncommitted[seq.request_id]
-        if not due:
-            return []
         seqs = [s for s, _ in due]
-        if logits is None:
-            try:
-                logits = self.model.head_logits(streams[:, [row for _, row in due]])[0]
-            except Exception as e:
-                return self._end_all(seqs, uncommitted, e)
-        logits = logits[:, :self.vocab_size].float()
-        for seq, result in zip(seqs, self._sample(seqs, logits)):
-            if isinstance(result, Exception):
-                self._fail(seq, result)
-            else:
-                self._commit_token(seq, *result)
-            del uncommitted[seq.request_id]
-        return seqs
+        draws = None
+        if seqs:
+            if logits is None:
+                try:
+                    logits = self.model.head_logits(streams[:, [row for _, row in due]])[0]
+                except Exception as e:
+                    return self._end_all(seqs, uncommitted, e)
+            draws = self._launch_sampling(seqs, logits[:, :self.vocab_size].float())
+        rendered = self._render()                  # overlaps the device's work on this step
+        if while_running is not None:
+            while_running(rendered)
+        changed = {id(s): s for s in rendered}
+        if draws is not None:
+            for seq, result in zip(seqs, self._read_samples(seqs, *draws)):
+                del uncommitted[seq.request_id]
+                if seq.finished:                   # a stop string or a fault ended it while it rendered
+                    continue
+                if isinstance(result, Exception):
+                    self._fail(seq, result)
+                else:
+                    self._accept(seq, *result)
+                changed[id(seq)] = seq
+        return list(changed.values())
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple | Exception]:
-        """(token, logprobs) per sequence, or the exception its sampling raised. The batch is sampled at once;
-        if that raises, each row is sampled alone with the same draw (its seed and counter), so a request's
-        failure leaves the others' tokens as they would be without it. A request with a seed makes its n-th draw
-        with counter n; the others take the next numbers of the engine's count of unseeded draws."""
-        counters = [len(s.tracker.token_ids) if s.params.seed is not None else self._unseeded_draws + i
+    def _launch_sampling(self, seqs: list[Sequence], logits: torch.Tensor):
+        """Start sampling one token per sequence (no host sync): -> (the SamplerOutput or the exception the batch
+        raised, the logits, each row's counter). A request with a seed makes its n-th draw with counter n; the others
+        take the next numbers of the engine's count of unseeded draws."""
+        counters = [s.tracker.num_sampled if s.params.seed is not None else self._unseeded_draws + i
                     for i, s in enumerate(seqs)]
         self._unseeded_draws += len(seqs)
         try:
-            return self._sample_rows(seqs, logits, counters)
+            out = sample(logits, self._sampling_batch(seqs, counters))
         except Exception as e:
-            if len(seqs) == 1:
-                return [e]
-            log.warning("sampling a batch of %d failed (%s: %s); sampling each request alone",
-                        len(seqs), type(e).__name__, e)
-        out = []
+            out = e
+        return out, logits, counters
+
+    def _read_samples(self, seqs: list[Sequence], out, logits: torch.Tensor,
+                      counters: list[int]) -> list[tuple | Exception]:
+        """(token, logprobs) per sequence, or the exception its sampling raised. If the batch raised, each row is
+        sampled alone with the same draw (its seed and counter), so a request's failure leaves the others' tokens as
+        they would be without it."""
+        if not isinstance(out, Exception):
+            try:
+                return list(zip(out.token_ids.tolist(), out.host_logprobs([s.params for s in seqs])))
+            except Exception as e:
+                out = e
+        if len(seqs) == 1:
+            return [out]
+        log.warning("sampling a batch of %d failed (%s: %s); sampling each request alone",
+                    len(seqs), type(out).__name__, out)
+        results = []
         for i, seq in enumerate(seqs):
             try:
-                out.append(self._sample_rows([seq], logits[i:i + 1], counters[i:i + 1])[0])
+                params = [seq.params]
+                batch = SamplingBatch.build(params, counters[i:i + 1], self.vocab_size, self.device,
+                                            unseeded_seed=self._unseeded_seed)
+                row = sample(logits[i:i + 1], batch)
+                results.append((row.token_ids.item(), row.host_logprobs(params)[0]))
             except Exception as e:
-                out.append(e)
-        return out
+                results.append(e)
+        return results
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, counters: list[int]) -> list[tuple]:
-        params = [s.params for s in seqs]
-        batch = SamplingBatch.build(params, counters, self.vocab_size, self.device, unseeded_seed=self._unseeded_seed)
-        out = sample(logits, batch)
-        return list(zip(out.token_ids.tolist(), out.host_logprobs(params)))
+    def _sampling_batch(self, seqs: list[Sequence], counters: list[int]) -> SamplingBatch:
+        """The step's SamplingBatch: built when the batch's sequences change, else the last one with new counters."""
+        key = tuple(seqs)
+        if self._sampling is not None and self._sampling[0] == key:
+            batch = dataclasses.replace(self._sampling[1],
+                                        counters=torch.tensor(counters, dtype=torch.int64).to(self.device))
+        else:
+            batch = SamplingBatch.build([s.params for s in seqs], counters, self.vocab_size, self.device,
+                                        unseeded_seed=self._unseeded_seed)
+        self._sampling = (key, batch)
+        return batch
 
-    def _commit_token(self, seq: Sequence, token: int, logprobs) -> None:
-        """The sequence's new token: detokenize, stop checks, its callback; it ends with "error" if any raises."""
+    def _accept(self, seq: Sequence, token: int, logprobs) -> None:
+        """The sequence's new token. It is rendered now if it ends the sequence (EOS, stop id, max_tokens,
+        max_model_len) or is its first; otherwise in the next step, while the device runs (`_render`)."""
         try:
-            seq.tracker.append(token, logprobs)
-            if not seq.finished and seq.num_tokens >= self.max_model_len:
-                seq.tracker.finish("length")
+            ends = seq.tracker.accept(token, logprobs)
+            at_max_len = seq.num_tokens >= self.max_model_len
+        except Exception as e:
+            self._fail(seq, e)
+            return
+        if ends or at_max_len or seq.tracker.num_sampled == 1:
+            self._show(seq, "length" if at_max_len else None)
+        else:
+            self._unrendered.append(seq)
+
+    def _render(self) -> list[Sequence]:
+        """Render the tokens accepted in the previous step; -> the sequences rendered."""
+        seqs, self._unrendered = self._unrendered, []
+        seqs = [s for s in seqs if not s.finished and s.tracker.has_unrendered]
+        for seq in seqs:
+            self._show(seq)
+        return seqs
+
+    def _show(self, seq: Sequence, finish: str | None = None) -> None:
+        """Render the sequence's accepted tokens, end it with `finish` if they do not, call its callback; it ends
+        with "error" if any of that raises."""
+        try:
+            seq.tracker.render()
+            if finish is not None and not seq.finished:
+                seq.tracker.finish(finish)
             if seq.on_output is not None:
                 seq.on_output(seq)
         except Exception as e:
@@ -344,6 +424,12 @@ class Engine:
         self._end(seq, "error", error)
 
     def _end(self, seq: Sequence, reason: str, error: BaseException) -> None:
+        """End the sequence with `reason`; a token it took before (accepted, not yet rendered) is rendered first,
+        if that works."""
+        try:
+            seq.tracker.render()
+        except Exception:
+            pass
         seq.tracker.fail(reason, error)
         self._release(seq)
 

@@ -203,6 +203,12 @@ class OutputTracker:
     """One generated sequence: takes sampled tokens, detokenizes, applies EOS / stop ids / stop strings /
     max_tokens, and streams text deltas that hold back any tail that could still become a stop string.
 
+    A token arrives in two halves, so that an engine can detokenize while its next step runs: `accept` takes it
+    (cheap: it says at once whether the token ends the sequence by EOS, a stop token id or max_tokens), and
+    `render` detokenizes the accepted tokens, checks stop strings and records their logprobs. `append` does both.
+    Everything a reader sees (`token_ids`, `logprobs`, the text, `output`, `take_delta`) is rendered output; a
+    stop string found while rendering drops the accepted tokens after the one that completed it.
+
     The text is kept as the list of pieces it arrived in and joined only when read (`text`, `output`), and its
     last (longest stop string - 1) characters as one string, so a token costs O(len(piece) + the longest stop
     string): the stop-string search, the hold-back and `take_delta` look only at the text's end."""
@@ -215,7 +221,8 @@ class OutputTracker:
         self._detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
         self._longest_stop = max(map(len, params.stop), default=0)
         self._stop_prefixes = {s[:k] for s in params.stop for k in range(1, len(s))}   # proper, non-empty
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []         # rendered tokens
+        self._accepted: list[tuple[int, dict[int, Logprob] | None]] = []   # accepted, not yet rendered
         self._pieces: list[str] = []         # the text, joined when read
         self._length = 0                     # len(text)
         self._tail = ""                      # its last (longest stop - 1) characters, while it runs
@@ -237,11 +244,57 @@ class OutputTracker:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
 
+    @property
+    def num_sampled(self) -> int:
+        """Tokens taken so far, rendered or not."""
+        return len(self.token_ids) + len(self._accepted)
+
+    def sampled_ids(self, start: int, stop: int) -> list[int]:
+        """The ids of the taken tokens [start, stop), rendered or not, in O(stop - start)."""
+        r = len(self.token_ids)
+        return self.token_ids[start:min(stop, r)] + [t for t, _ in self._accepted[max(0, start - r):max(0, stop - r)]]
+
+    @property
+    def has_unrendered(self) -> bool:
+        return bool(self._accepted)
+
     def append(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> bool:
-        """Add one sampled token; `logprobs` (from `SamplerOutput.host_logprobs`) when they were requested.
-        Returns whether the sequence is now finished."""
-        if self.finished:
-            raise RuntimeError(f"sequence {self.index} already finished ({self.finish_reason}); got token {token_id}")
+        """Add one sampled token and render it; `logprobs` (from `SamplerOutput.host_logprobs`) when they were
+        requested. Returns whether the sequence is now finished."""
+        self.accept(token_id, logprobs)
+        self.render()
+        return self.finished
+
+    def accept(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> bool:
+        """Take one sampled token without rendering it. Returns whether it ends the sequence (EOS, a stop token id,
+        max_tokens): then nothing more may be accepted, and the caller renders it to finish the sequence."""
+        if self.finished or self._ends_at(len(self._accepted)):
+            raise RuntimeError(f"sequence {self.index} already finished ({self.finish_reason or 'by its last token'});"
+                               f" got token {token_id}")
+        self._accepted.append((token_id, logprobs))
+        return self._ends_at(len(self._accepted))
+
+    def render(self) -> bool:
+        """Detokenize the accepted tokens in order, with stop strings and logprobs; returns whether any was rendered.
+        A token that ends the sequence (a stop string, or what `accept` said) drops those after it. A token whose
+        rendering raises is in token_ids, as far as it got; the caller then ends the sequence (`fail`)."""
+        rendered = False
+        while self._accepted and not self.finished:
+            rendered = True
+            self._render_one(*self._accepted.pop(0))
+        self._accepted.clear()
+        return rendered
+
+    def _ends_at(self, k: int) -> bool:
+        """Whether the k-th accepted token (1-based; 0: none) ends the sequence without its text."""
+        if k == 0:
+            return False
+        token_id = self._accepted[k - 1][0]
+        max_tokens = self.params.max_tokens
+        return (token_id == self._eos or token_id in self._stop_ids
+                or (max_tokens is not None and len(self.token_ids) + k >= max_tokens))
+
+    def _render_one(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
         self.token_ids.append(token_id)
         self._record_logprobs(token_id, logprobs)
         stop_token = token_id == self._eos or token_id in self._stop_ids
@@ -251,15 +304,16 @@ class OutputTracker:
             piece += self._detok.flush()
         self._add_text(piece)
         if self.finished:            # a stop string wins over EOS-free length, as in vLLM
-            return True
+            return
         if stop_token:
             self._set_finished("stop", None if token_id == self._eos else token_id)
         elif at_length:
             self._set_finished("length")
-        return self.finished
 
     def finish(self, reason: str) -> None:
-        """End the sequence from outside: "length" (max_model_len reached) or "abort"."""
+        """End the sequence from outside: "length" (max_model_len reached) or "abort". Accepted tokens are
+        rendered first (and may end it on their own)."""
+        self.render()
         if not self.finished:
             self._add_text(self._detok.flush())
         if not self.finished:
@@ -268,7 +322,8 @@ class OutputTracker:
     def fail(self, reason: str, error: BaseException | str) -> None:
         """End the sequence because its work failed ("error") or was interrupted ("abort"), whatever state it
         is in (finished included: the failure wins). Touches neither the detokenizer nor the text, which may be
-        what failed; the text keeps what was final."""
+        what failed; the text keeps what was final, and tokens accepted but not rendered are dropped."""
+        self._accepted.clear()
         self._set_finished(reason)
         self.stop_reason = None
         self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"

@@ -20,7 +20,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.tracker.token_ids)
+        return len(self.prompt_token_ids) + self.tracker.num_sampled
 
     @property
     def num_pending(self) -> int:
@@ -38,7 +38,7 @@ class Sequence:
         p = len(prompt)
         if start + n <= p:
             return prompt[start:start + n]
-        generated = self.tracker.token_ids[max(0, start - p):start + n - p]
+        generated = self.tracker.sampled_ids(max(0, start - p), start + n - p)
         return prompt[start:] + generated if start < p else generated
 
     def output(self) -> RequestOutput:

@@ -1,9 +1,10 @@
 """The engine's own thread: it alone touches the Engine, which is not thread-safe.
 
 Requests and aborts reach it through a queue; it steps the engine while there is work and blocks on the queue
-when there is none. After each step it sends every request that moved an `Update` (its new text, tokens and
-logprobs, and how it ended) to the asyncio loop with `call_soon_threadsafe`, into the asyncio.Queue the request
-was submitted with. It keeps the metrics and logs one line per finished request. An abort takes effect before
+when there is none. It sends every request that moved an `Update` (its new text, tokens and logprobs, and how it
+ended) to the asyncio loop with `call_soon_threadsafe`, into the asyncio.Queue the request was submitted with:
+the text the previous step sampled while the device runs the next step (`Engine.step`'s while_running), first
+tokens and endings after the step. It keeps the metrics and logs one line per finished request. An abort takes effect before
 the next step, so an aborted request's cache slot is free within one step.
 """
 
@@ -153,7 +154,7 @@ class EngineLoop:
         stepped: list[Sequence] = []
         if running and self.engine.has_unfinished():
             try:
-                stepped = self.engine.step()
+                stepped = self.engine.step(while_running=self._deliver)
             except WorkerFailure as e:     # the step's requests ended ("error"); every later step fails the same
                 log.exception("the parallel engine stopped; refusing requests")
                 self.failure = e
