@@ -32,7 +32,7 @@ from dsv4.model.state import SeqBatch
 from dsv4.parallel import Layout, LayoutError, Split
 from dsv4.runtime.cache import KVCache
 from dsv4.runtime.params import SamplingParams
-from dsv4.runtime.spmd import StepInputs, WorkerFailure
+from dsv4.runtime.spmd import StepInputs, WorkerFailure, micro_batch_bounds
 
 PROMPTS = [rf.prompt_ids(n, seed=n) for n in (5, 17, 40)]
 STEPS = 6
@@ -208,11 +208,50 @@ def test_layout_splits_layers_vocabulary_and_experts():
 
 def test_step_message_round_trips():
     batch = SeqBatch((2, 0), (7, 0), (1, 3), ((4,), (0, 1)), end_bound=9)
-    inputs = StepInputs(torch.tensor([5, 6, 7, 8]), batch, (0, 3), (1,))
+    inputs = StepInputs(torch.tensor([5, 6, 7, 8]), batch, (0, 3), (1,), micro_batches=2)
     header, payload = inputs.encode()
     back = StepInputs.decode(header, payload)
     assert back.batch == batch and back.batch.end_bound == 9 and back.rows == (0, 3) and back.resets == (1,)
-    assert torch.equal(back.ids, inputs.ids)
+    assert torch.equal(back.ids, inputs.ids) and back.micro_batches == 2
+
+
+def test_micro_batches_cut_a_step_into_parts_that_cover_each_token_once():
+    batch = SeqBatch((3, 0, 5), (0, 7, 2), (5, 1, 6), ((4,), (0, 1), (2,)), end_bound=20)
+    assert micro_batch_bounds(12, 3) == [(0, 4), (4, 8), (8, 12)] and micro_batch_bounds(5, 2) == [(0, 2), (2, 5)]
+    for parts in range(1, 13):
+        slots, positions = [], []
+        for a, b in micro_batch_bounds(batch.num_tokens, parts):
+            part = batch.tokens_between(a, b)
+            assert part.num_tokens == b - a and part.end_bound == 20
+            assert all(batch.pages[batch.slots.index(s)] == t for s, t in zip(part.slots, part.pages))
+            slots += [s for s, n in zip(part.slots, part.lengths) for _ in range(n)]
+            positions += part.positions().tolist()
+        assert slots == [s for s, n in zip(batch.slots, batch.lengths) for _ in range(n)]
+        assert positions == batch.positions().tolist()
+    with pytest.raises(ValueError, match=r"token range \[4, 4\)"):
+        batch.tokens_between(4, 4)
+
+
+def test_pipeline_micro_batches_give_the_tokens_and_logits_of_one_process(one_process):
+    """pp = 2 with the prefill step cut into 7 parts (the stages run different parts at once): the same greedy
+    tokens as one process, and its logits within 1e-5 (a part's products have fewer rows)."""
+    tokens, logits, generated = one_process
+    with dsv4.LLM(rf.variant("wide"), **ENGINE, pipeline_parallel_size=2) as llm:
+        driver = llm.engine.driver
+        driver.micro_batch_tokens = 8                 # 62 prompt tokens -> 7 parts; a 3-token decode step -> 1
+        parts, send = [], driver.channel.send
+
+        def recording(inputs):
+            parts.append(inputs.micro_batches if inputs is not None else None)
+            send(inputs)
+        driver.channel.send = recording
+        got_tokens, got_logits = greedy_steps(driver.step, driver.reset)
+        assert parts == [7] + [1] * (STEPS - 1)
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == generated and max(parts) == 7
+    assert got_tokens == tokens
+    diff = float((got_logits - logits).abs().max())
+    assert diff <= 1e-5, diff
 
 
 def test_inspect_plan_prints_bytes_per_rank_and_refuses_what_cannot_fit(capsys):

@@ -120,6 +120,20 @@ class SeqBatch:
         """Absolute positions of the flattened tokens, int64 [num_tokens]."""
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lengths)])
 
+    def tokens_between(self, a: int, b: int) -> SeqBatch:
+        """The part of this step made of its flattened tokens [a, b): each sequence keeps the tokens it has there, at
+        their positions (a sequence cut by a moves its start), with its slot, page table and end_bound. Running
+        the parts in order writes the cache as the whole step does (a prompt may be split at any token)."""
+        if not 0 <= a < b <= self.num_tokens:
+            raise ValueError(f"token range [{a}, {b}) is not a non-empty part of the step's {self.num_tokens} tokens")
+        keep = [i for i, (off, n) in enumerate(zip(self.offsets, self.lengths)) if off < b and off + n > a]
+        skip = [max(0, a - self.offsets[i]) for i in keep]
+        return SeqBatch(tuple(self.slots[i] for i in keep),
+                        tuple(self.starts[i] + k for i, k in zip(keep, skip)),
+                        tuple(min(self.offsets[i] + self.lengths[i], b) - self.offsets[i] - k for i, k in zip(keep, skip)),
+                        tuple(self.pages[i] for i in keep) if self.pages else (),
+                        end_bound=self.end_bound)
+
     def spans(self):
         """(slot, start, token slice, page table) per sequence (an empty table where the batch has none)."""
         pages = self.pages or ((),) * len(self.slots)

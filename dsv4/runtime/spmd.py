@@ -4,7 +4,8 @@ Rank 0's `Engine` owns the scheduler, the requests and sampling. For each step i
 inputs over the control group (gloo, CPU): a header, then one int64 tensor holding the token ids and the `SeqBatch`
 columns (slots, starts, lengths, page tables), the rows whose logits are wanted and the cache slots to reset first:
 
-    header  [op, tokens N, sequences S, page entries P, rows R, resets Z, batch.end_bound, 0]   (op: STEP or STOP)
+    header  [op, tokens N, sequences S, page entries P, rows R, resets Z, batch.end_bound, micro-batches M]
+            (op: STEP or STOP)
     payload [ids (N) | slots (S) | starts (S) | lengths (S) | pages per sequence (S) | pages (P) | rows (R) |
              resets (Z)]
 
@@ -14,6 +15,13 @@ the first receives the previous stage's 4-stream residual [1, N, hc_mult, d] fro
 (point to point), runs its layers and sends its output on; the last stage computes the logits of the R rows (the
 head's vocabulary slices gathered over its TP group) and its TP rank 0 sends them to rank 0, which samples. Workers
 (every rank but 0) loop on `ControlChannel.receive` until STOP.
+
+Micro-batches: with several stages, a step of many tokens runs as M parts, its flattened tokens cut into M contiguous
+ranges (`SeqBatch.tokens_between`; a prompt may be split at any token). A stage runs the parts in order and sends each
+part's output on without waiting for the send, so stage s runs part m while stage s + 1 runs part m - 1: the step
+takes about (M + P - 1) / M of one stage's time for the whole step instead of P times it. Rank 0 chooses M
+(`Driver.micro_batches`): one part under pp = 1, else one part per `micro_batch_tokens` tokens, at most 4 per stage. A
+part re-reads its stage's weights, so a decode step, whose time is the weights' bytes, is not split.
 
 Failure: the ranks run in lockstep, so any failure during a step (a worker that dies, a collective that times out,
 an exception on any rank) stops the whole group. `Driver.step` then raises `WorkerFailure` naming the rank and the
@@ -38,6 +46,14 @@ from .cache import KVCache
 
 STEP, STOP = 1, 2
 HEADER = 8
+PP_MICRO_BATCH_TOKENS = 2048   # the fewest tokens of a pipeline micro-batch: an estimate (docs/parallel.md, Pipeline)
+PP_MICRO_BATCHES_PER_STAGE = 4
+
+
+def micro_batch_bounds(num_tokens: int, parts: int) -> list[tuple[int, int]]:
+    """[a, b) token ranges of `parts` micro-batches as equal as integers allow (parts <= num_tokens)."""
+    cuts = [num_tokens * k // parts for k in range(parts + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 class WorkerFailure(RuntimeError):
@@ -50,6 +66,7 @@ class StepInputs:
     batch: SeqBatch                      # their sequences (slots, starts, lengths, page tables)
     rows: tuple[int, ...]                # rows of the step's tokens whose logits rank 0 samples
     resets: tuple[int, ...] = ()         # cache slots to reset before the step
+    micro_batches: int = 1               # parts the step's tokens run in, through the pipeline
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.batch
@@ -57,12 +74,12 @@ class StepInputs:
         cols = [self.ids.tolist(), b.slots, b.starts, b.lengths, [len(p) for p in pages],
                 [page for table in pages for page in table], self.rows, self.resets]
         header = torch.tensor([STEP, len(cols[0]), len(b.slots), len(cols[5]), len(self.rows), len(self.resets),
-                               b.end_bound, 0], dtype=torch.long)
+                               b.end_bound, self.micro_batches], dtype=torch.long)
         return header, torch.tensor([v for col in cols for v in col], dtype=torch.long)
 
     @staticmethod
     def decode(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
-        n, s, p, r, z, end_bound = header[1:7].tolist()
+        n, s, p, r, z, end_bound, micro_batches = header[1:8].tolist()
         values = payload.tolist()
         cut = [n, s, s, s, s, p, r, z]
         cols, at = [], 0
@@ -76,7 +93,7 @@ class StepInputs:
             at += c
         batch = SeqBatch(tuple(slots), tuple(starts), tuple(lengths), tuple(tables) if any(counts) else (),
                          end_bound=end_bound)
-        return StepInputs(torch.tensor(ids, dtype=torch.long), batch, tuple(rows), tuple(resets))
+        return StepInputs(torch.tensor(ids, dtype=torch.long), batch, tuple(rows), tuple(resets), micro_batches)
 
 
 class ControlChannel:
@@ -117,33 +134,44 @@ class StageRunner:
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The step on this rank; returns the logits [R, vocab] on rank 0 (None elsewhere, or when R = 0)."""
+        """The step on this rank, part by part; returns the logits [R, vocab] on rank 0 (None elsewhere, or when
+        R = 0)."""
         for slot in inputs.resets:
             self.cache.reset(slot)
         cfg, batch = self.model.config, inputs.batch
-        ids = inputs.ids.to(self.device)[None]
-        positions = batch.positions(self.device)[None]
-        streams = None
-        if self.prev_rank is not None:
-            streams = torch.empty(1, ids.shape[1], cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=self.device)
-            dist.recv(streams, src=self.prev_rank)
-        streams = self.model(ids, positions, self.cache.layers, batch, streams=streams)
-        if self.next_rank is not None:
-            dist.send(streams, dst=self.next_rank)
+        ids, positions = inputs.ids.to(self.device), batch.positions(self.device)
+        sends, logits, rows = [], [], []            # the parts' sends in flight; the last stage's logits and rows
+        for a, b in micro_batch_bounds(batch.num_tokens, inputs.micro_batches):
+            part = batch if b - a == batch.num_tokens else batch.tokens_between(a, b)
+            streams = None
+            if self.prev_rank is not None:
+                streams = torch.empty(1, b - a, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(streams, src=self.prev_rank)
+            streams = self.model(ids[None, a:b], positions[None, a:b], self.cache.layers, part, streams=streams)
+            if self.next_rank is not None:          # in flight while the next part runs
+                sends.append((dist.isend(streams, dst=self.next_rank), streams))
+            mine = [i for i, r in enumerate(inputs.rows) if a <= r < b]
+            if mine and self.shard.last_stage:
+                logits.append(self.model.head_logits(streams[:, [inputs.rows[i] - a for i in mine]])[0])
+                rows += mine
+        for work, _ in sends:
+            work.wait()
         if not inputs.rows:
             return None
         rank = self.shard.rank
         if self.shard.last_stage:
-            logits = self.model.head_logits(streams[:, list(inputs.rows)])[0]
+            out = logits[0] if len(logits) == 1 else torch.cat(logits)
+            if rows != sorted(rows):                # put the rows back in the step's order
+                out = out[torch.tensor(rows).argsort().to(out.device)]
             if rank == 0:
-                return logits
+                return out
             if rank == self.logits_rank:
-                dist.send(logits.contiguous(), dst=0)
+                dist.send(out.contiguous(), dst=0)
             return None
         if rank == 0:
-            logits = torch.empty(len(inputs.rows), cfg.vocab_size, dtype=self.dtype, device=self.device)
-            dist.recv(logits, src=self.logits_rank)
-            return logits
+            out = torch.empty(len(inputs.rows), cfg.vocab_size, dtype=self.dtype, device=self.device)
+            dist.recv(out, src=self.logits_rank)
+            return out
         return None
 
     def serve(self, channel: ControlChannel) -> None:
@@ -158,11 +186,22 @@ class Driver:
     `stopped(error)` is the launcher's hook (runtime/workers.py): it names the failed rank and its cause (waiting
     briefly for the watchdog to see a dying worker) and stops every rank; it returns the WorkerFailure to raise."""
 
-    def __init__(self, runner: StageRunner, channel: ControlChannel, stopped):
+    def __init__(self, runner: StageRunner, channel: ControlChannel, stopped,
+                 micro_batch_tokens: int = PP_MICRO_BATCH_TOKENS):
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
         self.runner, self.channel, self._stopped = runner, channel, stopped
         self.cache = runner.cache
+        self.micro_batch_tokens = micro_batch_tokens
         self.failure: WorkerFailure | None = None
         self._resets: list[int] = []
+
+    def micro_batches(self, num_tokens: int) -> int:
+        """How many parts a step of num_tokens runs in through the pipeline (module docstring)."""
+        pp = self.runner.shard.layout.pp
+        if pp == 1:
+            return 1
+        return max(1, min(num_tokens // self.micro_batch_tokens, PP_MICRO_BATCHES_PER_STAGE * pp))
 
     def reset(self, slot: int) -> None:
         """Empty a cache slot now on rank 0, and on the other ranks before the next step."""
@@ -174,7 +213,7 @@ class Driver:
         rows). Raises WorkerFailure when any rank fails (then and at every later call)."""
         if self.failure is not None:
             raise self.failure
-        inputs = StepInputs(ids, batch, tuple(rows), tuple(self._resets))
+        inputs = StepInputs(ids, batch, tuple(rows), tuple(self._resets), self.micro_batches(len(ids)))
         self._resets.clear()
         with _interrupt_after():
             try:
