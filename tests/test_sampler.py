@@ -1,6 +1,7 @@
-"""Sampler: its rules against an independent float64 NumPy model of vLLM's, the radix thresholds of `sample` against
-the sorted ones of `sample_reference` (the same tokens kept, bit for bit, on adversarial rows), the frequencies of
-the draw, and the draw's (seed, counter) hash. Statistics use fixed seeds and counters, so they are deterministic."""
+"""Sampler: its rules against an independent float64 NumPy model of vLLM's and a brute-force integer one, the Triton
+kernel (under the interpreter) against the PyTorch reference (the same tokens on adversarial and random rows), the
+frequencies of the draw, and the draw's (seed, counter) key and hash. Statistics use fixed seeds and counters, so they
+are deterministic."""
 import dataclasses
 import math
 
@@ -9,9 +10,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4.kernels import ref
+from dsv4.kernels.sampling import sample_tokens
 from dsv4.runtime.params import SamplingParams
-from dsv4.runtime.sampler import (GOLDEN_GAMMA, MASS_BITS, SamplingBatch, first_kept_key, sample, sample_reference,
-                                  sampling_probs, uniform)
+from dsv4.runtime.sampler import (GOLDEN_GAMMA, SAMPLE_MASS_BITS, SamplingBatch, row_keys, sample, sample_reference,
+                                  sampling_probs)
 
 P = np.array([0.40, 0.27, 0.17, 0.10, 0.06])   # a hand-made distribution over 5 tokens
 LOGITS = np.log(P)
@@ -71,7 +74,7 @@ def test_frequencies_match_the_sorted_filters_distribution():
     logits = torch.randn(12, generator=torch.Generator().manual_seed(3)) * 2
     for params in [SamplingParams(temperature=0.7, top_k=6, top_p=0.9), SamplingParams(min_p=0.05, top_p=0.97),
                    SamplingParams(temperature=1.3, top_k=9, top_p=0.8, min_p=0.02)]:
-        probs = sampling_probs(logits[None], build([params], vocab_size=12), reference=True)[0].double().numpy()
+        probs = sampling_probs(logits[None], build([params], vocab_size=12))[0].double().numpy()
         assert_frequencies(draw_many(logits.tolist(), params, n=10000), probs / probs.sum(), n=10000)
 
 
@@ -93,7 +96,34 @@ def test_tiny_top_p_keeps_the_top_token():
     assert draw_many(LOGITS[::-1].copy(), SamplingParams(top_p=1e-9), n=500, rows=500)[4] == 1.0
 
 
-# ------------------------------------------------------------------ radix thresholds == sorted thresholds
+# ------------------------------------------------------------------ the kernel == the reference; the kept sets
+def kernel_tokens(x, batch):
+    """The Triton kernel's tokens for a batch (under the interpreter on the CPU)."""
+    return sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
+                         batch.seeds, batch.counters)
+
+
+def kept_mask(x, batch):
+    return ref.sample_kept(x, batch.inv_temperature, batch.min_p, batch.top_k, batch.drop_share)
+
+
+def brute_force_kept(x, params):
+    """The kept tokens of one row by the rules, token by token with Python integers (torch's exp for the masses)."""
+    v = (x * (1.0 / torch.tensor(params.temperature, dtype=torch.float32))).tolist()
+    xs = torch.tensor(v)
+    e = torch.exp(xs - xs.max()).tolist()
+    keep = [ei >= params.min_p for ei in e]
+    if params.top_k:
+        kth = sorted(v, reverse=True)[min(params.top_k, len(v)) - 1]
+        keep = [k and vi >= kth for k, vi in zip(keep, v)]
+    if params.top_p < 1.0:
+        m = [math.ceil(ei * 2.0**SAMPLE_MASS_BITS) if k else 0 for ei, k in zip(e, keep)]
+        total = sum(m)
+        limit = total - math.floor(float(total) * (1.0 - params.top_p))
+        keep = [k and sum(mj for vj, mj in zip(v, m) if vj > vi) < limit for k, vi in zip(keep, v)]
+    return {i for i, k in enumerate(keep) if k}
+
+
 ADVERSARIAL = [  # (logits, params, the tokens that must survive, or None where only the agreement is checked)
     ([1.0, 2.0, 2.0, 2.0, 0.0], SamplingParams(top_k=2), {1, 2, 3}),             # ties at the k-th value
     ([1.0, 2.0, 2.0, 2.0, 0.0], SamplingParams(top_k=1), {1, 2, 3}),
@@ -121,19 +151,20 @@ ADVERSARIAL = [  # (logits, params, the tokens that must survive, or None where 
 
 
 @pytest.mark.parametrize("all_filters", [False, True])
-def test_adversarial_rows_keep_what_the_sort_keeps(all_filters):
+def test_adversarial_rows_keep_what_the_rules_say_and_the_kernel_draws_the_references_tokens(all_filters):
     x = torch.tensor([row for row, _, _ in ADVERSARIAL], dtype=torch.float32)
-    batch = build([p for _, p, _ in ADVERSARIAL], all_filters=all_filters)
-    probs, expected = sampling_probs(x, batch), sampling_probs(x, batch, reference=True)
-    assert torch.equal(probs, expected)
     for i, (row, params, survivors) in enumerate(ADVERSARIAL):
+        kept = set(kept_mask(x[i:i + 1], build([params], all_filters=all_filters))[0].nonzero().flatten().tolist())
+        assert kept == brute_force_kept(x[i], params), (row, params)
         if survivors is not None:
-            assert set(probs[i].nonzero().flatten().tolist()) == survivors, (row, params, probs[i])
-    assert torch.equal(sample(x, batch).token_ids, sample_reference(x, batch).token_ids)
+            assert kept == survivors, (row, params)
+    for start in (0, 1000, 2000):                # three draws per row
+        batch = build([p for _, p, _ in ADVERSARIAL], range(start, start + len(ADVERSARIAL)), all_filters=all_filters)
+        assert torch.equal(kernel_tokens(x, batch), sample_reference(x, batch).token_ids)
 
 
 @pytest.mark.parametrize("vocab", [7, 300, 5000])
-def test_random_rows_keep_what_the_sort_keeps(vocab):
+def test_random_rows_the_kernel_draws_the_references_tokens(vocab):
     g = torch.Generator().manual_seed(vocab)
     rows = 64
     scale = torch.rand(rows, 1, generator=g) * 4 + 0.05
@@ -151,44 +182,52 @@ def test_random_rows_keep_what_the_sort_keeps(vocab):
                              min_p=pick([0.0, 0.0, 0.01, 0.3])) for _ in range(rows)]
     for all_filters in (False, True):
         batch = build(params, vocab_size=vocab, all_filters=all_filters)
-        assert torch.equal(sampling_probs(x, batch), sampling_probs(x, batch, reference=True))
-        assert torch.equal(sample(x, batch).token_ids, sample_reference(x, batch).token_ids)
+        want = sample_reference(x, batch).token_ids
+        assert torch.equal(kernel_tokens(x, batch), want)
+        kept = kept_mask(x, batch)
+        assert bool(kept.gather(1, want[:, None]).all())                     # the token is one the filters keep
+    for i in range(0, rows, 8):
+        assert set(kept[i].nonzero().flatten().tolist()) == brute_force_kept(x[i], params[i]), params[i]
 
 
-def test_top_p_budget_at_every_cumulative_boundary():
-    """Budgets (1 - top_p in mass units) exactly at each tail's mass, one unit under it and one over."""
-    x = (torch.randn(1, 40, generator=torch.Generator().manual_seed(5)) * 2).round() / 2     # tie groups
-    probs = x.softmax(dim=-1)[0]
-    masses = (probs.double() * 2.0**MASS_BITS).ceil().long()
-    tails = sorted({int(masses[probs <= v].sum()) for v in probs.tolist()})
-    budgets = [b + d for b in tails for d in (-1, 0, 1)]
-    batch = dataclasses.replace(build([SamplingParams(top_p=0.5)] * len(budgets), vocab_size=40),
-                                top_p_budget=torch.tensor(budgets))
-    xs = x.expand(len(budgets), -1).contiguous()
-    kept = sampling_probs(xs, batch) > 0
-    assert torch.equal(kept, sampling_probs(xs, batch, reference=True) > 0)
+def test_flat_rows_with_small_top_p_end_within_the_pass_bound():
+    """Rows where the first candidates are rejected again and again (many near-equal logits, a small kept set): the
+    kernel's bracket ends them, with the reference's tokens."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 4096, generator=g) * 1e-3
+    x[3:] = torch.linspace(0, 1, 4096)
+    params = [SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2
+    batch = build(params, range(100, 106), vocab_size=4096)
+    assert torch.equal(kernel_tokens(x, batch), sample_reference(x, batch).token_ids)
+
+
+def test_top_p_at_every_cumulative_boundary():
+    """drop_share placed so that the budget falls on each tail's mass, one unit under and over it: the reference's kept
+    sets are the brute-force ones; between the boundaries the kernel draws the reference's tokens."""
+    x = (torch.randn(40, generator=torch.Generator().manual_seed(5)) * 2).round() / 2     # tie groups
+    e = torch.exp(x - x.max())
+    m = torch.ceil(e * 2.0**SAMPLE_MASS_BITS).long()
+    total = int(m.sum())
+    tails = sorted({int(m[x <= v].sum()) for v in x.tolist()})
+    shares = [(t + d) / total for t in tails for d in (-1, 0, 1) if 0 <= t + d < total]
+    params = [SamplingParams(top_p=1.0 - s) if s > 0 else SamplingParams() for s in shares]
+    batch = dataclasses.replace(build(params, vocab_size=40, all_filters=True),
+                                drop_share=torch.tensor(shares, dtype=torch.float64))
+    xs = x.expand(len(shares), -1).contiguous()
+    kept = kept_mask(xs, batch)
+    for i, share in enumerate(shares):
+        limit = total - math.floor(total * share)
+        assert set(kept[i].nonzero().flatten().tolist()) == {j for j in range(40) if int(m[x > x[j]].sum()) < limit}
     survivors = kept.sum(dim=-1).tolist()
     assert survivors == sorted(survivors, reverse=True) and survivors[0] == 40 and survivors[-1] >= 1
     assert len(set(survivors)) == len(tails)    # each tie group goes at its own boundary, not a unit earlier
-
-
-def test_first_kept_key_is_the_brute_force_answer():
-    g = torch.Generator().manual_seed(0)
-    keys = torch.randint(-2**31, 2**31 - 1, (32, 257), generator=g, dtype=torch.int64)
-    keys[:8] = keys[:8] % 5 - 2                                               # a few values, many ties
-    keys[8:10, :3] = torch.tensor([-2**31, 2**31 - 1, 0])                    # the extremes
-    keys = keys.int()
-    weights = torch.randint(0, 1000, keys.shape, generator=g)
-    budget = (torch.rand(32, generator=g) * weights.sum(dim=-1)).long()
-    budget[10:12] = 0
-    for w in (weights, None):
-        row_budget = budget if w is not None else budget % keys.shape[1]
-        cut = first_kept_key(keys, w, row_budget)
-        for row in range(32):
-            k = keys[row].long()
-            wt = w[row] if w is not None else torch.ones_like(k)
-            heavy = [v for v in k.unique().tolist() if wt[k <= v].sum() > row_budget[row]]
-            assert cut[row].item() == min(heavy), row
+    # The kernel's exp may differ from torch's in the last bit, which moves a mass by up to 2^16 units: its tokens are
+    # compared with budgets halfway between the tails (the boundaries themselves: the dyadic rows above).
+    shares = [(a + b) / 2 / total for a, b in zip(tails, tails[1:])]
+    batch = dataclasses.replace(build([SamplingParams(top_p=0.5)] * len(shares), range(len(shares)), vocab_size=40),
+                                drop_share=torch.tensor(shares, dtype=torch.float64))
+    xs = x.expand(len(shares), -1).contiguous()
+    assert torch.equal(kernel_tokens(xs, batch), sample_reference(xs, batch).token_ids)
 
 
 # ------------------------------------------------------------------ greedy
@@ -198,7 +237,7 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
               SamplingParams(temperature=1e-6)]
     for all_filters in (False, True):
         batch = build(params, vocab_size=4, all_filters=all_filters)
-        assert sample(logits, batch).token_ids.tolist() == [1, 0, 3]
+        assert sample(logits, batch).token_ids.tolist() == [1, 0, 3] == kernel_tokens(logits, batch).tolist()
 
 
 def test_greedy_rows_in_a_sampled_batch():
@@ -209,26 +248,42 @@ def test_greedy_rows_in_a_sampled_batch():
 
 
 # ------------------------------------------------------------------ the draw
-def splitmix64(seed: int, counter: int) -> float:
-    """The counter-th output of the splitmix64 stream that starts at mix(seed), top 40 bits as [0, 1): in Python."""
-    mask = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 
+
+def splitmix64(seed: int, counter: int) -> int:
+    """The counter-th output of the splitmix64 stream that starts at mix(seed), as an int64: in Python."""
     def mix(z):
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
         return z ^ (z >> 31)
 
-    z = mix((mix(seed & mask) + counter * (GOLDEN_GAMMA & mask)) & mask)
-    return (z >> 24) / 2.0**40
+    z = mix((mix(seed & MASK64) + counter * (GOLDEN_GAMMA & MASK64)) & MASK64)
+    return z - (1 << 64) if z >= 1 << 63 else z
 
 
-def test_uniform_is_splitmix64():
+def lowbias32(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x7FEB352D) & 0xFFFFFFFF
+    h ^= h >> 15
+    h = (h * 0x846CA68B) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_row_keys_are_splitmix64_and_the_noise_is_their_hash():
     seeds = [0, 1, -1, 42, 2**63 - 1, -2**63, 123456789123]
     counters = [0, 1, 2, 7, 10**6, 2**40]
     s, c = torch.tensor([a for a in seeds for _ in counters]), torch.tensor(counters * len(seeds))
-    u = uniform(s, c)
-    assert u.tolist() == [splitmix64(a, b) for a in seeds for b in counters]
-    assert u.min() >= 0.0 and u.max() < 1.0 and u.dtype == torch.float64
+    keys = row_keys(s, c)
+    assert keys.tolist() == [splitmix64(a, b) for a in seeds for b in counters]
+    g = ref.gumbel(keys, 300)
+    for row in (0, 5, 17, 41):
+        key = keys[row].item() & MASK64
+        for tok in (0, 1, 299):
+            h = lowbias32(lowbias32((tok + (key & 0xFFFFFFFF)) & 0xFFFFFFFF) ^ (key >> 32))
+            u = ((h >> 8) + 0.5) / 2.0**24
+            assert g[row, tok].item() == pytest.approx(-math.log(-math.log(u)), rel=1e-6)
+    assert -2.86 < g.min() and g.max() < 17.33
 
 
 def test_seed_gives_the_same_tokens_in_any_batch():
@@ -282,6 +337,8 @@ HOST_READS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.mas
 
 
 def test_sample_launches_the_same_ops_for_any_rows_and_reads_nothing_back():
+    """The CPU path (the reference) with all_filters runs the same ops whatever the rows ask for and reads nothing back;
+    the CUDA path is one `sample_tokens` launch whose arguments are the batch's tensors."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 300, generator=g)
     compositions = [
@@ -296,10 +353,7 @@ def test_sample_launches_the_same_ops_for_any_rows_and_reads_nothing_back():
             sample(x, build(params, vocab_size=300, all_filters=True))
         traces.append(rec.ops)
     assert traces[0] == traces[1] == traces[2]
-    assert not HOST_READS & set(traces[0]) and "aten.sort" not in traces[0], sorted(set(traces[0]))
-    with OpRecorder() as rec:
-        sample_reference(x, build(compositions[2], vocab_size=300, all_filters=True))
-    assert "aten.sort" in rec.ops                # the recorder sees what the reference does
+    assert not HOST_READS & set(traces[0]), sorted(set(traces[0]))
 
 
 # ------------------------------------------------------------------ logprobs

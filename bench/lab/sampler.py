@@ -1,19 +1,20 @@
-"""Question: How long does sampling one token per row take, sorted thresholds against the radix search?
+"""Question: How long does sampling one token per row take, the Triton kernel against the PyTorch reference?
 
-`runtime.sampler.sample_reference` (top-k / top-p thresholds by sorting each row) against `runtime.sampler.sample`
-(radix search, no sort, no host sync) at V4's vocabulary; issue 39's target is <= 50 us a step at batch 64.
+`runtime.sampler.sample` (on CUDA: one `kernels/sampling.py` launch, the kept set found by rejection) against
+`runtime.sampler.sample_reference` (PyTorch: the kept set found by sorting each row) at V4's vocabulary; issue 39's
+target is <= 50 us a step at batch 64.
 
     python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--out DIR]   # on the GPU
-    python bench/lab/sampler.py --device cpu --batches 64 --rounds 3                             # on the CPU
     python bench/lab/sampler.py --toy                                                             # CPU dry run
 
 For each mix of sampling parameters and batch size: random logits (N(0, 3^2), a new set per rotated call), one
 batch of parameters, and the two samplers timed in turn, `--rounds` times; the median of each is printed with
-their ratio and whether they returned the same tokens (they must). On CUDA the calls are captured in one CUDA
-graph (`common.Timer`), which also checks that they can be; a capture that fails is reported and the calls are
-then timed without a graph. Mixes: "plain" (temperature 1, no filter), "top-p 0.95", "top-k 50, top-p 0.95"
-(temperature 0.8), and "mixed, all filters" (rows with and without seeds, greedy and filtered, built with
-all_filters=True: the batch a CUDA graph of the decode step holds).
+their ratio and how many rows drew a different token. The kernel's exp and log may differ from torch's in the last
+bit, which can move a token only at a near-tie (expect 0 rows in thousands); more than 1 % of the rows is an error.
+On CUDA the calls are captured in one CUDA graph (`common.Timer`), which also checks that they can be; a capture
+that fails is reported and the calls are then timed without a graph. Mixes: "plain" (temperature 1, no filter),
+"top-p 0.95", "top-k 50, top-p 0.95" (temperature 0.8), and "mixed, all filters" (rows with and without seeds,
+greedy and filtered, built with all_filters=True: the batch a CUDA graph of the decode step holds).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from common import Timer  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
 from dsv4.runtime.sampler import SamplingBatch, sample, sample_reference  # noqa: E402
 
-SAMPLERS = {"sorted": sample_reference, "radix": sample}
+SAMPLERS = {"reference": sample_reference, "kernel": sample}
 MIXED = [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1), SamplingParams(temperature=0.0),
          SamplingParams(top_p=0.9, min_p=0.05), SamplingParams(temperature=0.6, top_k=20)]
 
@@ -65,15 +66,15 @@ def main():
     gen = torch.Generator(device=dev).manual_seed(0)
     timer, label = Timer(dev), "toy" if args.toy else dev.type
     rot = 4 if dev.type == "cuda" else 2
-    print(f"{label:5s} {'mix':22s} {'B':>4s} {'V':>7s} | {'sorted us':>10s} {'radix us':>10s} {'radix/sorted':>12s} "
-          f"| same tokens | graph")
+    print(f"{label:5s} {'mix':22s} {'B':>4s} {'V':>7s} | {'ref us':>10s} {'kernel us':>10s} {'kernel/ref':>10s} "
+          f"| rows differ | graph")
     rows = []
     for b in map(int, args.batches.split(",")):
         logits = [torch.randn(b, args.vocab, device=dev, generator=gen) * 3 for _ in range(rot)]
         for name, (params, all_filters) in mixes(b).items():
             batch = SamplingBatch.build(params, range(b), args.vocab, dev, unseeded_seed=7, all_filters=all_filters)
-            same = torch.equal(sample(logits[0], batch).token_ids, sample_reference(logits[0], batch).token_ids)
-            row = dict(mix=name, B=b, V=args.vocab, same_tokens=same, graph=dev.type == "cuda")
+            differ = int((sample(logits[0], batch).token_ids != sample_reference(logits[0], batch).token_ids).sum())
+            row = dict(mix=name, B=b, V=args.vocab, rows_differ=differ, graph=dev.type == "cuda")
             calls = {sampler_name: [lambda x=x, fn=fn, batch=batch: fn(x, batch) for x in logits]
                      for sampler_name, fn in SAMPLERS.items()}
             for sampler_name in SAMPLERS if row["graph"] else ():
@@ -88,16 +89,17 @@ def main():
                     times[sampler_name].append(timer.per_call_ms(calls[sampler_name], graph=row["graph"]) * 1e3)
             for sampler_name, us in times.items():
                 row[sampler_name] = dict(us=statistics.median(us), all_us=us)
-            row["radix/sorted"] = row["radix"]["us"] / row["sorted"]["us"]
-            print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {row['sorted']['us']:10.1f} "
-                  f"{row['radix']['us']:10.1f} {row['radix/sorted']:12.2f} | {str(same):11s} | {row['graph']}", flush=True)
+            row["kernel/reference"] = row["kernel"]["us"] / row["reference"]["us"]
+            print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {row['reference']['us']:10.1f} "
+                  f"{row['kernel']['us']:10.1f} {row['kernel/reference']:10.2f} | {differ:11d} | {row['graph']}",
+                  flush=True)
             rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sampler.json").write_text(json.dumps(dict(device=str(dev), rows=rows), indent=1))
-    differ = [f"{r['mix']} B={r['B']}" for r in rows if not r["same_tokens"]]
-    if differ:
-        raise SystemExit(f"sample and sample_reference returned different tokens: {', '.join(differ)}")
+    bad = [f"{r['mix']} B={r['B']}: {r['rows_differ']} rows" for r in rows if r["rows_differ"] > 0.01 * r["B"]]
+    if bad:
+        raise SystemExit(f"sample and sample_reference drew different tokens in more than 1 % of the rows: {bad}")
 
 
 if __name__ == "__main__":

@@ -429,3 +429,89 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     collapsed = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
     return collapsed if weight is None else rms_norm(collapsed, weight, weight_eps)
+
+
+# ------------------------------------------------------------------ token sampling (kernels/sampling.py)
+SAMPLE_MASS_BITS = 40        # top-p masses are integers: ceil(exp(x - max x) * 2^SAMPLE_MASS_BITS)
+LOWBIAS32 = (0x7FEB352D, 0x846CA68B)   # the multipliers of Wellons' lowbias32 integer hash
+SPLITMIX64 = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)   # splitmix64's increment and mixers
+_U32 = 0xFFFFFFFF
+
+
+def _as_int64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+GOLDEN_GAMMA, _MIX_1, _MIX_2 = map(_as_int64, SPLITMIX64)
+
+
+def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """int64 per (seed, counter) pair, the key of a row's Gumbel noise: splitmix64's output for the counter-th step of
+    the stream that starts at mix(seed)."""
+    return _mix64(_mix64(seeds) + counters * GOLDEN_GAMMA)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's mixer on int64 (products wrap modulo 2^64; >> made logical)."""
+    z = (z ^ ((z >> 30) & ((1 << 34) - 1))) * _MIX_1
+    z = (z ^ ((z >> 27) & ((1 << 37) - 1))) * _MIX_2
+    return z ^ ((z >> 31) & ((1 << 33) - 1))
+
+
+def _lowbias32(h: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on uint32 values held in int64 (products wrap; the low 32 bits are kept)."""
+    h = h ^ (h >> 16)
+    h = (h * LOWBIAS32[0]) & _U32
+    h = h ^ (h >> 15)
+    h = (h * LOWBIAS32[1]) & _U32
+    return h ^ (h >> 16)
+
+
+def gumbel(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """fp32 [B, vocab] Gumbel noise: g = -log(-log(u)), u = (hash(row key, token id) >> 8 + 1/2) 2^-24 in (0, 1),
+    the hash two rounds of lowbias32 keyed by the 64-bit row key's low and high halves. g lies in [-2.86, 17.33]."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=row_keys.device)[None]
+    low, high = (row_keys & _U32)[:, None], ((row_keys >> 32) & _U32)[:, None]
+    h = _lowbias32(_lowbias32((ids + low) & _U32) ^ high)
+    u = ((h >> 8).float() + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def sample_kept(logits: torch.Tensor, inv_temperature: torch.Tensor, min_p: torch.Tensor | None,
+                top_k: torch.Tensor | None, drop_share: torch.Tensor | None) -> torch.Tensor:
+    """bool [B, V]: the tokens a row may draw (kernels/sampling.py's rules) with x = logits * inv_temperature: min-p
+    (exp(x - max x) >= min_p), top-k (x >= the top_k-th largest x, ties kept), then top-p (masses m = ceil(exp(x -
+    max x) 2^SAMPLE_MASS_BITS) on what is left, T their sum: a token stays iff the tokens with a larger x weigh less
+    than T - floor(T * drop_share); rows with drop_share 0 skip it). Found by sorting each row."""
+    x = logits * inv_temperature[:, None]
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if min_p is not None:
+        keep &= e >= min_p[:, None]
+    if top_k is not None:
+        k = top_k.clamp(max=x.shape[-1])
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        keep &= x >= kth
+    if drop_share is None:
+        return keep
+    m = torch.where(keep, torch.ceil(e * 2.0**SAMPLE_MASS_BITS), 0.0).long()
+    total = m.sum(dim=-1)
+    budget = torch.floor(total.double() * drop_share).long()
+    xs, order = torch.where(keep, x, float("-inf")).sort(dim=-1)       # ascending
+    upto = m.gather(1, order).cumsum(dim=-1)                             # mass of the tokens up to each, sorted
+    last = torch.searchsorted(xs, torch.where(keep, x, float("-inf")), right=True) - 1
+    above = total[:, None] - upto.gather(1, last)                        # mass of the tokens with a larger x
+    return keep & ((above < (total - budget)[:, None]) | (drop_share == 0)[:, None])   # top_p = 1: no top-p
+
+
+def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
+                  min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
+                  seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One token per row of fp32 logits [B, V] -> int64 [B]: greedy rows argmax(logits), the others the Gumbel-max
+    argmax(x + gumbel(row_keys(seeds, counters))) over `sample_kept`'s tokens; ties to the lowest id. Per row:
+    inv_temperature fp32, greedy bool, min_p fp32, top_k int64 (>= V: off), drop_share fp64 (1 - top_p), seeds and
+    counters int64; a filter's tensor may be None when no row uses it."""
+    x = logits * inv_temperature[:, None]
+    kept = sample_kept(logits, inv_temperature, min_p, top_k, drop_share)
+    score = torch.where(kept, x + gumbel(row_keys(seeds, counters), logits.shape[-1]), float("-inf"))
+    return torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
