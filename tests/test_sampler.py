@@ -190,15 +190,20 @@ def test_random_rows_the_kernel_draws_the_references_tokens(vocab):
         assert set(kept[i].nonzero().flatten().tolist()) == brute_force_kept(x[i], params[i]), params[i]
 
 
-def test_flat_rows_with_small_top_p_end_within_the_pass_bound():
-    """Rows where the first candidates are rejected again and again (many near-equal logits, a small kept set): the
-    kernel's bracket ends them, with the reference's tokens."""
+def test_flat_and_peaked_rows_give_the_references_tokens():
+    """Rows where the first candidates are rejected again and again (many near-equal logits, a small kept set: the
+    bracket ends them), and peaked rows whose later blocks the first pass skips (a spike of +40 in the first block;
+    in the last block, where nothing is skipped before it)."""
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(6, 4096, generator=g) * 1e-3
-    x[3:] = torch.linspace(0, 1, 4096)
-    params = [SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2
-    batch = build(params, range(100, 106), vocab_size=4096)
+    x = torch.randn(10, 5000, generator=g) * 1e-3
+    x[3:6] = torch.linspace(0, 1, 5000)
+    x[6:] = torch.randn(4, 5000, generator=g) * 2
+    x[6:8, 10] = 40.0
+    x[8:, 4990] = 40.0
+    params = [SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2 + [SamplingParams(), SamplingParams(top_p=0.9)] * 2
+    batch = build(params, range(100, 110), vocab_size=5000)
     assert torch.equal(kernel_tokens(x, batch), sample_reference(x, batch).token_ids)
+    assert kernel_tokens(x, batch)[6:].tolist() == [10, 10, 4990, 4990]
 
 
 def test_top_p_at_every_cumulative_boundary():

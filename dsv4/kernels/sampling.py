@@ -10,7 +10,8 @@ lowest id.
 
 Program (row b), passes over the row in blocks of BLOCK:
 1. argmax of the logits (a greedy row stops here), max x, and the Gumbel winner over every token, the first
-   candidate; a top-k row also histograms the top byte of the ordered keys of x.
+   candidate (a block whose largest x + G_MAX is below the best score so far skips the noise: none of its tokens can
+   win); a top-k row also histograms the top byte of the ordered keys of x.
 2. A top-k row: three more passes finish the radix select of the top_k-th largest key (the indexer's top-k way).
 3. Rejection (FlashInfer's sampling design): a candidate in the kept set is the answer, because the winner over a
    set that holds the kept set is, when it lies in the kept set, the winner over the kept set. A rejected candidate
@@ -34,6 +35,7 @@ from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
 G_SPAN = 21.0                 # x + g of a token with x <= max x - G_SPAN is below the top token's: it never wins
+G_MAX = tl.constexpr(17.5)    # above every Gumbel value (`ref.gumbel`: at most 17.33)
 MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
 _HASH_1 = tl.constexpr(LOWBIAS32[0])
 _HASH_2 = tl.constexpr(LOWBIAS32[1])
@@ -133,12 +135,14 @@ def _first_pass(row, V, r, low, high, k, BLOCK: tl.constexpr):
         valid = j < V
         lg = tl.load(row + j, mask=valid, other=float("-inf"))
         x = lg * r
-        s = tl.where(valid, x + _gumbel(j, low, high), float("-inf"))
-        bs = tl.max(s, axis=0)
-        bi = tl.min(tl.where(s == bs, j, V), axis=0)
-        best_i = tl.where(bs > best_s, bi, best_i)
-        best_s = tl.maximum(best_s, bs)
-        max_l = tl.maximum(max_l, tl.max(lg, axis=0))
+        bm = tl.max(lg, axis=0)
+        if bm * r + G_MAX > best_s:                     # else no token of the block can beat the best so far
+            s = tl.where(valid, x + _gumbel(j, low, high), float("-inf"))
+            bs = tl.max(s, axis=0)
+            bi = tl.min(tl.where(s == bs, j, V), axis=0)
+            best_i = tl.where(bs > best_s, bi, best_i)
+            best_s = tl.maximum(best_s, bs)
+        max_l = tl.maximum(max_l, bm)
         if k < V:
             hist += tl.histogram(((_key(x) >> 24) & 255).to(tl.int32), 256, mask=valid)
     return max_l, best_i, hist
