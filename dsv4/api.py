@@ -106,7 +106,7 @@ class LLM:
                 kernels=kernels, w4a4=w4a4, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, num_cache_pages=num_cache_pages,
                 gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, dummy_format=dummy_format,
-                hf_overrides=hf_overrides, seed=seed, progress=progress))
+                hf_overrides=hf_overrides, seed=seed, progress=progress, enforce_eager=enforce_eager))
             self._finalizer = weakref.finalize(self, self._group.shutdown)
             self.model = self._group.model
         else:
@@ -280,8 +280,15 @@ def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dty
     step_tokens = min(step_tokens, max_len)       # the step the cache sizing measures (CUDA)
     spec = workers.RankSpec(layout, cfg, checkpoint, opts["dummy_format"], opts["seed"], device.type, dtype,
                             opts["kernels"], opts["w4a4"], opts["max_num_seqs"], pages, step_tokens,
-                            opts["gpu_memory_utilization"], opts["progress"])
+                            opts["gpu_memory_utilization"], opts["progress"], max_len,
+                            _decode_runner(device, layout, opts["enforce_eager"]))
     return path, workers.start(spec)
+
+
+def _decode_runner(device: torch.device, layout: Layout, enforce_eager: bool) -> str:
+    """How a parallel engine runs decode steps (workers.RankSpec.decode_runner): captured CUDA graphs on one pipeline
+    stage, else plain steps (graphs of several stages would need the point-to-point sends inside them)."""
+    return "graphs" if device.type == "cuda" and layout.pp == 1 and not enforce_eager else "plain"
 
 
 def _dummy_config(model: str | Path, overrides: dict | None) -> tuple[Path | None, ModelConfig]:

@@ -269,3 +269,37 @@ def test_inspect_plan_prints_bytes_per_rank_and_refuses_what_cannot_fit(capsys):
     assert "more than 0.9 of a 512,000-byte device" in capsys.readouterr().out
     assert cli(["inspect", path, "--plan", "-tp", "3"]) == 1
     assert "does not divide num_attention_heads=4" in capsys.readouterr().out
+
+
+def test_graph_step_message_round_trips():
+    from dsv4.runtime.graphs import GraphStep
+    from dsv4.runtime.spmd import _decode_graph_step, _encode_graph_step
+    step = GraphStep(4, 320, (5, 6, 7), (10, 0, 255), (2, 0, 1), ((0, (3,)), (1, (4, 7))), (3,))
+    assert _decode_graph_step(*_encode_graph_step(step)) == step
+    bare = GraphStep(1, 128, (9,), (1,), (0,))
+    assert _decode_graph_step(*_encode_graph_step(bare)) == bare
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2,
+                                                                      enable_expert_parallel=True)],
+                         ids=["tp2", "tp2-ep"])
+def test_decode_runner_on_every_rank_gives_the_tokens_of_one_process(layout, one_process, monkeypatch):
+    """The decode runner of a parallel engine (every rank replays the same padded bucket, its all-reduces meeting the
+    others'), here without capture (the CPU path of what CUDA captures): LLM.generate's greedy tokens of one process,
+    its decode steps sent as GRAPH messages, and a second generate reusing the slots (page tables rewritten)."""
+    import dsv4.api
+
+    _, _, generated = one_process
+    monkeypatch.setattr(dsv4.api, "_decode_runner", lambda device, layout, enforce_eager: "padded")
+    with dsv4.LLM(rf.variant("wide"), **ENGINE, **layout) as llm:
+        driver = llm.engine.driver
+        assert llm.engine.graphs is driver.graphs is not None and driver.cache.num_slots == 4
+        sent, send = [], driver.channel.send
+        driver.channel.send = lambda inputs: (sent.append(type(inputs).__name__), send(inputs))[1]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == generated
+        assert sent.count("GraphStep") == STEPS - 1 and sent.count("StepInputs") == 1
+        again = llm.generate(PROMPTS[::-1], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == generated[::-1]
+        procs = list(llm._group.procs.values())
+    assert [p.exitcode for p in procs] == [0] * len(procs)

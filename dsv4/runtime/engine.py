@@ -92,7 +92,8 @@ class Engine:
         activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens. driver: rank 0's side
         of a parallel engine, whose cache (rank 0's stage of it, sized with the other ranks) this engine uses.
         On CUDA, decode steps replay CUDA graphs captured here (`graphs.DecodeGraphs`) unless `enforce_eager`
-        (vLLM's name); their memory is logged and kept in `graph_memory`."""
+        (vLLM's name); their memory is logged and kept in `graph_memory`. A driver's ranks have made their own
+        runners (`driver.graphs`; runtime/workers.py), whose steps every rank replays."""
         cfg = model.config
         self.model, self.driver = model, driver
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
@@ -122,8 +123,11 @@ class Engine:
         self.cache = driver.cache if driver else KVCache(cfg, max_num_seqs + graphed, num_cache_pages, self.dtype,
                                                          self.device)
         self.scheduler = Scheduler(max_num_seqs, budget, PageAllocator(num_cache_pages))
-        self.graphs = DecodeGraphs(model, self.cache.layers, max_num_seqs, self.max_model_len,
-                                   pad_slot=max_num_seqs) if graphed else None
+        if driver is not None:                    # its ranks' runners, made and captured with them (or none)
+            self.graphs = driver.graphs
+        else:
+            self.graphs = DecodeGraphs(model, self.cache.layers, max_num_seqs, self.max_model_len,
+                                       pad_slot=max_num_seqs) if graphed else None
         self.graph_memory = self.graphs.memory if self.graphs else 0
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}      # unfinished requests by id
@@ -272,11 +276,15 @@ class Engine:
         self.scheduler.vacated.clear()
         offsets = list(itertools.accumulate((n for _, n in plan[:-1]), initial=0))
         logits = None
-        if self.driver is None and self.graphs is not None and self.graphs.takes(plan):
-            try:                                  # a decode step: one graph replay (it reads the page tables itself)
-                logits = self.graphs.run([s for s, _ in plan])
-            except Exception as e:
-                return self._end_all([s for s, _ in plan], uncommitted, e)
+        if self.graphs is not None and self.graphs.takes(plan):
+            seqs = [s for s, _ in plan]           # a decode step: one graph replay (it reads the page tables itself)
+            if self.driver is not None:           # on every rank; a failure of any propagates
+                logits = self.driver.graph_step(seqs)
+            else:
+                try:
+                    logits = self.graphs.run(seqs)
+                except Exception as e:
+                    return self._end_all(seqs, uncommitted, e)
         else:
             batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
                              tuple(n for _, n in plan), tuple(tuple(s.page_table.pages) for s, _ in plan))

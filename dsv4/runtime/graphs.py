@@ -19,6 +19,7 @@ eagerly: the path the tests compare against the engine's plain step on the CPU.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,21 @@ log = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 FIRST_LENGTH, LENGTH_STEP = 4096, 4           # length buckets: 4K, 16K, 64K, ... then max_model_len
+
+
+@dataclass(frozen=True)
+class GraphStep:
+    """One decode step of the runner, as every rank of a parallel engine replays it: the first len(ids) rows of the
+    (bucket, length) bucket feed these token ids at these positions in these cache slots (the other rows are
+    padding); `pages` rewrites the page-table rows of the listed slots first, and `resets` (a parallel engine's, sent
+    with the step) empties cache slots before that."""
+    bucket: int
+    length: int
+    ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    slots: tuple[int, ...]
+    pages: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    resets: tuple[int, ...] = ()
 
 
 def length_buckets(max_model_len: int) -> list[int]:
@@ -79,32 +95,41 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [len(seqs), vocab rows] of the next token of each sequence, which feeds its one pending token."""
-        b = len(seqs)
-        bucket = next(x for x in self.buckets if x >= b)
+        return self.replay(self.prepare(seqs))[:len(seqs)]
+
+    def prepare(self, seqs: list[Sequence]) -> GraphStep:
+        """The step of these decoding sequences: its buckets, inputs and the page-table rows that changed since the
+        runner last saw each slot (noted as sent)."""
         longest = max(s.num_cached for s in seqs) + 1
-        length = next((x for x in self.lengths if x >= longest), self.lengths[-1])
+        pages = []
         for seq in seqs:
-            self._sync_pages(seq)
-        host = self.host
+            table = seq.page_table.pages
+            if self._rows.get(seq.slot) != (id(seq), len(table)):
+                pages.append((seq.slot, tuple(table)))
+                self._rows[seq.slot] = (id(seq), len(table))
+        return GraphStep(next(x for x in self.buckets if x >= len(seqs)),
+                         next((x for x in self.lengths if x >= longest), self.lengths[-1]),
+                         tuple(s.chunk(1)[0] for s in seqs), tuple(s.num_cached for s in seqs),
+                         tuple(s.slot for s in seqs), tuple(pages))
+
+    @torch.inference_mode()
+    def replay(self, step: GraphStep) -> torch.Tensor:
+        """Run a prepared step (its graph, or the same padded step eagerly) -> logits [bucket, vocab rows]."""
+        for slot, table in step.pages:
+            self.tables[slot, :len(table)].copy_(torch.tensor(table, dtype=torch.int32))
+        b, bucket, host = len(step.ids), step.bucket, self.host
         host[0, :bucket] = 0
         host[1, :bucket] = 0
         host[2, :bucket] = self.pad_slot
-        host[0, :b] = torch.tensor([s.chunk(1)[0] for s in seqs])
-        host[1, :b] = torch.tensor([s.num_cached for s in seqs])
-        host[2, :b] = torch.tensor([s.slot for s in seqs])
+        host[0, :b] = torch.tensor(step.ids)
+        host[1, :b] = torch.tensor(step.positions)
+        host[2, :b] = torch.tensor(step.slots)
         self.inputs[:, :bucket].copy_(host[:, :bucket], non_blocking=True)
-        if (bucket, length) in self.graphs:
-            self.graphs[bucket, length].replay()
-            return self.outputs[bucket, length][:b]
-        return self._forward(bucket, length)[:b]
-
-    def _sync_pages(self, seq: Sequence) -> None:
-        pages = seq.page_table.pages
-        if self._rows.get(seq.slot) == (id(seq), len(pages)):
-            return
-        row = torch.tensor(pages, dtype=torch.int32)
-        self.tables[seq.slot, :len(pages)].copy_(row)
-        self._rows[seq.slot] = (id(seq), len(pages))
+        key = (bucket, step.length)
+        if key in self.graphs:
+            self.graphs[key].replay()
+            return self.outputs[key]
+        return self._forward(bucket, step.length)
 
     def _forward(self, bucket: int, length: int) -> torch.Tensor:
         """The padded step of the static inputs' first `bucket` rows, sequences of at most `length` positions ->

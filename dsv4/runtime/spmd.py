@@ -16,6 +16,14 @@ the first receives the previous stage's 4-stream residual [1, N, hc_mult, d] fro
 head's vocabulary slices gathered over its TP group) and its TP rank 0 sends them to rank 0, which samples. Workers
 (every rank but 0) loop on `ControlChannel.receive` until STOP.
 
+Decode steps of the graph runner (`runtime/graphs.py`; pp = 1) travel as a GRAPH message instead, a `GraphStep`:
+
+    header  [GRAPH, rows b, page-table rows U, pages P, bucket, resets Z, length, 0]
+    payload [ids (b) | positions (b) | slots (b) | page-row slots (U) | their lengths (U) | pages (P) | resets (Z)]
+
+and every rank replays the same (bucket, length) graph of its part (`StageRunner.run_graph`), its collectives inside
+the graph; every rank captured its graphs together at start-up, in the same order (runtime/workers.py).
+
 Micro-batches: with several stages, a step of many tokens runs as M parts, its flattened tokens cut into M contiguous
 ranges (`SeqBatch.tokens_between`; a prompt may be split at any token). A stage runs the parts in order and sends each
 part's output on without waiting for the send, so stage s runs part m while stage s + 1 runs part m - 1: the step
@@ -34,7 +42,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -43,8 +51,9 @@ from ..model import Transformer
 from ..model.state import SeqBatch
 from ..parallel import Shard
 from .cache import KVCache
+from .graphs import DecodeGraphs, GraphStep
 
-STEP, STOP = 1, 2
+STEP, STOP, GRAPH = 1, 2, 3
 HEADER = 8
 PP_MICRO_BATCH_TOKENS = 2048   # the fewest tokens of a pipeline micro-batch: an estimate (docs/parallel.md, Pipeline)
 PP_MICRO_BATCHES_PER_STAGE = 4
@@ -103,23 +112,51 @@ class ControlChannel:
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
 
-    def send(self, inputs: StepInputs | None) -> None:
-        """A step's inputs, or None: STOP."""
+    def send(self, inputs: StepInputs | GraphStep | None) -> None:
+        """A step's inputs (a plain step, or a decode step of the graph runner), or None: STOP."""
         if inputs is None:
             dist.broadcast(torch.tensor([STOP] + [0] * (HEADER - 1), dtype=torch.long), src=0, group=self.group)
             return
-        header, payload = inputs.encode()
+        header, payload = _encode_graph_step(inputs) if isinstance(inputs, GraphStep) else inputs.encode()
         dist.broadcast(header, src=0, group=self.group)
         dist.broadcast(payload, src=0, group=self.group)
 
-    def receive(self) -> StepInputs | None:
+    def receive(self) -> StepInputs | GraphStep | None:
         header = torch.empty(HEADER, dtype=torch.long)
         dist.broadcast(header, src=0, group=self.group)
-        if int(header[0]) == STOP:
+        op = int(header[0])
+        if op == STOP:
             return None
-        payload = torch.empty(int(header[1:6].sum()) + 3 * int(header[2]), dtype=torch.long)
+        if op == GRAPH:
+            size = 3 * int(header[1]) + 2 * int(header[2]) + int(header[3]) + int(header[5])
+        else:
+            size = int(header[1:6].sum()) + 3 * int(header[2])
+        payload = torch.empty(size, dtype=torch.long)
         dist.broadcast(payload, src=0, group=self.group)
-        return StepInputs.decode(header, payload)
+        return _decode_graph_step(header, payload) if op == GRAPH else StepInputs.decode(header, payload)
+
+
+def _encode_graph_step(step: GraphStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """header [GRAPH, rows b, page rows U, pages P, bucket, resets Z, length, 0]; payload [ids (b) | positions (b) |
+    slots (b) | page-row slots (U) | their lengths (U) | pages (P) | resets (Z)]."""
+    tables = [t for _, t in step.pages]
+    values = [*step.ids, *step.positions, *step.slots, *(slot for slot, _ in step.pages), *map(len, tables),
+              *(page for t in tables for page in t), *step.resets]
+    header = torch.tensor([GRAPH, len(step.ids), len(tables), sum(map(len, tables)), step.bucket, len(step.resets),
+                           step.length, 0], dtype=torch.long)
+    return header, torch.tensor(values, dtype=torch.long)
+
+
+def _decode_graph_step(header: torch.Tensor, payload: torch.Tensor) -> GraphStep:
+    b, u, _, bucket, z, length = header[1:7].tolist()
+    v = payload.tolist()
+    ids, positions, slots, page_slots, counts = v[:b], v[b:2 * b], v[2 * b:3 * b], v[3 * b:3 * b + u], \
+        v[3 * b + u:3 * b + 2 * u]
+    at, pages = 3 * b + 2 * u, []
+    for slot, n in zip(page_slots, counts):
+        pages.append((slot, tuple(v[at:at + n])))
+        at += n
+    return GraphStep(bucket, length, tuple(ids), tuple(positions), tuple(slots), tuple(pages), tuple(v[at:at + z]))
 
 
 class StageRunner:
@@ -127,6 +164,7 @@ class StageRunner:
 
     def __init__(self, model: Transformer, cache: KVCache, shard: Shard, device: torch.device, dtype: torch.dtype):
         self.model, self.cache, self.shard, self.device, self.dtype = model, cache, shard, device, dtype
+        self.graphs: DecodeGraphs | None = None      # the decode runner over this rank's cache (pp = 1), if any
         layout = shard.layout
         self.prev_rank = shard.rank - layout.tp if not shard.first_stage else None
         self.next_rank = shard.rank + layout.tp if not shard.last_stage else None
@@ -174,10 +212,22 @@ class StageRunner:
             return out
         return None
 
+    @torch.inference_mode()
+    def run_graph(self, step: GraphStep) -> torch.Tensor | None:
+        """A decode step of the graph runner on this rank (every TP rank replays its graph, whose all-reduces meet
+        the others'); returns the logits [rows, vocab] on rank 0."""
+        for slot in step.resets:
+            self.cache.reset(slot)
+        logits = self.graphs.replay(step)
+        return logits[:len(step.ids)] if self.shard.rank == 0 else None
+
     def serve(self, channel: ControlChannel) -> None:
         """A worker's loop: run every step rank 0 sends until STOP."""
         while (inputs := channel.receive()) is not None:
-            self.run(inputs)
+            if isinstance(inputs, GraphStep):
+                self.run_graph(inputs)
+            else:
+                self.run(inputs)
 
 
 class Driver:
@@ -195,6 +245,11 @@ class Driver:
         self.micro_batch_tokens = micro_batch_tokens
         self.failure: WorkerFailure | None = None
         self._resets: list[int] = []
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """Rank 0's decode runner (every rank has one when the engine replays decode steps as graphs)."""
+        return self.runner.graphs
 
     def micro_batches(self, num_tokens: int) -> int:
         """How many parts a step of num_tokens runs in through the pipeline (module docstring)."""
@@ -219,6 +274,21 @@ class Driver:
             try:
                 self.channel.send(inputs)
                 return self.runner.run(inputs)
+            except Exception as e:
+                self.failure = self._stopped(e)
+                raise self.failure from e
+
+    def graph_step(self, seqs) -> torch.Tensor:
+        """Every rank replays the decode step of these sequences (`DecodeGraphs.prepare`; the pending resets travel
+        with it); -> logits [len(seqs), vocab]. Raises WorkerFailure as `step` does."""
+        if self.failure is not None:
+            raise self.failure
+        step = replace(self.runner.graphs.prepare(seqs), resets=tuple(self._resets))
+        self._resets.clear()
+        with _interrupt_after():
+            try:
+                self.channel.send(step)
+                return self.runner.run_graph(step)
             except Exception as e:
                 self.failure = self._stopped(e)
                 raise self.failure from e

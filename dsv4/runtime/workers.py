@@ -8,8 +8,8 @@ rank runs the worker loop inside `start` and the process exits when rank 0 stops
 Every rank then does the same (`build_rank`): joins the process groups (the default one, NCCL or gloo, whose
 collectives time out after COLLECTIVE_TIMEOUT; a gloo control group for the step messages, whose timeout IDLE_TIMEOUT
 lets a worker wait for the next request for days; one group per pipeline stage for its TP ranks), loads its part of
-the model (its slices only), sizes its stage's cache (the same slots and pages on every rank) and meets the others at
-a barrier.
+the model (its slices only), sizes its stage's cache (the same slots and pages on every rank), with the decode runner
+(CUDA, pp = 1, not enforce_eager) captures its decode graphs together with the others, and meets them at a barrier.
 
 Failure: a watchdog thread of rank 0 waits on the spawned workers' process sentinels. When one ends unasked it
 records the rank and its cause (the exception the worker reported through its pipe, or the signal that killed it),
@@ -43,6 +43,7 @@ from ..kernels import ops_for
 from ..model.state import SeqBatch
 from ..parallel import Communicator, Layout
 from .cache import KVCache, cache_bytes, page_bytes, pages_for
+from .graphs import DecodeGraphs
 from .spmd import ControlChannel, Driver, StageRunner, StepInputs, WorkerFailure
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class RankSpec:
     max_num_batched_tokens: int
     gpu_memory_utilization: float
     progress: bool = False
+    max_model_len: int = 4096
+    decode_runner: str = "plain"      # "plain" steps; "graphs" (CUDA, pp = 1): the decode runner, captured;
+                                      # "padded": the same runner without capture (its CPU tests)
 
 
 def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> tuple[StageRunner, ControlChannel]:
@@ -94,15 +98,20 @@ def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> 
         model = load(spec.checkpoint, device, spec.dtype, ops, progress=spec.progress and rank == 0, shard=shard,
                      comm=comm)
     runner = StageRunner(model, None, shard, device, spec.dtype)
+    slots = spec.max_num_seqs + (spec.decode_runner != "plain")     # the runner's padding rows use one more slot
     pages = spec.num_cache_pages
     if pages is None:
-        pages = _pages_that_fit_everywhere(runner, spec, control)
-    runner.cache = KVCache(shard.stage_config(), spec.max_num_seqs, pages, spec.dtype, device)
+        pages = _pages_that_fit_everywhere(runner, spec, slots, control)
+    runner.cache = KVCache(shard.stage_config(), slots, pages, spec.dtype, device)
+    if spec.decode_runner != "plain":
+        # Every rank captures the same graphs in the same order, so the collectives inside them meet.
+        runner.graphs = DecodeGraphs(model, runner.cache.layers, spec.max_num_seqs, spec.max_model_len,
+                                     pad_slot=spec.max_num_seqs, capture=spec.decode_runner == "graphs")
     dist.barrier(group=control)
     return runner, ControlChannel(control)
 
 
-def _pages_that_fit_everywhere(runner: StageRunner, spec: RankSpec, control: dist.ProcessGroup) -> int:
+def _pages_that_fit_everywhere(runner: StageRunner, spec: RankSpec, slots: int, control: dist.ProcessGroup) -> int:
     """Cache pages that fit on every rank: each measures a full-budget prefill step (every rank runs it together,
     on a scratch cache of one sequence), keeps gpu_memory_utilization of its GPU for weights, that step and the
     per-slot state; the least over the ranks wins."""
@@ -120,7 +129,7 @@ def _pages_that_fit_everywhere(runner: StageRunner, spec: RankSpec, control: dis
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = total * spec.gpu_memory_utilization - torch.cuda.memory_allocated(device) - workspace
-    budget -= cache_bytes(cfg, spec.max_num_seqs, 0, dtype)
+    budget -= cache_bytes(cfg, slots, 0, dtype)
     pages = torch.tensor([max(0, int(budget // page_bytes(cfg, dtype)))], dtype=torch.long)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=control)
     return int(pages)
