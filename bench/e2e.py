@@ -15,6 +15,9 @@ that format's storage), then
   the engine's default mode (`--modes graphs`: CUDA graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
+* with `--tensor-parallel-size N` (`--enable-expert-parallel`): the same on a parallel `dsv4.LLM` of N ranks, one
+  per GPU (dummy weights drawn per rank), one engine per format, layer count and mode whose cache holds the largest
+  case; the floor is one GPU's share of the bytes (rank 0's weights);
 * transformers' eager `DeepseekV4ForCausalLM` at the same dims, batch 1 (`--hf`; skipped with the reason if it
   cannot run). Writes e2e.json and prints a table.
 """
@@ -87,18 +90,24 @@ def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Ge
     engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
                     max_num_batched_tokens=max(batch, 1024), num_cache_pages=batch * pages_for(context + steps + 1),
                     enforce_eager=eager)
-    vocab = model.config.vocab_size
-    seqs = [engine.add_request(torch.randint(2, vocab, (context,), generator=gen).tolist(), DECODE)
-            for _ in range(batch)]
     for pool in engine.cache.pools.values():
         pool.normal_()
+    return engine, admit_at_context(engine, batch, context, gen)
+
+
+def admit_at_context(engine: Engine, batch: int, context: int, gen: torch.Generator) -> list:
+    """Add `batch` sequences to a free engine as if each held `context - 1` tokens in its cache (whatever the pools
+    hold: timing needs the counts, not the values); every following step decodes one token per sequence."""
+    vocab = engine.model.config.vocab_size
+    seqs = [engine.add_request(torch.randint(2, vocab, (context,), generator=gen).tolist(), DECODE)
+            for _ in range(batch)]
     sched = engine.scheduler
     while sched.waiting:                   # admit every sequence, as `Scheduler.schedule` would
         seq = sched.waiting.popleft()
         seq.slot = sched.free_slots.popleft()
         seq.num_cached = context - 1
         sched.running.append(seq)
-    return engine, seqs
+    return seqs
 
 
 def profile_step(engine: Engine, device: torch.device) -> dict:
@@ -141,7 +150,14 @@ def failed(seqs) -> None:
 def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False) -> dict:
     t = time.perf_counter()
     engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager)
-    setup_s = time.perf_counter() - t
+    out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device)}
+    del engine
+    gc.collect()                          # its pools go before the next case's are allocated
+    return out
+
+
+def time_steps(engine: Engine, seqs: list, steps: int, device) -> dict:
+    """A warm-up step, then the median of `steps` timed decode steps, then one profiled step."""
     engine.step()                         # warm-up (compiles kernels on first use)
     failed(seqs)
     times = []
@@ -151,12 +167,64 @@ def time_decode(model, batch: int, context: int, steps: int, device, gen, eager:
         engine.step()
         sync(device)
         times.append(time.perf_counter() - t)
-    out = {"step_ms": statistics.median(times) * 1e3, "setup_s": setup_s, "graph_memory": engine.graph_memory}
+    out = {"step_ms": statistics.median(times) * 1e3, "graph_memory": engine.graph_memory}
     out.update(profile_step(engine, device))
     failed(seqs)
-    del engine
-    gc.collect()                          # its pools go before the next case's are allocated
     return out
+
+
+def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dict) -> dict:
+    """Decode cases and prefills on one parallel LLM (dummy weights, `--tensor-parallel-size` ranks, one per GPU)
+    whose cache holds the largest case; each case admits its sequences and aborts them after.
+    -> {(batch, context): step ms}."""
+    import dsv4
+
+    ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
+    batches, contexts, prefills = ints(args.batch), ints(args.context), ints(args.prefill)
+    longest = max(contexts + [p - args.steps for p in prefills]) + args.steps + 3
+    pages = max([b * pages_for(c + args.steps + 3) for b in batches for c in contexts] + [pages_for(longest)])
+    t = time.perf_counter()
+    steps_ms = {}
+    with dsv4.LLM(args.model, device=device.type, load_format="dummy", dummy_format=fmt,
+                  hf_overrides={"num_hidden_layers": layers}, tensor_parallel_size=args.tensor_parallel_size,
+                  enable_expert_parallel=args.enable_expert_parallel, max_num_seqs=max(batches),
+                  max_model_len=longest, num_cache_pages=pages, max_num_batched_tokens=max(max(batches), args.chunk),
+                  enforce_eager=mode == "eager", skip_tokenizer_init=True, progress=False) as llm:
+        build_s, engine, cfg = time.perf_counter() - t, llm.engine, llm.model.config
+        for batch in batches:
+            for context in contexts:
+                case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s,
+                            tensor_parallel_size=args.tensor_parallel_size)
+                seqs = admit_at_context(engine, batch, context, gen)
+                try:
+                    case.update(time_steps(engine, seqs, args.steps, device))
+                except Exception:
+                    res["errors"].append(f"decode {case}: {traceback.format_exc()[-1500:]}")
+                    continue
+                finally:
+                    for seq in seqs:
+                        engine.abort(seq.request_id)
+                nbytes = step_bytes(llm.model, cfg, batch, context, torch.finfo(engine.dtype).bits // 8)
+                case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
+                            floor_ms=nbytes / args.bandwidth * 1e3)     # rank 0's share: every GPU reads as much
+                steps_ms[(batch, context)] = case["step_ms"]
+                res["decode"].append(case)
+                print(json.dumps(case), flush=True)
+        for length in prefills if mode == args.modes.split(",")[0] else ():
+            prompt = torch.randint(2, cfg.vocab_size, (length,), generator=gen).tolist()
+            seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            sync(device)
+            t = time.perf_counter()
+            while not seq.finished:
+                engine.step()
+            sync(device)
+            failed([seq])
+            row = dict(format=fmt, layers=layers, length=length, prefill_s=time.perf_counter() - t,
+                       tensor_parallel_size=args.tensor_parallel_size)
+            row["tokens_per_s"] = length / row["prefill_s"]
+            res["prefill"].append(row)
+            print(json.dumps(row), flush=True)
+    return steps_ms
 
 
 def time_prefill(model, length: int, chunk: int, device, gen) -> dict:
@@ -218,6 +286,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default=None)
     ap.add_argument("--modes", default="graphs", help="decode step modes: graphs (CUDA graphs where the engine "
                     "captures them), eager (enforce_eager), or both: graphs,eager")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) of a parallel engine; the "
+                    "floor is then one GPU's share of the bytes")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size > 1")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -234,9 +305,18 @@ def main(argv: list[str] | None = None) -> dict:
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
+    res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
     for fmt in args.format.split(","):
         step_by_layers: dict[tuple[int, int, int], float] = {}
-        for layers in ints(args.layers):
+        for layers in ints(args.layers) if args.tensor_parallel_size > 1 else ():
+            for mode in args.modes.split(","):
+                try:
+                    steps_ms = parallel_cases(args, fmt, layers, mode, device, gen, res)
+                except Exception:
+                    res["errors"].append(f"parallel {fmt} {layers} {mode}: {traceback.format_exc()[-1500:]}")
+                    continue
+                step_by_layers.update({(layers, b, c, mode): ms for (b, c), ms in steps_ms.items()})
+        for layers in ints(args.layers) if args.tensor_parallel_size == 1 else ():
             cfg = base.with_layers(layers)
             t = time.perf_counter()
             model = dummy_model(cfg, fmt, device, dtype, ops_for(device))
@@ -290,7 +370,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']})",
+    tp = res.get("tensor_parallel_size", 1)
+    split = f", {tp} ranks{' + expert parallel' if res.get('enable_expert_parallel') else ''}" if tp > 1 else ""
+    lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']}{split})",
              f"{'format':14s} {'mode':6s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
              f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s}"]
     for c in res["decode"]:

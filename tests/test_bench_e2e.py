@@ -37,3 +37,14 @@ def test_step_bytes_counts_weights_experts_and_cache():
     grown = e2e.step_bytes(model, cfg, 1, 1024 + 512, 4) - one
     picks = 2 * (min(cfg.index_topk, 384) - min(cfg.index_topk, 256)) * cfg.head_dim
     assert grown == 4 * (2 * 128 * cfg.index_head_dim + picks + 4 * cfg.head_dim)
+
+
+def test_toy_run_on_two_ranks(tmp_path):
+    """--tensor-parallel-size 2 on gloo processes: one parallel LLM per layer count runs every case (sequences
+    admitted and aborted in turn on its one cache) and the prefills."""
+    res = e2e.main(["--toy", "--tensor-parallel-size", "2", "--format", "bf16", "--hf", "off", "--out", str(tmp_path)])
+    assert not res["errors"], res["errors"]
+    assert [(c["layers"], c["batch"], c["context"]) for c in res["decode"]] == [
+        (layers, batch, context) for layers in (3, 5) for batch in (1, 2) for context in (64, 160)]
+    assert all(c["step_ms"] > 0 and c["tensor_parallel_size"] == 2 for c in res["decode"])
+    assert len(res["per_layer"]) == 4 and len(res["prefill"]) == 2
