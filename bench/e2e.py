@@ -187,10 +187,13 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
     steps_ms = {}
     with dsv4.LLM(args.model, device=device.type, load_format="dummy", dummy_format=fmt,
                   hf_overrides={"num_hidden_layers": layers}, tensor_parallel_size=args.tensor_parallel_size,
-                  enable_expert_parallel=args.enable_expert_parallel, max_num_seqs=max(batches),
+                  enable_expert_parallel=args.enable_expert_parallel,
+                  disable_custom_all_reduce=args.disable_custom_all_reduce, max_num_seqs=max(batches),
                   max_model_len=longest, num_cache_pages=pages, max_num_batched_tokens=max(max(batches), args.chunk),
                   enforce_eager=mode == "eager", skip_tokenizer_init=True, progress=False) as llm:
         build_s, engine, cfg = time.perf_counter() - t, llm.engine, llm.model.config
+        comm = llm.model.layers[0].comm
+        res["all_reduce"] = comm.path if comm is not None else None
         for batch in batches:
             for context in contexts:
                 case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s,
@@ -289,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) of a parallel engine; the "
                     "floor is then one GPU's share of the bytes")
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size > 1")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL (with "
+                    "--tensor-parallel-size > 1; default: small ones through the symmetric-memory one-shot kernel)")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -371,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def table(res: dict) -> str:
     tp = res.get("tensor_parallel_size", 1)
-    split = f", {tp} ranks{' + expert parallel' if res.get('enable_expert_parallel') else ''}" if tp > 1 else ""
+    split = (f", {tp} ranks{' + expert parallel' if res.get('enable_expert_parallel') else ''}, all-reduce "
+             f"{res.get('all_reduce')}") if tp > 1 else ""
     lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']}{split})",
              f"{'format':14s} {'mode':6s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
              f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s}"]

@@ -78,7 +78,8 @@ class LLM:
                  max_logprobs: int = 20, gpu_memory_utilization: float = 0.9, num_cache_pages: int | None = None,
                  load_format: str = "auto", dummy_format: str = "nvfp4-experts", hf_overrides: dict | None = None,
                  seed: int = 0, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, enforce_eager: bool = False):
+                 enable_expert_parallel: bool = False, enforce_eager: bool = False,
+                 disable_custom_all_reduce: bool = False):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
@@ -95,8 +96,10 @@ class LLM:
         tensor_parallel_size (attention by heads, experts split, vocabulary-split embedding and head),
         pipeline_parallel_size (contiguous layer ranges) and enable_expert_parallel (routed experts partitioned over
         the TP ranks instead of split): docs/parallel.md. A layout the model cannot be split into is refused
-        before anything is loaded. On a GPU, decode steps replay CUDA graphs captured at start-up (one per batch
-        size and length bucket up to max_num_seqs and max_model_len); enforce_eager=True (vLLM's name) runs them
+        before anything is loaded. disable_custom_all_reduce (vLLM's name) sends every all-reduce through NCCL
+        instead of small ones through torch's symmetric-memory one-shot kernel. On a GPU, decode steps replay CUDA
+        graphs captured at start-up (one per batch size and length bucket up to max_num_seqs and max_model_len; on
+        every rank of a parallel engine with one pipeline stage); enforce_eager=True (vLLM's name) runs them
         eagerly."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
@@ -106,7 +109,8 @@ class LLM:
                 kernels=kernels, w4a4=w4a4, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                 max_num_batched_tokens=max_num_batched_tokens, num_cache_pages=num_cache_pages,
                 gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, dummy_format=dummy_format,
-                hf_overrides=hf_overrides, seed=seed, progress=progress, enforce_eager=enforce_eager))
+                hf_overrides=hf_overrides, seed=seed, progress=progress, enforce_eager=enforce_eager,
+                one_shot_all_reduce=not disable_custom_all_reduce))
             self._finalizer = weakref.finalize(self, self._group.shutdown)
             self.model = self._group.model
         else:
@@ -281,7 +285,7 @@ def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dty
     spec = workers.RankSpec(layout, cfg, checkpoint, opts["dummy_format"], opts["seed"], device.type, dtype,
                             opts["kernels"], opts["w4a4"], opts["max_num_seqs"], pages, step_tokens,
                             opts["gpu_memory_utilization"], opts["progress"], max_len,
-                            _decode_runner(device, layout, opts["enforce_eager"]))
+                            _decode_runner(device, layout, opts["enforce_eager"]), opts["one_shot_all_reduce"])
     return path, workers.start(spec)
 
 

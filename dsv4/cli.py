@@ -163,6 +163,8 @@ def _parallel_args(g: argparse.ArgumentParser) -> None:
                    help="pipeline stages, each a contiguous range of layers (default 1)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="partition the routed experts over the tensor-parallel ranks instead of splitting each")
+    g.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="every all-reduce through NCCL, none through the symmetric-memory one-shot kernel")
 
 
 def _load_format_args(g: argparse.ArgumentParser) -> None:
@@ -209,7 +211,8 @@ def _llm(args: argparse.Namespace):
 
 def _parallel(args: argparse.Namespace) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-                enable_expert_parallel=args.enable_expert_parallel)
+                enable_expert_parallel=args.enable_expert_parallel,
+                disable_custom_all_reduce=args.disable_custom_all_reduce)
 
 
 def _params(args: argparse.Namespace):

@@ -303,3 +303,20 @@ def test_decode_runner_on_every_rank_gives_the_tokens_of_one_process(layout, one
         assert [o.outputs[0].token_ids for o in again] == generated[::-1]
         procs = list(llm._group.procs.values())
     assert [p.exitcode for p in procs] == [0] * len(procs)
+
+
+@pytest.mark.parametrize("disable", [False, True])
+def test_engine_options_reach_every_ranks_spec(monkeypatch, disable):
+    """disable_custom_all_reduce and the decode runner travel to the ranks in their RankSpec (on CPU: plain steps)."""
+    from dsv4.runtime import workers
+
+    class Captured(Exception):
+        pass
+
+    def start(spec):
+        raise Captured(spec)
+    monkeypatch.setattr(workers, "start", start)
+    with pytest.raises(Captured) as got:
+        dsv4.LLM(rf.variant("wide"), **ENGINE, tensor_parallel_size=2, disable_custom_all_reduce=disable)
+    spec = got.value.args[0]
+    assert spec.one_shot_all_reduce is not disable and spec.decode_runner == "plain" and spec.max_model_len == 512

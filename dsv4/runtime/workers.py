@@ -75,6 +75,7 @@ class RankSpec:
     max_model_len: int = 4096
     decode_runner: str = "plain"      # "plain" steps; "graphs" (CUDA, pp = 1): the decode runner, captured;
                                       # "padded": the same runner without capture (its CPU tests)
+    one_shot_all_reduce: bool = True  # small all-reduces through symmetric memory where torch has it
 
 
 def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> tuple[StageRunner, ControlChannel]:
@@ -88,7 +89,7 @@ def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> 
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     tp_groups = [dist.new_group(list(layout.stage_ranks(s))) for s in range(layout.pp)] if layout.tp > 1 else []
     shard = layout.shard(cfg, rank)
-    comm = Communicator(tp_groups[shard.stage], device, spec.dtype) if tp_groups else None
+    comm = Communicator(tp_groups[shard.stage], device, spec.dtype, spec.one_shot_all_reduce) if tp_groups else None
     ops = ops_for(device, spec.kernels, spec.w4a4)
     if spec.checkpoint is None:
         model = dummy_model(cfg, spec.dummy_format, device, spec.dtype, ops, spec.seed, shard=shard, comm=comm)
