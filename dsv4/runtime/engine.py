@@ -51,7 +51,7 @@ from .params import (
     SamplingParams,
     check_token_ids,
 )
-from .sampler import SamplingBatch, sample
+from .sampler import SamplingBatch, device_column, sample
 from .graphs import DecodeGraphs
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -310,7 +310,8 @@ class Engine:
         if seqs:
             if logits is None:
                 try:
-                    logits = self.model.head_logits(streams[:, [row for _, row in due]])[0]
+                    rows = device_column([row for _, row in due], torch.int64, self.device)   # no wait
+                    logits = self.model.head_logits(streams[:, rows])[0]
                 except Exception as e:
                     return self._end_all(seqs, uncommitted, e)
             draws = self._launch_sampling(seqs, logits[:, :self.vocab_size].float())
@@ -374,7 +375,7 @@ class Engine:
         key = tuple(seqs)
         if self._sampling is not None and self._sampling[0] == key:
             batch = dataclasses.replace(self._sampling[1],
-                                        counters=torch.tensor(counters, dtype=torch.int64).to(self.device))
+                                        counters=device_column(counters, torch.int64, self.device))
         else:
             batch = SamplingBatch.build([s.params for s in seqs], counters, self.vocab_size, self.device,
                                         unseeded_seed=self._unseeded_seed)

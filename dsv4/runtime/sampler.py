@@ -40,6 +40,15 @@ from dsv4.kernels.ref import GOLDEN_GAMMA, SAMPLE_MASS_BITS, row_keys  # noqa: F
 from dsv4.runtime.params import Logprob, SamplingParams
 
 
+def device_column(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without waiting for the device: from pinned memory, non-blocking
+    (a copy from pageable memory waits for every kernel queued before it, e.g. the decode step being sampled)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SamplingBatch:
     """Per-row parameters as device tensors. A filter's tensor is None when no row uses it (unless the batch is built
@@ -67,7 +76,7 @@ class SamplingBatch:
             raise ValueError(f"{len(params)} SamplingParams but {len(counters)} counters")
 
         def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return device_column(values, dtype, device)
 
         num_logprobs = [min(p.logprobs, vocab_size) for p in params if p.logprobs is not None]
         top_k = [min(p.top_k, vocab_size) if p.top_k else vocab_size for p in params]
