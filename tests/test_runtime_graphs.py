@@ -69,3 +69,35 @@ def test_length_buckets_grow_by_four_up_to_max_model_len():
     assert length_buckets(320) == [320]
     assert length_buckets(65536) == [4096, 16384, 65536]
     assert length_buckets(100_000) == [4096, 16384, 65536, 100_000]
+
+
+def test_a_one_token_prefill_chunk_beside_decodes_takes_the_plain_step(caplog):
+    """max_num_batched_tokens = max_num_seqs: while three sequences decode, a long prompt gets one token of budget a
+    step, a chunk of one token that is not its last: such a step is not a decode step (that sequence gets no token
+    from it), so it runs plain and every sequence keeps the tokens of the plain engine."""
+    model = dsv4.load(rf.variant("wide"))
+    prompts = [rf.prompt_ids(n, seed=60 + i) for i, n in enumerate((3, 4, 5, 40))]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(engine):
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while engine.has_unfinished():
+            engine.step()
+        return [list(s.tracker.token_ids) for s in seqs]
+
+    want = run(Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=8, max_num_batched_tokens=4))
+    engine = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=8, max_num_batched_tokens=4)
+    engine.cache = KVCache(model.config, 5, 8, torch.float32)
+    engine.graphs = DecodeGraphs(model, engine.cache.layers, 4, 320, pad_slot=4, capture=False, lengths=[320])
+    one_token_chunks, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        one_token_chunks.append(any(n == 1 and s.num_pending > 1 for s, n in plan) and all(n == 1 for _, n in plan))
+        return plan
+    engine.scheduler.schedule = recording
+    runs, replay = [], engine.graphs.run
+    engine.graphs.run = lambda seqs: runs.append(len(seqs)) or replay(seqs)
+    assert run(engine) == want
+    assert any(one_token_chunks) and runs             # the case happened, and the runner ran the decode steps
+    assert "failed" not in caplog.text                # no step's logits disagreed with its sampled rows

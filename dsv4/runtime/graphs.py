@@ -85,8 +85,9 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def takes(self, plan: list[tuple[Sequence, int]]) -> bool:
-        """Whether the step is a decode step this runner can replay."""
-        return 0 < len(plan) <= self.max_batch and all(n == 1 for _, n in plan)
+        """Whether the step is a decode step this runner can replay: every sequence feeds its one pending token (a
+        one-token chunk of a longer prompt gets no token from the step, so its row would have no place)."""
+        return 0 < len(plan) <= self.max_batch and all(n == 1 and s.num_pending == 1 for s, n in plan)
 
     def forget(self, slot: int) -> None:
         """The slot was freed or reset: its page table row is rewritten when a sequence next uses it."""
