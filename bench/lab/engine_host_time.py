@@ -1,0 +1,115 @@
+"""Question: How much host time does the engine spend on a decode step around the model, and which part of it does
+the device wait for?
+
+The engine (`runtime.engine.Engine`) with its decode runner replaced by a stub that returns logits at once, so what
+is timed is the host's work per decode step: scheduling, the runner's inputs (the stub skips them), launching the
+sampler, rendering the previous step's tokens (detokenization, stop checks, callbacks), reading the tokens back and
+accepting them. Rendering runs while the device computes the step (`Engine.step`), so the device waits only for the
+rest: the column "device waits" is the step's time less rendering.
+
+    python bench/lab/engine_host_time.py [--batches 1,64,256] [--steps 30] [--out DIR]
+    python bench/lab/engine_host_time.py --toy          # a dry run (checks the script)
+
+The tiny test model (its logits 512 wide: the tensor work here is a GPU's kernels, not host time); greedy requests
+(their sampling is one argmax; a filtered batch adds one kernel launch on a GPU, while the CPU would time its
+reference sampler); best of 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+
+from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
+from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.runtime.engine import Engine  # noqa: E402
+from dsv4.runtime.params import SamplingParams  # noqa: E402
+
+PARTS = ("schedule", "sampler launch", "render", "read back", "accept")
+
+
+class StubRunner:
+    """Stands in for `DecodeGraphs`: decode steps return fixed logits at once."""
+    memory = 0
+
+    def __init__(self, vocab: int, rows: int):
+        self.logits = torch.zeros(rows, vocab)
+
+    def takes(self, plan) -> bool:
+        return all(n == 1 and s.num_pending == 1 for s, n in plan)
+
+    def run(self, seqs) -> torch.Tensor:
+        return self.logits[:len(seqs)]
+
+    def forget(self, slot: int) -> None:
+        pass
+
+
+def measure(model, batch: int, params: SamplingParams, steps: int) -> dict:
+    engine = Engine(model, max_num_seqs=batch, max_model_len=steps + 16, num_cache_pages=batch + 1,
+                    max_num_batched_tokens=max(batch * 4, 64))
+    engine.graphs = StubRunner(model.config.vocab_size, batch)
+    seqs = [engine.add_request([5, 6, 7], params) for _ in range(batch)]
+    while any(s.tracker.num_sampled == 0 for s in seqs):
+        engine.step()                                      # prefill (the model runs: not timed)
+    parts = dict.fromkeys(PARTS, 0.0)
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            parts[name] += time.perf_counter() - t
+            return out
+        return wrapper
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine._launch_sampling = timed("sampler launch", engine._launch_sampling)
+    engine._render = timed("render", engine._render)
+    engine._read_samples = timed("read back", engine._read_samples)
+    engine._accept = timed("accept", engine._accept)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    total = (time.perf_counter() - t) / steps
+    out = {name: parts[name] / steps * 1e3 for name in PARTS}
+    out.update(step_ms=total * 1e3, device_waits_ms=(total - parts["render"] / steps) * 1e3)
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--toy", action="store_true", help="batches 1,4 and 3 steps (checks the script)")
+    args = ap.parse_args(argv)
+    if args.toy:
+        args.batches, args.steps = "1,4", 3
+    label = "toy" if args.toy else "cpu"
+    torch.set_num_threads(1)
+    model = dummy_model(ModelConfig.tiny(), "bf16", dtype=torch.float32)
+    mixes = {"greedy": SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)}
+    rows = []
+    print(f"{label:5s} {'mix':11s} {'B':>4s} | {'step ms':>8s} {'device waits':>12s} | "
+          + " ".join(f"{p:>14s}" for p in PARTS), flush=True)
+    for batch in map(int, args.batches.split(",")):
+        for name, params in mixes.items():
+            best = min((measure(model, batch, params, args.steps) for _ in range(3)), key=lambda r: r["step_ms"])
+            rows.append(dict(mix=name, B=batch, **best))
+            print(f"{label:5s} {name:11s} {batch:4d} | {best['step_ms']:8.3f} {best['device_waits_ms']:12.3f} | "
+                  + " ".join(f"{best[p]:14.3f}" for p in PARTS), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "engine_host_time.json").write_text(json.dumps(dict(device="cpu", rows=rows), indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
