@@ -15,6 +15,7 @@ that format's storage), then
   the engine's default mode (`--modes graphs`: CUDA graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
+* `--index-cache-dtype fp8`: the indexer's keys cached in fp8 (the floor counts their bytes so);
 * with `--tensor-parallel-size N` (`--enable-expert-parallel`): the same on a parallel `dsv4.LLM` of N ranks, one
   per GPU (dummy weights drawn per rank), one engine per format, layer count and mode whose cache holds the largest
   case; the floor is one GPU's share of the bytes (rank 0's weights);
@@ -59,7 +60,8 @@ def module_bytes(module: torch.nn.Module) -> int:
     return sum(b.numel() * b.element_size() for b in module.buffers())
 
 
-def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize: int) -> int:
+def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize: int,
+               index_key_bytes: float | None = None) -> int:
     """Bytes one decode step of `batch` sequences at `context` tokens must read: the weights (the routed experts
     only as many distinct ones as `batch` random routings are expected to touch; the embedding's `batch` rows) and
     each sequence's cache rows that attention, compressor and indexer read."""
@@ -71,28 +73,39 @@ def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize
         experts = layer.ffn.experts
         total -= module_bytes(experts) * (1 - touched / E)
     D, window = cfg.head_dim, min(cfg.sliding_window, context)
-    per_seq = 0
+    per_seq = keys = 0
     for i in range(cfg.num_hidden_layers):
         ratio = cfg.compress_ratio(i)
         per_seq += window * D
         if ratio == 4:      # CSA: the picked entries, and every indexer key to score them
-            per_seq += min(cfg.index_topk, context // 4) * D + (context // 4) * cfg.index_head_dim
+            per_seq += min(cfg.index_topk, context // 4) * D
+            keys += context // 4
         elif ratio == 128:  # HCA: every entry
             per_seq += (context // 128) * D
-    return int(total + batch * per_seq * cache_itemsize)
+    if index_key_bytes is None:                 # a key in the cache dtype; fp8: its codes and its fp32 scale
+        index_key_bytes = cfg.index_head_dim * cache_itemsize
+    return int(total + batch * (per_seq * cache_itemsize + keys * index_key_bytes))
 
 
 # ------------------------------------------------------------------------------------------------ engine
 def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator,
-                      eager: bool = False) -> tuple[Engine, list]:
+                      eager: bool = False, index_cache_dtype: str = "auto") -> tuple[Engine, list]:
     """An engine whose `batch` sequences each hold `context - 1` tokens of (random) cache state, so that every
     following step decodes one token per sequence."""
     engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
                     max_num_batched_tokens=max(batch, 1024), num_cache_pages=batch * pages_for(context + steps + 1),
-                    enforce_eager=eager)
+                    enforce_eager=eager, index_cache_dtype=index_cache_dtype)
     for pool in engine.cache.pools.values():
-        pool.normal_()
+        if pool.dtype == torch.float8_e4m3fn:
+            pool.view(torch.uint8).random_(0, 120)      # finite e4m3 codes
+        else:
+            pool.normal_()
     return engine, admit_at_context(engine, batch, context, gen)
+
+
+def index_key_bytes(cfg: ModelConfig, index_cache_dtype: str) -> float | None:
+    """Bytes of one indexer key in the cache: its fp8 codes and fp32 scale, or None (the cache dtype's)."""
+    return cfg.index_head_dim + 4 if index_cache_dtype == "fp8" else None
 
 
 def admit_at_context(engine: Engine, batch: int, context: int, gen: torch.Generator) -> list:
@@ -147,9 +160,10 @@ def failed(seqs) -> None:
             raise RuntimeError(f"request {seq.request_id} failed: {seq.tracker.error}")
 
 
-def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False) -> dict:
+def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False,
+                index_cache_dtype: str = "auto") -> dict:
     t = time.perf_counter()
-    engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager)
+    engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager, index_cache_dtype)
     out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device)}
     del engine
     gc.collect()                          # its pools go before the next case's are allocated
@@ -185,12 +199,13 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
     pages = max([b * pages_for(c + args.steps + 3) for b in batches for c in contexts] + [pages_for(longest)])
     t = time.perf_counter()
     steps_ms = {}
-    with dsv4.LLM(args.model, device=device.type, load_format="dummy", dummy_format=fmt,
+    with dsv4.LLM(args.model, device=device.type, load_format=f"dummy-{fmt}",
                   hf_overrides={"num_hidden_layers": layers}, tensor_parallel_size=args.tensor_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel,
                   disable_custom_all_reduce=args.disable_custom_all_reduce, max_num_seqs=max(batches),
                   max_model_len=longest, num_cache_pages=pages, max_num_batched_tokens=max(max(batches), args.chunk),
-                  enforce_eager=mode == "eager", skip_tokenizer_init=True, progress=False) as llm:
+                  enforce_eager=mode == "eager", index_cache_dtype=args.index_cache_dtype, skip_tokenizer_init=True,
+                  progress=False) as llm:
         build_s, engine, cfg = time.perf_counter() - t, llm.engine, llm.model.config
         comm = llm.model.layers[0].comm
         res["all_reduce"] = comm.path if comm is not None else None
@@ -207,7 +222,8 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
                 finally:
                     for seq in seqs:
                         engine.abort(seq.request_id)
-                nbytes = step_bytes(llm.model, cfg, batch, context, torch.finfo(engine.dtype).bits // 8)
+                nbytes = step_bytes(llm.model, cfg, batch, context, torch.finfo(engine.dtype).bits // 8,
+                                    index_key_bytes(cfg, args.index_cache_dtype))
                 case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
                             floor_ms=nbytes / args.bandwidth * 1e3)     # rank 0's share: every GPU reads as much
                 steps_ms[(batch, context)] = case["step_ms"]
@@ -294,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL (with "
                     "--tensor-parallel-size > 1; default: small ones through the symmetric-memory one-shot kernel)")
+    ap.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8"), help="the indexer's key cache")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -310,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
-    res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+    res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+               index_cache_dtype=args.index_cache_dtype)
     for fmt in args.format.split(","):
         step_by_layers: dict[tuple[int, int, int], float] = {}
         for layers in ints(args.layers) if args.tensor_parallel_size > 1 else ():
@@ -333,14 +351,16 @@ def main(argv: list[str] | None = None) -> dict:
                 for context, mode in [(c, m) for c in ints(args.context) for m in args.modes.split(",")]:
                     case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s)
                     try:
-                        case.update(time_decode(model, batch, context, args.steps, device, gen, mode == "eager"))
+                        case.update(time_decode(model, batch, context, args.steps, device, gen, mode == "eager",
+                                                args.index_cache_dtype))
                     except CacheCapacityError as e:
                         case["skipped"] = str(e)
                     except Exception:
                         res["errors"].append(f"decode {case}: {traceback.format_exc()[-1500:]}")
                         continue
                     if "step_ms" in case:
-                        nbytes = step_bytes(model, cfg, batch, context, torch.finfo(dtype).bits // 8)
+                        nbytes = step_bytes(model, cfg, batch, context, torch.finfo(dtype).bits // 8,
+                                            index_key_bytes(cfg, args.index_cache_dtype))
                         case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
                                     floor_ms=nbytes / args.bandwidth * 1e3)
                         step_by_layers[(layers, batch, context, mode)] = case["step_ms"]

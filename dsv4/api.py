@@ -39,6 +39,7 @@ from .checkpoint.canonical import open_checkpoint
 from .checkpoint.dummy import check_dummy_layout, dummy_model
 from .checkpoint.errors import CheckpointError
 from .checkpoint.loader import layout_plan, load
+from .checkpoint.writer import FORMATS
 from .config import ConfigError, ModelConfig
 from .kernels import ops_for
 from .parallel import Layout
@@ -50,6 +51,7 @@ from .runtime.engine import DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_NUM_BATCHED_TOKEN
 from .runtime.params import RequestError, RequestOutput, RequestTypeError, SamplingParams, check_token_ids
 from .runtime.tokenizer import Tokenizer
 
+DUMMY_STORAGE = "nvfp4-experts"          # load_format="dummy": NVIDIA's NVFP4-experts layout
 _DTYPES = MappingProxyType({"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
                             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
                             "float16": torch.float16, "fp16": torch.float16, "half": torch.float16})
@@ -76,10 +78,10 @@ class LLM:
                  tokenizer: str | Path | None = None, skip_tokenizer_init: bool = False,
                  max_num_seqs: int = 8, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_logprobs: int = 20, gpu_memory_utilization: float = 0.9, num_cache_pages: int | None = None,
-                 load_format: str = "auto", dummy_format: str = "nvfp4-experts", hf_overrides: dict | None = None,
+                 load_format: str = "auto", hf_overrides: dict | None = None,
                  seed: int = 0, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  enable_expert_parallel: bool = False, enforce_eager: bool = False,
-                 disable_custom_all_reduce: bool = False):
+                 disable_custom_all_reduce: bool = False, index_cache_dtype: str = "auto"):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
@@ -89,9 +91,9 @@ class LLM:
         meaning), or num_cache_pages pages of 256 tokens if given; on CPU, max_num_seqs x max_model_len tokens.
 
         load_format="dummy" (vLLM's name) reads no weights: model is a preset ("v4-flash", "v4-pro", "tiny"), a
-        config.json or a checkpoint folder, and the weights are drawn at random on the device in `dummy_format`'s
-        storage (bf16, official, nvfp4-experts, nvfp4; `checkpoint.dummy`, reproducible from `seed`), for benchmarks
-        at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the first layers).
+        config.json or a checkpoint folder, and the weights are drawn at random on the device in NVIDIA's NVFP4-experts
+        storage, or in another with "dummy-bf16", "dummy-official", "dummy-nvfp4" (`checkpoint.dummy`, reproducible
+        from `seed`), for benchmarks at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the first layers).
 
         tensor_parallel_size (attention by heads, experts split, vocabulary-split embedding and head),
         pipeline_parallel_size (contiguous layer ranges) and enable_expert_parallel (routed experts partitioned over
@@ -100,8 +102,10 @@ class LLM:
         instead of small ones through torch's symmetric-memory one-shot kernel. On a GPU, decode steps replay CUDA
         graphs captured at start-up (one per batch size and length bucket up to max_num_seqs and max_model_len; on
         every rank of a parallel engine with one pipeline stage); enforce_eager=True (vLLM's name) runs them
-        eagerly."""
+        eagerly. index_cache_dtype="fp8" keeps the lightning indexer's keys in fp8 e4m3 with a power-of-two scale per
+        key (about half their bytes, which dominate a long context's reads); the default keeps the compute dtype."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        load_format, dummy_format = _load_format(load_format)
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
         self._group = None
         if layout.parallel:
@@ -110,7 +114,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, num_cache_pages=num_cache_pages,
                 gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, dummy_format=dummy_format,
                 hf_overrides=hf_overrides, seed=seed, progress=progress, enforce_eager=enforce_eager,
-                one_shot_all_reduce=not disable_custom_all_reduce))
+                one_shot_all_reduce=not disable_custom_all_reduce, index_cache_dtype=index_cache_dtype))
             self._finalizer = weakref.finalize(self, self._group.shutdown)
             self.model = self._group.model
         else:
@@ -121,7 +125,8 @@ class LLM:
             self.engine = Engine(self.model, tok, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                  max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs,
                                  num_cache_pages=num_cache_pages, gpu_memory_utilization=gpu_memory_utilization,
-                                 driver=self._group and self._group.driver, enforce_eager=enforce_eager)
+                                 driver=self._group and self._group.driver, enforce_eager=enforce_eager,
+                                 index_cache_dtype=index_cache_dtype)
         except BaseException:
             self.shutdown()
             raise
@@ -140,8 +145,6 @@ class LLM:
                 raise ValueError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
             path = resolve_model(model)
             self.model = load(path, device, _dtype(dtype, device), ops, progress=progress)
-        else:
-            raise ValueError(f"unknown load_format {load_format!r}; expected 'auto' or 'dummy'")
         return path
 
     def shutdown(self) -> None:
@@ -285,7 +288,8 @@ def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dty
     spec = workers.RankSpec(layout, cfg, checkpoint, opts["dummy_format"], opts["seed"], device.type, dtype,
                             opts["kernels"], opts["w4a4"], opts["max_num_seqs"], pages, step_tokens,
                             opts["gpu_memory_utilization"], opts["progress"], max_len,
-                            _decode_runner(device, layout, opts["enforce_eager"]), opts["one_shot_all_reduce"])
+                            _decode_runner(device, layout, opts["enforce_eager"]), opts["one_shot_all_reduce"],
+                            opts["index_cache_dtype"])
     return path, workers.start(spec)
 
 
@@ -293,6 +297,17 @@ def _decode_runner(device: torch.device, layout: Layout, enforce_eager: bool) ->
     """How a parallel engine runs decode steps (workers.RankSpec.decode_runner): captured CUDA graphs on one pipeline
     stage, else plain steps (graphs of several stages would need the point-to-point sends inside them)."""
     return "graphs" if device.type == "cuda" and layout.pp == 1 and not enforce_eager else "plain"
+
+
+def _load_format(value: str) -> tuple[str, str]:
+    """LLM's load_format -> ("auto" or "dummy", the dummy weights' storage)."""
+    if value in ("auto", "dummy"):
+        return value, DUMMY_STORAGE
+    storage = value.removeprefix("dummy-")
+    if value.startswith("dummy-") and storage in FORMATS:
+        return "dummy", storage
+    raise ValueError(f"unknown load_format {value!r}; expected 'auto', 'dummy' or one of "
+                     f"{['dummy-' + f for f in FORMATS]}")
 
 
 def _dummy_config(model: str | Path, overrides: dict | None) -> tuple[Path | None, ModelConfig]:

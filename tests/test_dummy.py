@@ -72,13 +72,17 @@ def test_llm_with_dummy_weights():
     from dsv4.config import ConfigError
 
     def tokens(**kw):
-        llm = dsv4.LLM("tiny", load_format="dummy", skip_tokenizer_init=True, progress=False, **kw)
+        llm = dsv4.LLM("tiny", skip_tokenizer_init=True, progress=False, **kw)
         return llm, llm.generate([[5, 6, 7]], dsv4.SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
 
-    llm, a = tokens(hf_overrides={"num_hidden_layers": 3}, dummy_format="official")
+    llm, a = tokens(hf_overrides={"num_hidden_layers": 3}, load_format="dummy-official")
     assert llm.model.config.num_hidden_layers == 3 and llm.model.layers[0].attn.wq_a.format.fmt == "fp8"
-    assert tokens(hf_overrides={"num_hidden_layers": 3}, dummy_format="official")[1] == a
-    assert tokens(hf_overrides={"num_hidden_layers": 3}, dummy_format="official", seed=1)[1] != a
+    assert tokens(hf_overrides={"num_hidden_layers": 3}, load_format="dummy-official")[1] == a
+    assert tokens(hf_overrides={"num_hidden_layers": 3}, load_format="dummy-official", seed=1)[1] != a
+    default, _ = tokens(hf_overrides={"num_hidden_layers": 3}, load_format="dummy")
+    assert default.model.layers[0].ffn.experts.w13.format.fmt == "nvfp4"       # NVIDIA's NVFP4-experts layout
+    with pytest.raises(ValueError, match=r"unknown load_format 'dummy-fp4'; expected 'auto', 'dummy' or one of"):
+        dsv4.LLM("tiny", load_format="dummy-fp4")
     folder = dsv4.LLM(fx.tiny(), load_format="dummy", skip_tokenizer_init=True, progress=False)
     assert folder.model.config == ModelConfig.from_json(fx.tiny() / "config.json")
     with pytest.raises(ConfigError, match=r"hf_overrides: \['layers'\] are not config fields"):

@@ -152,3 +152,89 @@ def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
         want = sorted(j for j in order[:topk] if row[j] > float("-inf"))
         assert picks[:len(want)].tolist() == want
         assert bool((picks[len(want):] == -1).all())
+
+
+def test_fp8_key_codes_are_exact_powers_of_two_scales_without_saturation():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(64, 128, generator=g) * torch.logspace(-30, 30, 64)[:, None]
+    keys[0] = 0.0
+    keys[1, :] = 448.0                                  # max / 448 = 1: the scale is exactly 1
+    codes, scales = ref.fp8_key_codes(keys)
+    assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.float32
+    mantissa, _ = torch.frexp(scales)
+    assert bool((mantissa == 0.5).all())                # powers of two
+    assert scales[1] == 1.0 and scales[0] == 2.0**-126
+    amax = keys.abs().amax(-1)
+    assert bool((scales >= amax / 448).all()) and bool((scales[2:] < amax[2:] / 448 * 2).all())
+    back = codes.float() * scales[:, None]
+    assert bool(torch.isfinite(back).all()) and float(codes.float().abs().max()) <= 448
+    assert bool(((back - keys).abs() <= keys.abs() * 2**-4 + scales[:, None] * 2**-9).all())   # e4m3 rounding
+
+
+@pytest.mark.parametrize("hd", [32, 64])
+def test_fp8_indexer_keys_match_the_reference(hd):
+    """The compressor writing fp8 codes and scales (the indexer's cache in index_cache_dtype "fp8") and the scoring
+    kernel reading them, against the references, over the ratio-4 runs."""
+    g = torch.Generator().manual_seed(hd)
+    ratio, runs, slots, num_pages = 4, RUNS[4], 4, 16
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = {slot: tuple(perm[4 * i:4 * i + 4]) for i, (slot, _) in enumerate(runs)}
+    base = fresh_state(slots, num_pages, ratio, hd, g)
+
+    def fp8_state():
+        return CompressorState(base.open_kv.clone(), base.open_score.clone(), base.prev_kv.clone(),
+                               base.prev_score.clone(), torch.zeros(num_pages, PAGE // ratio, hd,
+                                                                    dtype=torch.float8_e4m3fn),
+                               torch.zeros(num_pages, PAGE // ratio))
+    mine, theirs = fp8_state(), fp8_state()
+    weight, ape = torch.rand(hd, generator=g) + 0.5, torch.randn(ratio, 2 * hd, generator=g)
+    done = {slot: 0 for slot, _ in runs}
+    for step in range(max(len(lengths) for _, lengths in runs)):
+        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
+        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
+                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
+        N = sum(n for _, n in live)
+        kv, score = torch.randn(N, 2 * hd, generator=g), torch.randn(N, 2 * hd, generator=g) * 2
+        angle = torch.rand(N, 8, generator=g) * 6
+        compressor.compress(kv, score, ape, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        ref.compress(kv, score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        for s, n in live:
+            done[s] += n
+    a, b = mine.entries.float() * mine.entry_scales[..., None], theirs.entries.float() * theirs.entry_scales[..., None]
+    assert int((theirs.entry_scales > 0).sum()) == sum(done[s] // ratio for s in done) > 0
+    assert float((mine.entry_scales == theirs.entry_scales).float().mean()) > 0.97
+    assert float((mine.entries.float() == theirs.entries.float()).float().mean()) > 0.99     # a rounding tie apart
+    assert torch.allclose(a, b, atol=1e-6, rtol=0.07)
+    # the scoring kernel on fp8 keys picks what the reference picks from the same codes and scales
+    H, topk = 3, 5
+    steps = StepTokens.build(tuple(s for s, _ in runs), tuple(0 for _ in runs), tuple(done[s] for s, _ in runs),
+                             tuple(tables[s] for s, _ in runs), "cpu")
+    N = sum(done.values())
+    q, w = torch.randn(N, H, hd, generator=g), torch.randn(N, H, generator=g)
+    got = indexer.index_picks(q, w, theirs.entries, steps, topk, 4, hd ** -0.5, max_keys=64,
+                              entry_scales=theirs.entry_scales)
+    want = ref.index_picks(q, w, theirs.entries, steps, topk, 4, hd ** -0.5, entry_scales=theirs.entry_scales)
+    assert torch.equal(got.sort(dim=1).values, want.sort(dim=1).values)
+    dequant = theirs.entries.float() * theirs.entry_scales[..., None]
+    assert torch.equal(want, ref.index_picks(q, w, dequant, steps, topk, 4, hd ** -0.5))
+
+
+def test_e4m3_codes_round_as_torch_does():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def encode(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(v_ptr + i, mask=i < n, other=0.0)
+        tl.store(out_ptr + i, compressor._e4m3_codes(v), mask=i < n)
+
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()                          # every e4m3 value, then the midpoints
+    mids = (grid[1:] + grid[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    values = torch.cat((grid, mids, mids.nextafter(grid[1:]), mids.nextafter(grid[:-1]), torch.tensor([-0.0]),
+                        (torch.rand(4000, generator=g) * 2 - 1) * 448, torch.randn(1000, generator=g) * 2**-7))
+    out = torch.empty(values.shape[0], dtype=torch.uint8)
+    encode[(triton.cdiv(values.shape[0], 256),)](values, out, values.shape[0], 256)
+    assert torch.equal(out, values.to(torch.float8_e4m3fn).view(torch.uint8))

@@ -116,7 +116,7 @@ def test_a_model_whose_heads_do_not_divide_is_refused_before_loading(monkeypatch
     with pytest.raises(LayoutError, match=r"pipeline_parallel_size=6 exceeds num_hidden_layers=5"):
         dsv4.LLM("tiny", load_format="dummy", **ENGINE, pipeline_parallel_size=6)
     with pytest.raises(LayoutError, match=r"a fp8 scale stores 128 elements of axis 0 per index"):
-        dsv4.LLM("tiny", load_format="dummy", dummy_format="official", **ENGINE, tensor_parallel_size=2)
+        dsv4.LLM("tiny", load_format="dummy-official", **ENGINE, tensor_parallel_size=2)
 
 
 def test_the_command_line_generates_the_same_text_on_two_ranks(capsys, monkeypatch):
@@ -307,7 +307,8 @@ def test_decode_runner_on_every_rank_gives_the_tokens_of_one_process(layout, one
 
 @pytest.mark.parametrize("disable", [False, True])
 def test_engine_options_reach_every_ranks_spec(monkeypatch, disable):
-    """disable_custom_all_reduce and the decode runner travel to the ranks in their RankSpec (on CPU: plain steps)."""
+    """disable_custom_all_reduce, index_cache_dtype and the decode runner travel to the ranks in their RankSpec (on
+    CPU: plain steps)."""
     from dsv4.runtime import workers
 
     class Captured(Exception):
@@ -317,6 +318,8 @@ def test_engine_options_reach_every_ranks_spec(monkeypatch, disable):
         raise Captured(spec)
     monkeypatch.setattr(workers, "start", start)
     with pytest.raises(Captured) as got:
-        dsv4.LLM(rf.variant("wide"), **ENGINE, tensor_parallel_size=2, disable_custom_all_reduce=disable)
+        dsv4.LLM(rf.variant("wide"), **ENGINE, tensor_parallel_size=2, disable_custom_all_reduce=disable,
+                 index_cache_dtype="fp8" if disable else "auto")
     spec = got.value.args[0]
     assert spec.one_shot_all_reduce is not disable and spec.decode_runner == "plain" and spec.max_model_len == 512
+    assert spec.index_cache_dtype == ("fp8" if disable else "auto")

@@ -255,3 +255,26 @@ def test_the_sampling_batch_is_rebuilt_only_when_the_rows_change(small_engine_mo
         engine.step()
     alone = finish_all(Engine(small_engine_model, max_num_seqs=1), [rf.prompt_ids(12, seed=5)], [seeded])[0]
     assert a.output().outputs[0].token_ids == alone.token_ids and b.finished
+
+
+def test_fp8_indexer_cache_halves_its_keys_and_keeps_the_tokens(small_engine_model):
+    """index_cache_dtype="fp8": the indexer's keys as e4m3 codes with a power-of-two scale each. The "wide" variant's
+    indexer picks every visible entry whatever the scores, so the tokens are those of the compute-dtype cache; the
+    page holds the keys in a quarter of fp32's bytes plus a scale."""
+    from dsv4.runtime.cache import page_bytes, pool_shapes
+
+    cfg = small_engine_model.config
+    shapes = pool_shapes(cfg, 1, 1, torch.float32, "fp8")
+    assert shapes["indexer.r4.entries"][1] == torch.float8_e4m3fn and "indexer.r4.entry_scales" in shapes
+    keys = sum(cfg.compress_ratio(i) == 4 for i in range(cfg.num_hidden_layers)) * 256 // 4
+    assert page_bytes(cfg, torch.float32) - page_bytes(cfg, torch.float32, "fp8") == keys * (3 * cfg.index_head_dim - 4)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [rf.prompt_ids(n, seed=70 + n) for n in (9, 130, 257)]
+    want = finish_all(Engine(small_engine_model, max_num_seqs=3), prompts, [params] * 3)
+    engine = Engine(small_engine_model, max_num_seqs=3, index_cache_dtype="fp8")
+    got = finish_all(engine, prompts, [params] * 3)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    scales = engine.cache.pools["indexer.r4.entry_scales"]
+    assert int((scales > 0).sum()) > 0 and engine.cache.layers[2].indexer.entry_scales is not None
+    with pytest.raises(ValueError, match="index_cache_dtype must be one of"):
+        Engine(small_engine_model, index_cache_dtype="fp4")

@@ -43,6 +43,7 @@ class Tensors(NamedTuple):
     prev_kv: torch.Tensor      # (open_kv where there is none: never read)
     prev_score: torch.Tensor
     entries: torch.Tensor
+    entry_scales: torch.Tensor  # [pages, E] fp32 with FP8 entries (else a one-element dummy: never touched)
 
 
 class Strides(NamedTuple):
@@ -64,6 +65,7 @@ class Shape(NamedTuple):
     HALF_ROPE: int             # rotated pairs (trailing channels)
     RB: int                    # rows per block
     WB: int                    # channels per block of `_state_kernel`
+    FP8: bool                  # entries are fp8 e4m3 codes of entry / scale, the scale in entry_scales
 
 
 @triton.jit
@@ -103,6 +105,20 @@ def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L:
 
 
 @triton.jit
+def _e4m3_codes(v):
+    """fp32 values with |v| <= 448 -> their fp8 e4m3 codes (uint8), rounded to nearest even as torch's conversion and
+    the hardware's round, by integer ops (Triton's interpreter converts some powers of two wrongly)."""
+    b = v.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    r = a + 0x7FFFF + ((a >> 20) & 1)                    # the fp32 mantissa rounded to 3 bits, nearest even
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # e4m3's exponent bias 7 against fp32's 127
+    f = a.to(tl.float32, bitcast=True) * 512.0           # below 2^-6: the code is |v| / 2^-9 rounded, nearest even
+    small = ((f + 8388608.0) - 8388608.0).to(tl.int32)
+    return (tl.where(a < 0x3C800000, small, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
 def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
     M: tl.constexpr = L.M
     HD: tl.constexpr = L.HD
@@ -129,14 +145,23 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
         for r0 in range(0, M, RB):      # window j (CSA: its Cb half, channels hd..2 hd)
             r = r0 + tl.arange(0, RB)
             acc, mx, den = _pool_rows(acc, mx, den, T, S, slot, start, first, j * M + r, r, r < 0, off + d, L)
-        dtype = T.entries.dtype.element_ty
+        dtype = T.kv.dtype.element_ty
         h = (acc / den).to(dtype).to(tl.float32)                 # the pooled entry, rounded as the reference's
         # RMSNorm, then the rope at position j m (the angles of the step token that closes window j)
         tok = (first + (j + 1) * M - 1 - start).to(tl.int64)
         out = norm_rope_row(h, d, d < HD, T.weight, T.cos + tok * S.rope_t, T.sin + tok * S.rope_t, eps, dtype,
                             HD, HD, 2, HALF_ROPE, False)
         page = tl.load(steps.pages + b * S.pages_seq + j // E).to(tl.int64)
-        tl.store(T.entries + (page * E + j % E) * HD + d, out.to(dtype))
+        if L.FP8:           # `ref.fp8_key_codes`: the least power of two >= max |x| / 448 as the scale
+            x = out.to(dtype).to(tl.float32)
+            bits = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0).to(tl.int32, bitcast=True)
+            exponent = tl.maximum((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1)
+            inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)     # 1 / scale, exactly
+            codes = _e4m3_codes(x * inverse).to(tl.float8e4nv, bitcast=True)
+            tl.store(T.entries + (page * E + j % E) * HD + d, codes)
+            tl.store(T.entry_scales + page * E + j % E, (exponent << 23).to(tl.float32, bitcast=True))
+        else:
+            tl.store(T.entries + (page * E + j % E) * HD + d, out.to(dtype))
 
 
 @triton.jit
@@ -202,11 +227,13 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     prev_kv = state.prev_kv if overlap else state.open_kv
     prev_score = state.prev_score if overlap else state.open_score
     kv, score, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score, cos, sin))   # row strides
+    fp8 = state.entry_scales is not None
+    scales = state.entry_scales if fp8 else torch.empty(1, dtype=torch.float32, device=kv.device)
     tensors = Tensors(kv, score, ape.contiguous(), cos, sin, weight, state.open_kv, state.open_score, prev_kv,
-                      prev_score, state.entries)
+                      prev_score, state.entries, scales)
     strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
                       steps.pages.stride(0))
     rb = min(m, 16 if hd <= 256 else 8)
-    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb))
+    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8)
     _emit_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, num_warps=4)
     _state_kernel[(B,)](tensors, steps, strides, N, shape, num_warps=4)

@@ -41,10 +41,11 @@ class Shape(NamedTuple):
     RATIO: int
     BT: int                    # keys per program
     DOT: object                # operand dtype of the products
+    FP8: bool                  # keys are fp8 e4m3 codes whose scale per key is in the scales tensor
 
 
 @triton.jit
-def _scores_kernel(q, w, entries, out, steps, H, q_t, w_t, out_t, pages_seq, max_keys, scale, w_scale,
+def _scores_kernel(q, w, entries, scales, out, steps, H, q_t, w_t, out_t, pages_seq, max_keys, scale, w_scale,
                    L: tl.constexpr):
     HP: tl.constexpr = L.HP
     HD: tl.constexpr = L.HD
@@ -64,8 +65,11 @@ def _scores_kernel(q, w, entries, out, steps, H, q_t, w_t, out_t, pages_seq, max
         page = tl.load(steps.pages + b * pages_seq + j // E, mask=valid, other=0).to(tl.int64)
         k = tl.load(entries + (page * E + j % E)[:, None] * HD + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(qt.to(DOT), tl.trans(k.to(DOT)), out_dtype=tl.float32)                 # [H, BT]
+        s = tl.maximum(s, 0.0)
+        if L.FP8:           # relu(q . code) * its power-of-two scale = relu(q . key)
+            s = s * tl.load(scales + page * E + j % E, mask=valid, other=0.0)[None, :]
         wt = tl.load(w + t.to(tl.int64) * w_t + h, mask=h < H, other=0.0).to(tl.float32) * w_scale
-        score = tl.where(valid, tl.sum(tl.maximum(s, 0.0) * scale * wt[:, None], axis=0), float("-inf"))
+        score = tl.where(valid, tl.sum(s * scale * wt[:, None], axis=0), float("-inf"))
     tl.store(out + t.to(tl.int64) * out_t + j, score, mask=j < max_keys)
 
 
@@ -121,8 +125,9 @@ def _topk_kernel(scores, out, n, scores_t, out_t, TOPK: tl.constexpr, BLOCK: tl.
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, ratio: int,
-                 scale: float, max_keys: int, weight_scale: float = 1.0) -> torch.Tensor:
-    """Score rows fp32 [N, max_keys] (module docstring)."""
+                 scale: float, max_keys: int, weight_scale: float = 1.0,
+                 entry_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Score rows fp32 [N, max_keys] (module docstring; entry_scales [pages, E] fp32: the keys are fp8 codes)."""
     N, H, hd = q.shape
     if hd & (hd - 1) or hd < 16:
         raise ValueError(f"index_scores needs a power-of-two head_dim >= 16, got q {tuple(q.shape)}")
@@ -133,20 +138,23 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, 
     dot = tl.float32 if interp or q.dtype == torch.float32 else tl.bfloat16
     bt = max(16, min(64, next_pow2(max_keys)))
     q, weights = q.contiguous(), weights if weights.stride(-1) == 1 else weights.contiguous()   # weights: row stride
-    shape = Shape(max(16, next_pow2(H)), hd, entries.shape[1], ratio, bt, dot)
-    _scores_kernel[(N, triton.cdiv(max_keys, bt))](q, weights, entries, out, steps, H, q.stride(0), weights.stride(0),
-                                                  out.stride(0), steps.pages.stride(0), max_keys, scale,
-                                                  weight_scale, shape, num_warps=4)
+    shape = Shape(max(16, next_pow2(H)), hd, entries.shape[1], ratio, bt, dot, entry_scales is not None)
+    scales = entry_scales if entry_scales is not None else out     # (not read without FP8)
+    _scores_kernel[(N, triton.cdiv(max_keys, bt))](q, weights, entries, scales, out, steps, H, q.stride(0),
+                                                  weights.stride(0), out.stride(0), steps.pages.stride(0), max_keys,
+                                                  scale, weight_scale, shape, num_warps=4)
     return out
 
 
 def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, topk: int,
-                ratio: int, scale: float, max_keys: int | None = None, weight_scale: float = 1.0) -> torch.Tensor:
+                ratio: int, scale: float, max_keys: int | None = None, weight_scale: float = 1.0,
+                entry_scales: torch.Tensor | None = None) -> torch.Tensor:
     """[N, topk] int64 entry ids, -1 past each token's picks (module docstring). max_keys: a bound on any sequence's
     keys after the step (by default every key the pages could hold)."""
     if max_keys is None:
         max_keys = steps.pages.shape[1] * entries.shape[1]
-    return index_picks_of_scores(index_scores(q, weights, entries, steps, ratio, scale, max_keys, weight_scale), topk)
+    scores = index_scores(q, weights, entries, steps, ratio, scale, max_keys, weight_scale, entry_scales)
+    return index_picks_of_scores(scores, topk)
 
 
 def index_picks_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:

@@ -218,6 +218,8 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
             new = compress_finish(compress_pool(win_k, win_s, prev, overlap, hd)[0], cos[close], sin[close],
                                   weight, eps)
             page = steps.pages[b].long()[j // per_page]
+            if state.entry_scales is not None:
+                new, state.entry_scales[page, j % per_page] = fp8_key_codes(new)
             state.entries[page, j % per_page] = new
             if overlap:                                        # the Ca half of the last window feeds the next entry
                 state.prev_kv[slot] = win_k[0, -1, :, :hd]
@@ -225,6 +227,19 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
         rest = k.shape[0] - w * m
         state.open_kv[slot, :rest] = k[w * m:]
         state.open_score[slot, :rest] = s[w * m:]
+
+
+FP8_MAX = 448.0               # the largest e4m3 value
+
+
+def fp8_key_codes(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [..., hd] -> (fp8 e4m3 codes of row / scale, fp32 scales [...]): the scale is the least power of two at or
+    above the row's max |value| / 448 (2^-126 for a zero row), so dividing by it is exact and no code saturates."""
+    x = keys.float()
+    bits = (x.abs().amax(dim=-1) / FP8_MAX).view(torch.int32)
+    exponent = ((bits >> 23) + ((bits & 0x7FFFFF) != 0)).clamp(min=1)          # round up to a power of two
+    scales = (exponent << 23).view(torch.float32)
+    return (x / scales[..., None]).to(torch.float8_e4m3fn), scales
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -246,12 +261,13 @@ def index_select(scores: torch.Tensor, positions: torch.Tensor, topk: int, ratio
 
 
 def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, topk: int,
-                ratio: int, scale: float, max_keys: int | None = None, weight_scale: float = 1.0) -> torch.Tensor:
+                ratio: int, scale: float, max_keys: int | None = None, weight_scale: float = 1.0,
+                entry_scales: torch.Tensor | None = None) -> torch.Tensor:
     """The indexer's picks for every token of a ragged step (`kernels.indexer.index_picks`'s contract): q [N, H, hd]
     (rotated), weights [N, H] (the head weights are weights in fp32 times weight_scale); each token scored against
-    every key its sequence has emitted (entries [pages, E, hd] through its page table) -> [N, topk] int64, -1 past
-    each token's picks. max_keys: a bound on the keys of any sequence (the kernel sizes its score rows by it; unused
-    here)."""
+    every key its sequence has emitted (entries [pages, E, hd] through its page table; with entry_scales [pages, E]
+    the keys are the fp8 codes times their scales) -> [N, topk] int64, -1 past each token's picks. max_keys: a bound
+    on the keys of any sequence (the kernel sizes its score rows by it; unused here)."""
     per_page = entries.shape[1]
     weights = weights.float() * weight_scale
     picks = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
@@ -260,6 +276,8 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
         count = (start + n) // ratio
         used = steps.pages[b, :-(-count // per_page)].long()
         keys = entries[used].flatten(0, 1)[None, :count]
+        if entry_scales is not None:
+            keys = keys.float() * entry_scales[used].flatten(0, 1)[None, :count, None]
         found = index_select(index_scores(q[None, tok], weights[None, tok], keys, scale),
                              steps.pos[tok].long()[None], topk, ratio)[0]
         picks[tok, :found.shape[-1]] = found

@@ -146,7 +146,7 @@ class Attention(nn.Module):
                 self._compress(ix.compressor, state.indexer, rows[2], rows[3], window, batch)
                 iq = ix.rotated_queries(qr, *ropes.at(self.rope))
                 picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
-                                             batch.key_bound(4), ix.head_scale)
+                                             batch.key_bound(4), ix.head_scale, state.indexer.entry_scales)
         decode = batch.max_length == 1        # one token per sequence: the attention launch updates the rings
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
                                       self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None,

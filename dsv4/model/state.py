@@ -34,6 +34,7 @@ class CompressorState:
     prev_kv: torch.Tensor | None         # CSA: [slots, ratio, head_dim] Ca half (kv) of the last complete window
     prev_score: torch.Tensor | None      # CSA: [slots, ratio, head_dim] fp32; -inf = no window yet (weight 0)
     entries: torch.Tensor                # [pages, E, head_dim] compute dtype: emitted entries, paged (all slots)
+    entry_scales: torch.Tensor | None = None   # [pages, E] fp32: then entries hold fp8 e4m3 codes of entry / scale
 
     def reset(self, slot: int) -> None:
         if self.prev_kv is not None:

@@ -32,9 +32,15 @@ class CacheCapacityError(ValueError):
     pass
 
 
-def pool_shapes(cfg: ModelConfig, num_slots: int, num_pages: int,
-                dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Pool name -> (shape, dtype); layer order within a pool is layer order in the model."""
+INDEX_CACHE_DTYPES = ("auto", "fp8")
+
+
+def pool_shapes(cfg: ModelConfig, num_slots: int, num_pages: int, dtype: torch.dtype,
+                index_cache_dtype: str = "auto") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Pool name -> (shape, dtype); layer order within a pool is layer order in the model. index_cache_dtype "fp8":
+    the indexer's keys as fp8 e4m3 codes with an fp32 power-of-two scale per key (`entry_scales`)."""
+    if index_cache_dtype not in INDEX_CACHE_DTYPES:
+        raise ValueError(f"index_cache_dtype must be one of {INDEX_CACHE_DTYPES}, got {index_cache_dtype!r}")
     L, W, D = cfg.num_hidden_layers, cfg.sliding_window, cfg.head_dim
     shapes = {"window": ((L, num_slots, W, D), dtype)}
     ratios = [cfg.compress_ratio(i) for i in range(L)]
@@ -49,18 +55,23 @@ def pool_shapes(cfg: ModelConfig, num_slots: int, num_pages: int,
             if m == 4:
                 shapes[f"{key}.prev_kv"] = ((n, num_slots, m, hd), dtype)
                 shapes[f"{key}.prev_score"] = ((n, num_slots, m, hd), torch.float32)
-            shapes[f"{key}.entries"] = ((n, num_pages, PAGE_TOKENS // m, hd), dtype)
+            if who == "indexer" and index_cache_dtype == "fp8":
+                shapes[f"{key}.entries"] = ((n, num_pages, PAGE_TOKENS // m, hd), torch.float8_e4m3fn)
+                shapes[f"{key}.entry_scales"] = ((n, num_pages, PAGE_TOKENS // m), torch.float32)
+            else:
+                shapes[f"{key}.entries"] = ((n, num_pages, PAGE_TOKENS // m, hd), dtype)
     return shapes
 
 
-def cache_bytes(cfg: ModelConfig, num_slots: int, num_pages: int, dtype: torch.dtype) -> int:
-    shapes = pool_shapes(cfg, num_slots, num_pages, dtype).values()
+def cache_bytes(cfg: ModelConfig, num_slots: int, num_pages: int, dtype: torch.dtype,
+                index_cache_dtype: str = "auto") -> int:
+    shapes = pool_shapes(cfg, num_slots, num_pages, dtype, index_cache_dtype).values()
     return sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in shapes)
 
 
-def page_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def page_bytes(cfg: ModelConfig, dtype: torch.dtype, index_cache_dtype: str = "auto") -> int:
     """Bytes one page adds to the pools (every layer's entries for PAGE_TOKENS positions)."""
-    return cache_bytes(cfg, 0, 1, dtype)
+    return cache_bytes(cfg, 0, 1, dtype, index_cache_dtype)
 
 
 def pages_for(tokens: int) -> int:
@@ -115,13 +126,13 @@ class PageAllocator:
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_slots: int, num_pages: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", index_cache_dtype: str = "auto"):
         device = torch.device(device)
         if num_slots < 1 or num_pages < 1:
             raise CacheCapacityError(f"the cache needs at least one slot and one page; got max_num_seqs={num_slots}, "
                                      f"{num_pages} pages")
-        shapes = pool_shapes(cfg, num_slots, num_pages, dtype)
-        need, free = cache_bytes(cfg, num_slots, num_pages, dtype), free_bytes(device)
+        shapes = pool_shapes(cfg, num_slots, num_pages, dtype, index_cache_dtype)
+        need, free = cache_bytes(cfg, num_slots, num_pages, dtype, index_cache_dtype), free_bytes(device)
         if free is not None and need > free:
             raise CacheCapacityError(f"the decode cache for max_num_seqs={num_slots} and {num_pages} pages of "
                                      f"{PAGE_TOKENS} tokens needs {need / 2**30:.2f} GiB but {device} has "
@@ -155,7 +166,7 @@ class KVCache:
             pool = self.pools.get(f"{key}.{name}")
             return None if pool is None else pool[j]
         return CompressorState(leaf("open_kv"), leaf("open_score"), leaf("prev_kv"), leaf("prev_score"),
-                               leaf("entries"))
+                               leaf("entries"), leaf("entry_scales"))
 
     def reset(self, slot: int) -> None:
         """Make `slot` hold an empty sequence (before its first token is written)."""
