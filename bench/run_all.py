@@ -312,6 +312,64 @@ def compressor_indexer_norms(run: Run, record) -> None:
     record(f"norm_rope RMSNorm d={d}", rel_err(got, ref.norm_rope(x.float(), None, None, weight, 1e-6)), 1e-2)
 
 
+def sampling_and_fp8_keys(run: Run, record) -> None:
+    """The sampler (one Triton launch on CUDA) against its PyTorch reference at V4's vocabulary: the share of rows that
+    draw another token (exp and log may differ in the last bit: only near-ties move); and the indexer's keys in fp8
+    (index_cache_dtype "fp8"): the compressor's codes and scales and the picks from them against the references."""
+    from dsv4.kernels.steps import StepTokens
+    from dsv4.model.state import CompressorState
+    from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
+    from dsv4.runtime.params import SamplingParams
+    from dsv4.runtime.sampler import SamplingBatch, sample, sample_reference
+    dev, gen = run.device, run.gen
+    vocab, rows = (1000, 8) if run.toy else (129280, 64)
+    logits = torch.randn(rows, vocab, device=dev, generator=gen) * 3
+    mixed = [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1), SamplingParams(temperature=0.0),
+             SamplingParams(top_p=0.9, min_p=0.05), SamplingParams(temperature=0.6, top_k=20), SamplingParams()]
+    batch = SamplingBatch.build([mixed[i % len(mixed)] for i in range(rows)], range(rows), vocab, dev,
+                                all_filters=True)
+    differ = int((sample(logits, batch).token_ids != sample_reference(logits, batch).token_ids).sum())
+    record(f"sampler B={rows} V={vocab}, all filters: share of rows drawing another token", differ / rows, 0.02)
+    starts, lengths = ragged_step(run)
+    B, N, hd = len(starts), sum(lengths), 16 if run.toy else 128
+    per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
+    perm = torch.randperm(sum(per_seq) + 3).tolist()
+    pages, o = [], 0
+    for n in per_seq:
+        pages.append(tuple(perm[o:o + n]))
+        o += n
+    steps = StepTokens.build(tuple(range(1, B + 1)), starts, lengths, pages, dev)
+
+    def state():
+        return CompressorState(torch.zeros(B + 1, 4, 2 * hd, device=dev).bfloat16(), torch.zeros(B + 1, 4, 2 * hd,
+                               device=dev), torch.zeros(B + 1, 4, hd, device=dev).bfloat16(),
+                               torch.full((B + 1, 4, hd), float("-inf"), device=dev),
+                               torch.zeros(len(perm), page_tokens // 4, hd, device=dev, dtype=torch.float8_e4m3fn),
+                               torch.zeros(len(perm), page_tokens // 4, device=dev))
+    mine, theirs = state(), state()
+    kv = torch.randn(N, 2 * hd, device=dev, generator=gen).bfloat16()
+    score = (torch.randn(N, 2 * hd, device=dev, generator=gen) * 2).bfloat16()
+    angle = torch.rand(N, 4 if run.toy else 32, device=dev, generator=gen) * 6
+    weight, ape = torch.rand(hd, device=dev, generator=gen) + 0.5, torch.randn(4, 2 * hd, device=dev, generator=gen)
+    run.ops.compress(kv, score, ape, steps, mine, 4, angle.cos(), angle.sin(), weight, 1e-6, -(-max(lengths) // 4))
+    ref.compress(kv, score, ape, steps, theirs, 4, angle.cos(), angle.sin(), weight, 1e-6)
+    a, b = (s.entries.float() * s.entry_scales[..., None] for s in (mine, theirs))
+    closing = sum((s + n) // 4 - s // 4 for s, n in zip(starts, lengths))
+    record(f"compress fp8 indexer keys hd {hd}: {closing} entries", rel_err(a, b) if closing else 0.0, 7e-2,
+           written=int((mine.entry_scales > 0).sum()) == closing)
+    H, topk = (4, 5) if run.toy else (64, 512)
+    q, w = torch.randn(N, H, hd, device=dev, generator=gen).bfloat16(), torch.randn(N, H, device=dev, generator=gen)
+    codes = torch.randn(len(perm), page_tokens // 4, hd, device=dev, generator=gen).to(torch.float8_e4m3fn)
+    scales = torch.randint(-3, 3, (len(perm), page_tokens // 4), device=dev, generator=gen).float().exp2()
+    bound = max((s + n) // 4 for s, n in zip(starts, lengths))
+    got = run.ops.index_picks(q, w, codes, steps, topk, 4, hd ** -0.5, bound, entry_scales=scales)
+    want = ref.index_picks(q.float(), w, codes, steps, topk, 4, hd ** -0.5, entry_scales=scales)
+    same = sum(len(set(x.tolist()) & set(y.tolist()) - {-1}) for x, y in zip(got, want))
+    valid = int((want >= 0).sum())
+    record(f"index picks from fp8 keys H={H} hd={hd} top-{topk}: share of the reference's {valid} picks missed",
+           1 - same / max(valid, 1), 2e-2, exact=torch.equal((got >= 0).sum(1), (want >= 0).sum(1)))
+
+
 def correctness(run: Run):
     from dsv4.kernels import w4a4
     from dsv4.formats import QWeight, stage_activation
@@ -328,6 +386,7 @@ def correctness(run: Run):
 
     attention_and_mhc(run, record)
     compressor_indexer_norms(run, record)
+    sampling_and_fp8_keys(run, record)
     sh = run.models[0] if run.toy else FLASH
     big = run.models[-1]
     # dense linears: formats x shapes x M, bf16 activations, NaN-poisoned outputs

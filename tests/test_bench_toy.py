@@ -51,3 +51,18 @@ def test_bench_script_runs_at_toy_shapes(name, tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(args)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert any(line.startswith("toy") for line in proc.stdout.splitlines()), proc.stdout[-2000:]
+
+
+def test_run_all_correctness_section_passes_at_toy_shapes(tmp_path):
+    """bench/run_all.py's kernel checks (the ones a GPU run starts with) at toy shapes under the interpreter: every
+    check runs and passes, so an API change shows here rather than in a device call."""
+    import json
+
+    args = ["bench/run_all.py", "--toy", "--sections", "env,correctness", "--out", str(tmp_path)]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", RUN_SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    checks = json.loads((tmp_path / "results.json").read_text())["correctness"]
+    assert len(checks) > 100 and [c["check"] for c in checks if not c["ok"]] == []
+    assert any(c["check"].startswith("sampler") for c in checks) and any("fp8 keys" in c["check"] for c in checks)
