@@ -5,9 +5,12 @@ them).
 
     python bench/graph_check.py --out DIR                       # CUDA: dummy V4-Flash dims, 4 layers
     python bench/graph_check.py --model tiny --out DIR          # CPU: the runner's padded path without capture
+    python bench/graph_check.py --tensor-parallel-size 2 --out DIR   # two GPUs: every rank replays its graphs
 
 On the CPU no graph is captured: the engine gets the runner with capture=False (its padded static-buffer path),
-the comparison the tests make. Writes DIR/graph_check.json; exits 1 if any token differs.
+the comparison the tests make. With --tensor-parallel-size N the two engines are parallel `dsv4.LLM`s of dummy
+weights (the same seed: the same weights), their decode graphs captured on every rank (one-shot all-reduce inside
+them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1 if any token differs.
 """
 
 from __future__ import annotations
@@ -48,8 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--format", default="nvfp4-experts")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--disable-custom-all-reduce", action="store_true")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
+    if args.tensor_parallel_size > 1:
+        return parallel_check(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = ModelConfig.from_json(args.model) if args.model.endswith(".json") else ModelConfig.preset(args.model)
@@ -75,6 +82,34 @@ def main(argv: list[str] | None = None) -> int:
            "layers": args.layers, "format": args.format, "captured": device.type == "cuda",
            "graph_memory": graphed_engine.graph_memory, "identical": all(same), "per_request": same,
            "first_difference": first_diff, "seconds": time.perf_counter() - t}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph_check.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps(res), flush=True)
+    return 0 if res["identical"] else 1
+
+
+def parallel_check(args) -> int:
+    """The same comparison on two parallel engines of --tensor-parallel-size ranks (eager, then graphs)."""
+    import dsv4
+
+    lengths, new = (5, 126, 250, 31, 3, 64), (40, 9, 20, 14, 30, 6)
+    tokens, memory, t = {}, 0, time.perf_counter()
+    for eager in (True, False):
+        with dsv4.LLM(args.model, device=args.device, load_format=f"dummy-{args.format}", skip_tokenizer_init=True,
+                      hf_overrides={"num_hidden_layers": args.layers}, tensor_parallel_size=args.tensor_parallel_size,
+                      disable_custom_all_reduce=args.disable_custom_all_reduce, enforce_eager=eager, max_num_seqs=8,
+                      max_model_len=320, num_cache_pages=16, max_num_batched_tokens=256, progress=False) as llm:
+            vocab = llm.model.config.vocab_size
+            prompts = [torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                       for n in lengths]
+            tokens[eager] = generate(llm.engine, prompts, list(new))
+            memory = memory or llm.engine.graph_memory
+            runner = llm.engine.graphs
+    same = [a == b for a, b in zip(tokens[True], tokens[False])]
+    res = {"model": args.model, "layers": args.layers, "format": args.format,
+           "tensor_parallel_size": args.tensor_parallel_size, "captured": runner is not None and bool(runner.graphs),
+           "graph_memory": memory, "identical": all(same), "per_request": same, "seconds": time.perf_counter() - t}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "graph_check.json").write_text(json.dumps(res, indent=1))

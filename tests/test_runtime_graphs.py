@@ -101,3 +101,20 @@ def test_a_one_token_prefill_chunk_beside_decodes_takes_the_plain_step(caplog):
     assert run(engine) == want
     assert any(one_token_chunks) and runs             # the case happened, and the runner ran the decode steps
     assert "failed" not in caplog.text                # no step's logits disagreed with its sampled rows
+
+
+def test_graph_check_script_runs_on_two_ranks(tmp_path):
+    """bench/graph_check.py --tensor-parallel-size 2 (the two-GPU run's graphs-vs-eager check) on gloo ranks: the
+    script runs end to end (on the CPU both engines step plainly)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench/graph_check.py", "--model", "tiny", "--format", "bf16",
+                           "--tensor-parallel-size", "2", "--out", str(tmp_path)],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "graph_check.json").read_text())
+    assert res["identical"] and len(res["per_request"]) == 6 and res["tensor_parallel_size"] == 2
