@@ -230,17 +230,8 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
                 res["decode"].append(case)
                 print(json.dumps(case), flush=True)
         for length in prefills if mode == args.modes.split(",")[0] else ():
-            prompt = torch.randint(2, cfg.vocab_size, (length,), generator=gen).tolist()
-            seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-            sync(device)
-            t = time.perf_counter()
-            while not seq.finished:
-                engine.step()
-            sync(device)
-            failed([seq])
-            row = dict(format=fmt, layers=layers, length=length, prefill_s=time.perf_counter() - t,
-                       tensor_parallel_size=args.tensor_parallel_size)
-            row["tokens_per_s"] = length / row["prefill_s"]
+            row = dict(format=fmt, layers=layers, length=length, tensor_parallel_size=args.tensor_parallel_size,
+                       **prefill_on(engine, length, device, gen))
             res["prefill"].append(row)
             print(json.dumps(row), flush=True)
     return steps_ms
@@ -248,7 +239,13 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
 
 def time_prefill(model, length: int, chunk: int, device, gen) -> dict:
     engine = Engine(model, max_num_seqs=1, max_model_len=length + 1, max_num_batched_tokens=chunk)
-    prompt = torch.randint(2, model.config.vocab_size, (length,), generator=gen).tolist()
+    return prefill_on(engine, length, device, gen)
+
+
+def prefill_on(engine: Engine, length: int, device, gen) -> dict:
+    """One random prompt of `length` tokens through the engine's chunked prefill, to its first token: seconds and
+    tokens/s."""
+    prompt = torch.randint(2, engine.model.config.vocab_size, (length,), generator=gen).tolist()
     seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     sync(device)
     t = time.perf_counter()

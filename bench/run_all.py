@@ -172,22 +172,13 @@ def attention_and_mhc(run: Run, record) -> None:
     """The cached attention kernel and the mHC kernels at V4's shapes (64 heads of 512, window 128, pages of 256
     positions; 4 streams of 4096) against their references on fp32 copies of the same inputs: ragged steps of decode
     tokens and a prefill chunk, CSA picks with -1 padding, HCA entries, pages in scrambled order."""
-    from dsv4.kernels.steps import StepTokens
     from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
     dev, gen = run.device, run.gen
     H, D, W, topk, d = (4, 32, 16, 5, 64) if run.toy else (64, 512, 128, 512, 4096)
-    starts, lengths = ragged_step(run)
-    B, N = len(starts), sum(lengths)
     for ratio in (0, 4, 128):
         E = page_tokens // ratio if ratio else 1
-        per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
-        num_pages = sum(per_seq) + 3
-        perm = torch.randperm(num_pages, device="cpu").tolist()
-        pages, o = [], 0
-        for n in per_seq:
-            pages.append(tuple(perm[o:o + n]))
-            o += n
-        steps = StepTokens.build(tuple(range(1, B + 1)), starts, lengths, pages, dev)
+        starts, lengths, num_pages, steps = ragged_pages(run)
+        B, N = len(starts), sum(lengths)
         q = torch.randn(N, H, D, device=dev, generator=gen).bfloat16()
         kv = torch.randn(N, D, device=dev, generator=gen).bfloat16()
         ring = torch.randn(B + 1, W, D, device=dev, generator=gen).bfloat16()
@@ -237,24 +228,32 @@ def ragged_step(run: Run) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return ((7, 60, 0, 33), (1, 1, 20, 1)) if run.toy else ((8191, 1000, 70000, 129), (1, 1, 256, 1))
 
 
-def compressor_indexer_norms(run: Run, record) -> None:
-    """The compressor, indexer, ring and norm / rope kernels at V4's shapes (CSA 2 x 512 wide, HCA 512, the indexer's
-    compressor 2 x 128; 64 index heads of 128, top-512; rows of 512 and 4096) against their references on fp32
-    copies: the entries and open / Ca state one ragged step leaves, the picks (as sets: a bf16 dot may swap
-    near-tied keys), the rings (exact)."""
+def ragged_pages(run: Run):
+    """The checks' ragged step (`ragged_step`) with scrambled page tables, slots 1..B: -> (starts, lengths, the pool's
+    page count, StepTokens)."""
     from dsv4.kernels.steps import StepTokens
-    from dsv4.model.state import CompressorState
-    from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
-    dev, gen = run.device, run.gen
+    from dsv4.runtime.cache import PAGE_TOKENS
     starts, lengths = ragged_step(run)
-    B, N = len(starts), sum(lengths)
-    per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
+    per_seq = [-(-(s + n) // PAGE_TOKENS) for s, n in zip(starts, lengths)]
     perm = torch.randperm(sum(per_seq) + 3).tolist()
     pages, o = [], 0
     for n in per_seq:
         pages.append(tuple(perm[o:o + n]))
         o += n
-    steps = StepTokens.build(tuple(range(1, B + 1)), starts, lengths, pages, dev)
+    return starts, lengths, len(perm), StepTokens.build(tuple(range(1, len(starts) + 1)), starts, lengths, pages,
+                                                        run.device)
+
+
+def compressor_indexer_norms(run: Run, record) -> None:
+    """The compressor, indexer, ring and norm / rope kernels at V4's shapes (CSA 2 x 512 wide, HCA 512, the indexer's
+    compressor 2 x 128; 64 index heads of 128, top-512; rows of 512 and 4096) against their references on fp32
+    copies: the entries and open / Ca state one ragged step leaves, the picks (as sets: a bf16 dot may swap
+    near-tied keys), the rings (exact)."""
+    from dsv4.model.state import CompressorState
+    from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
+    dev, gen = run.device, run.gen
+    starts, lengths, num_pages, steps = ragged_pages(run)
+    B, N = len(starts), sum(lengths)
     for ratio, hd in ((4, 32), (128, 32), (4, 16)) if run.toy else ((4, 512), (128, 512), (4, 128)):
         width = hd * (2 if ratio == 4 else 1)
         state = CompressorState(
@@ -262,7 +261,7 @@ def compressor_indexer_norms(run: Run, record) -> None:
             torch.randn(B + 1, ratio, width, device=dev, generator=gen),
             torch.randn(B + 1, ratio, hd, device=dev, generator=gen).bfloat16() if ratio == 4 else None,
             torch.randn(B + 1, ratio, hd, device=dev, generator=gen) if ratio == 4 else None,
-            torch.zeros(len(perm), page_tokens // ratio, hd, device=dev, dtype=torch.bfloat16))
+            torch.zeros(num_pages, page_tokens // ratio, hd, device=dev, dtype=torch.bfloat16))
         theirs = CompressorState(*(None if getattr(state, f) is None else getattr(state, f).float().clone()
                                    for f in ("open_kv", "open_score", "prev_kv", "prev_score", "entries")))
         kv = torch.randn(N, width, device=dev, generator=gen).bfloat16()
@@ -284,7 +283,7 @@ def compressor_indexer_norms(run: Run, record) -> None:
     Hi, hdi, topk = (4, 16, 5) if run.toy else (64, 128, 512)
     q = torch.randn(N, Hi, hdi, device=dev, generator=gen).bfloat16()
     w = torch.randn(N, Hi, device=dev, generator=gen)
-    keys = torch.randn(len(perm), page_tokens // 4, hdi, device=dev, generator=gen).bfloat16()
+    keys = torch.randn(num_pages, page_tokens // 4, hdi, device=dev, generator=gen).bfloat16()
     bound = max((s + n) // 4 for s, n in zip(starts, lengths))
     got = run.ops.index_picks(q, w, keys, steps, topk, 4, hdi ** -0.5, bound)
     want = ref.index_picks(q.float(), w, keys.float(), steps, topk, 4, hdi ** -0.5)
@@ -316,7 +315,6 @@ def sampling_and_fp8_keys(run: Run, record) -> None:
     """The sampler (one Triton launch on CUDA) against its PyTorch reference at V4's vocabulary: the share of rows that
     draw another token (exp and log may differ in the last bit: only near-ties move); and the indexer's keys in fp8
     (index_cache_dtype "fp8"): the compressor's codes and scales and the picks from them against the references."""
-    from dsv4.kernels.steps import StepTokens
     from dsv4.model.state import CompressorState
     from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
     from dsv4.runtime.params import SamplingParams
@@ -330,22 +328,15 @@ def sampling_and_fp8_keys(run: Run, record) -> None:
                                 all_filters=True)
     differ = int((sample(logits, batch).token_ids != sample_reference(logits, batch).token_ids).sum())
     record(f"sampler B={rows} V={vocab}, all filters: share of rows drawing another token", differ / rows, 0.02)
-    starts, lengths = ragged_step(run)
+    starts, lengths, num_pages, steps = ragged_pages(run)
     B, N, hd = len(starts), sum(lengths), 16 if run.toy else 128
-    per_seq = [-(-(s + n) // page_tokens) for s, n in zip(starts, lengths)]
-    perm = torch.randperm(sum(per_seq) + 3).tolist()
-    pages, o = [], 0
-    for n in per_seq:
-        pages.append(tuple(perm[o:o + n]))
-        o += n
-    steps = StepTokens.build(tuple(range(1, B + 1)), starts, lengths, pages, dev)
 
     def state():
         return CompressorState(torch.zeros(B + 1, 4, 2 * hd, device=dev).bfloat16(), torch.zeros(B + 1, 4, 2 * hd,
                                device=dev), torch.zeros(B + 1, 4, hd, device=dev).bfloat16(),
                                torch.full((B + 1, 4, hd), float("-inf"), device=dev),
-                               torch.zeros(len(perm), page_tokens // 4, hd, device=dev, dtype=torch.float8_e4m3fn),
-                               torch.zeros(len(perm), page_tokens // 4, device=dev))
+                               torch.zeros(num_pages, page_tokens // 4, hd, device=dev, dtype=torch.float8_e4m3fn),
+                               torch.zeros(num_pages, page_tokens // 4, device=dev))
     mine, theirs = state(), state()
     kv = torch.randn(N, 2 * hd, device=dev, generator=gen).bfloat16()
     score = (torch.randn(N, 2 * hd, device=dev, generator=gen) * 2).bfloat16()
@@ -359,8 +350,8 @@ def sampling_and_fp8_keys(run: Run, record) -> None:
            written=int((mine.entry_scales > 0).sum()) == closing)
     H, topk = (4, 5) if run.toy else (64, 512)
     q, w = torch.randn(N, H, hd, device=dev, generator=gen).bfloat16(), torch.randn(N, H, device=dev, generator=gen)
-    codes = torch.randn(len(perm), page_tokens // 4, hd, device=dev, generator=gen).to(torch.float8_e4m3fn)
-    scales = torch.randint(-3, 3, (len(perm), page_tokens // 4), device=dev, generator=gen).float().exp2()
+    codes = torch.randn(num_pages, page_tokens // 4, hd, device=dev, generator=gen).to(torch.float8_e4m3fn)
+    scales = torch.randint(-3, 3, (num_pages, page_tokens // 4), device=dev, generator=gen).float().exp2()
     bound = max((s + n) // 4 for s, n in zip(starts, lengths))
     got = run.ops.index_picks(q, w, codes, steps, topk, 4, hd ** -0.5, bound, entry_scales=scales)
     want = ref.index_picks(q.float(), w, codes, steps, topk, 4, hd ** -0.5, entry_scales=scales)

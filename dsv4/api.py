@@ -92,8 +92,9 @@ class LLM:
 
         load_format="dummy" (vLLM's name) reads no weights: model is a preset ("v4-flash", "v4-pro", "tiny"), a
         config.json or a checkpoint folder, and the weights are drawn at random on the device in NVIDIA's NVFP4-experts
-        storage, or in another with "dummy-bf16", "dummy-official", "dummy-nvfp4" (`checkpoint.dummy`, reproducible
-        from `seed`), for benchmarks at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the first layers).
+        storage, or in another with "dummy-bf16", "dummy-official", "dummy-nvfp4" (`checkpoint.dummy`, reproducible from
+        `seed`), for benchmarks at real dimensions. hf_overrides changes config fields (num_hidden_layers keeps the
+        first layers).
 
         tensor_parallel_size (attention by heads, experts split, vocabulary-split embedding and head),
         pipeline_parallel_size (contiguous layer ranges) and enable_expert_parallel (routed experts partitioned over

@@ -11,8 +11,8 @@ from types import MappingProxyType
 # Mirrors dsv4.checkpoint.writer.FORMATS / NAMINGS (kept literal so --help imports no torch; a test checks).
 FORMATS = ("bf16", "official", "nvfp4-experts", "nvfp4")
 NAMINGS = ("deepseek", "hf")
-INDEX_CACHE_HELP = ("fp8: the lightning indexer's key cache in fp8 e4m3 with a scale per key (about half the bytes of a "
-                    "long context's reads); auto: the compute dtype")
+INDEX_CACHE_HELP = ("fp8: the lightning indexer's key cache in fp8 e4m3 with a scale per key (about half the bytes "
+                    "of a long context's reads); auto: the compute dtype")
 FORMAT_HELP = ("bf16: every linear in bf16. official: DeepSeek's release layout (FP8 128x128 UE8M0 attention, "
                "indexer wq_b, shared experts and MTP projections; MXFP4 routed experts; bf16 compressors, router, "
                "embedding, head). nvfp4-experts: official with NVFP4 routed experts (NVIDIA's V4 builds) plus "
@@ -303,7 +303,8 @@ def _serve(args: argparse.Namespace) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_logprobs=args.max_logprobs, gpu_memory_utilization=args.gpu_memory_utilization,
               progress=not args.no_progress, load_format=_load_format(args),
-              hf_overrides=args.hf_overrides, enforce_eager=args.enforce_eager, index_cache_dtype=args.index_cache_dtype, **_parallel(args))
+              hf_overrides=args.hf_overrides, enforce_eager=args.enforce_eager,
+              index_cache_dtype=args.index_cache_dtype, **_parallel(args))
     run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
         api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_request_bytes)

@@ -29,6 +29,24 @@ def clone(state):
                            c(state.entries))
 
 
+def compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
+    """One ragged step after another of `runs` (random rows) through the kernel into `mine` and the reference into
+    `theirs`; `done` (slot -> tokens so far) advances; yields (step, its live (slot, tokens)) after each."""
+    width = mine.open_kv.shape[-1]
+    for step in range(max(len(lengths) for _, lengths in runs)):
+        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
+        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
+                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
+        N = sum(n for _, n in live)
+        kv, score = torch.randn(N, width, generator=g), torch.randn(N, width, generator=g) * 2
+        angle = torch.rand(N, 8, generator=g) * 6
+        compressor.compress(kv, score, ape, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        ref.compress(kv, score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
+        for s, n in live:
+            done[s] += n
+        yield step, live
+
+
 # Each sequence: (slot, lengths of its successive steps); a step takes every sequence that still has one.
 RUNS = {
     4: [(1, (1, 1, 1, 1, 1, 2)), (3, (7, 1, 1, 5, 9)), (0, (13, 3, 1, 1, 6)), (2, (1, 6, 1, 1, 1, 1))],
@@ -48,18 +66,7 @@ def test_compress_matches_the_reference_step_after_step(ratio, hd):
     weight = torch.rand(hd, generator=g) + 0.5
     ape = torch.randn(ratio, mine.open_kv.shape[-1], generator=g)
     done = {slot: 0 for slot, _ in runs}
-    for step in range(max(len(lengths) for _, lengths in runs)):
-        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
-        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
-                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
-        N = sum(n for _, n in live)
-        width = mine.open_kv.shape[-1]
-        kv, score = torch.randn(N, width, generator=g), torch.randn(N, width, generator=g) * 2
-        angle = torch.rand(N, 8, generator=g) * 6
-        compressor.compress(kv, score, ape, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        ref.compress(kv, score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        for s, n in live:
-            done[s] += n
+    for step, live in compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
         for name in ("entries", "prev_kv", "prev_score"):
             a, b = getattr(mine, name), getattr(theirs, name)
             if a is not None:
@@ -189,17 +196,8 @@ def test_fp8_indexer_keys_match_the_reference(hd):
     mine, theirs = fp8_state(), fp8_state()
     weight, ape = torch.rand(hd, generator=g) + 0.5, torch.randn(ratio, 2 * hd, generator=g)
     done = {slot: 0 for slot, _ in runs}
-    for step in range(max(len(lengths) for _, lengths in runs)):
-        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
-        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
-                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
-        N = sum(n for _, n in live)
-        kv, score = torch.randn(N, 2 * hd, generator=g), torch.randn(N, 2 * hd, generator=g) * 2
-        angle = torch.rand(N, 8, generator=g) * 6
-        compressor.compress(kv, score, ape, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        ref.compress(kv, score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        for s, n in live:
-            done[s] += n
+    for _ in compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
+        pass
     a, b = mine.entries.float() * mine.entry_scales[..., None], theirs.entries.float() * theirs.entry_scales[..., None]
     assert int((theirs.entry_scales > 0).sum()) == sum(done[s] // ratio for s in done) > 0
     assert float((mine.entry_scales == theirs.entry_scales).float().mean()) > 0.97

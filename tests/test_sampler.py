@@ -200,7 +200,8 @@ def test_flat_and_peaked_rows_give_the_references_tokens():
     x[6:] = torch.randn(4, 5000, generator=g) * 2
     x[6:8, 10] = 40.0
     x[8:, 4990] = 40.0
-    params = [SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2 + [SamplingParams(), SamplingParams(top_p=0.9)] * 2
+    params = ([SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2
+              + [SamplingParams(), SamplingParams(top_p=0.9)] * 2)
     batch = build(params, range(100, 110), vocab_size=5000)
     assert torch.equal(kernel_tokens(x, batch), sample_reference(x, batch).token_ids)
     assert kernel_tokens(x, batch)[6:].tolist() == [10, 10, 4990, 4990]

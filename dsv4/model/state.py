@@ -131,7 +131,8 @@ class SeqBatch:
         skip = [max(0, a - self.offsets[i]) for i in keep]
         return SeqBatch(tuple(self.slots[i] for i in keep),
                         tuple(self.starts[i] + k for i, k in zip(keep, skip)),
-                        tuple(min(self.offsets[i] + self.lengths[i], b) - self.offsets[i] - k for i, k in zip(keep, skip)),
+                        tuple(min(self.offsets[i] + self.lengths[i], b) - self.offsets[i] - k
+                              for i, k in zip(keep, skip)),
                         tuple(self.pages[i] for i in keep) if self.pages else (),
                         end_bound=self.end_bound)
 

@@ -180,9 +180,9 @@ class Engine:
                     prompt: str | None = None, on_output: Callable[[Sequence], None] | None = None) -> Sequence:
         """Queue one request; nothing runs until `step`. prompt_token_ids: a list / tuple of ints or a 1-D integer
         array or tensor. params are copied and checked (a later change to the caller's object has no effect).
-        on_output(seq) is called each time the request's output advances (a token rendered, or the end); if it
-        raises, the request ends with "error". Raises RequestError (a ValueError; RequestTypeError is also a TypeError) naming what is wrong,
-        and then leaves the engine as it was."""
+        on_output(seq) is called each time the request's output advances (a token rendered, or the end); if it raises,
+        the request ends with "error". Raises RequestError (a ValueError; RequestTypeError is also a TypeError) naming
+        what is wrong, and then leaves the engine as it was."""
         if request_id is None:
             request_id = next(i for i in map(str, self._ids) if i not in self._live)
         request_id = str(request_id)

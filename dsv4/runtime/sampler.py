@@ -16,11 +16,11 @@ constant), and a token stays iff the tokens with a larger x weigh less than T - 
 weight of all the tokens min-p and top-k leave. Tokens of equal x are dropped or kept together (vLLM's sort may
 split such a group at the boundary), and the tokens of the largest x always stay.
 
-The draw is the Gumbel-max: argmax(x + g) over the kept tokens, with g = -log(-log(u)) and u a hash of (the row's
-key, the token id) (`kernels.ref.gumbel`), which draws from softmax(x) restricted to those tokens. The row key is
-splitmix64 of (seed, counter) (`kernels.ref.row_keys`): a request with a seed draws its n-th token with (its seed, n), so its
-tokens depend neither on the other rows nor on its own row's position, and are the same in every run; rows
-without a seed draw with the caller's `unseeded_seed` and distinct counters the caller gives them.
+The draw is the Gumbel-max: argmax(x + g) over the kept tokens, with g = -log(-log(u)) and u a hash of (the row's key,
+the token id) (`kernels.ref.gumbel`), which draws from softmax(x) restricted to those tokens. The row key is splitmix64
+of (seed, counter) (`kernels.ref.row_keys`): a request with a seed draws its n-th token with (its seed, n), so its
+tokens depend neither on the other rows nor on its own row's position, and are the same in every run; rows without a
+seed draw with the caller's `unseeded_seed` and distinct counters the caller gives them.
 
 `sample` runs one Triton launch on CUDA (`kernels/sampling.py`: the kept set found by rejection, no sort) and the
 PyTorch reference elsewhere (`kernels.ref.sample_tokens`: the kept set found by sorting each row), which

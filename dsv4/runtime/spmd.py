@@ -270,13 +270,7 @@ class Driver:
             raise self.failure
         inputs = StepInputs(ids, batch, tuple(rows), tuple(self._resets), self.micro_batches(len(ids)))
         self._resets.clear()
-        with _interrupt_after():
-            try:
-                self.channel.send(inputs)
-                return self.runner.run(inputs)
-            except Exception as e:
-                self.failure = self._stopped(e)
-                raise self.failure from e
+        return self._everywhere(inputs, self.runner.run)
 
     def graph_step(self, seqs) -> torch.Tensor:
         """Every rank replays the decode step of these sequences (`DecodeGraphs.prepare`; the pending resets travel
@@ -285,10 +279,15 @@ class Driver:
             raise self.failure
         step = replace(self.runner.graphs.prepare(seqs), resets=tuple(self._resets))
         self._resets.clear()
+        return self._everywhere(step, self.runner.run_graph)
+
+    def _everywhere(self, message, run):
+        """Send the step to the workers and run rank 0's part (`run(message)`); a failure of any rank stops them all
+        (WorkerFailure, kept for every later call)."""
         with _interrupt_after():
             try:
-                self.channel.send(step)
-                return self.runner.run_graph(step)
+                self.channel.send(message)
+                return run(message)
             except Exception as e:
                 self.failure = self._stopped(e)
                 raise self.failure from e

@@ -1,11 +1,11 @@
 """The engine's own thread: it alone touches the Engine, which is not thread-safe.
 
-Requests and aborts reach it through a queue; it steps the engine while there is work and blocks on the queue
-when there is none. It sends every request that moved an `Update` (its new text, tokens and logprobs, and how it
-ended) to the asyncio loop with `call_soon_threadsafe`, into the asyncio.Queue the request was submitted with:
-the text the previous step sampled while the device runs the next step (`Engine.step`'s while_running), first
-tokens and endings after the step. It keeps the metrics and logs one line per finished request. An abort takes effect before
-the next step, so an aborted request's cache slot is free within one step.
+Requests and aborts reach it through a queue; it steps the engine while there is work and blocks on the queue when there
+is none. It sends every request that moved an `Update` (its new text, tokens and logprobs, and how it ended) to the
+asyncio loop with `call_soon_threadsafe`, into the asyncio.Queue the request was submitted with: the text the previous
+step sampled while the device runs the next step (`Engine.step`'s while_running), first tokens and endings after the
+step. It keeps the metrics and logs one line per finished request. An abort takes effect before the next step, so an
+aborted request's cache slot is free within one step.
 """
 
 from __future__ import annotations
