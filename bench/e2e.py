@@ -15,7 +15,8 @@ that format's storage), then
   the engine's default mode (`--modes graphs`: CUDA graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
-* `--index-cache-dtype fp8`: the indexer's keys cached in fp8 (the floor counts their bytes so);
+* `--kv-cache-dtype fp8` / `fp8-indexer`: the attention's entries (584-byte packed rows) and the indexer's keys, or
+  the keys only, cached in fp8 (the floor counts their bytes so);
 * with `--tensor-parallel-size N` (`--enable-expert-parallel`): the same on a parallel `dsv4.LLM` of N ranks, one
   per GPU (dummy weights drawn per rank), one engine per format, layer count and mode whose cache holds the largest
   case; the floor is one GPU's share of the bytes (rank 0's weights);
@@ -41,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import ops_for  # noqa: E402
-from dsv4.runtime.cache import CacheCapacityError, pages_for  # noqa: E402
+from dsv4.kernels.ref import kv_row_bytes  # noqa: E402
+from dsv4.runtime.cache import KV_CACHE_DTYPES, CacheCapacityError, pages_for  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
 
@@ -61,7 +63,7 @@ def module_bytes(module: torch.nn.Module) -> int:
 
 
 def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize: int,
-               index_key_bytes: float | None = None) -> int:
+               kv_cache_dtype: str = "auto") -> int:
     """Bytes one decode step of `batch` sequences at `context` tokens must read: the weights (the routed experts
     only as many distinct ones as `batch` random routings are expected to touch; the embedding's `batch` rows) and
     each sequence's cache rows that attention, compressor and indexer read."""
@@ -73,39 +75,42 @@ def step_bytes(model, cfg: ModelConfig, batch: int, context: int, cache_itemsize
         experts = layer.ffn.experts
         total -= module_bytes(experts) * (1 - touched / E)
     D, window = cfg.head_dim, min(cfg.sliding_window, context)
-    per_seq = keys = 0
+    entry_bytes, key_bytes = cache_row_bytes(cfg, kv_cache_dtype, cache_itemsize)
+    per_seq = 0
     for i in range(cfg.num_hidden_layers):
         ratio = cfg.compress_ratio(i)
-        per_seq += window * D
+        per_seq += window * D * cache_itemsize
         if ratio == 4:      # CSA: the picked entries, and every indexer key to score them
-            per_seq += min(cfg.index_topk, context // 4) * D
-            keys += context // 4
+            per_seq += min(cfg.index_topk, context // 4) * entry_bytes + context // 4 * key_bytes
         elif ratio == 128:  # HCA: every entry
-            per_seq += (context // 128) * D
-    if index_key_bytes is None:                 # a key in the cache dtype; fp8: its codes and its fp32 scale
-        index_key_bytes = cfg.index_head_dim * cache_itemsize
-    return int(total + batch * (per_seq * cache_itemsize + keys * index_key_bytes))
+            per_seq += (context // 128) * entry_bytes
+    return int(total + batch * per_seq)
+
+
+def cache_row_bytes(cfg: ModelConfig, kv_cache_dtype: str, cache_itemsize: int) -> tuple[int, int]:
+    """Bytes of one compressed entry and of one indexer key in the cache: the cache dtype's, or fp8's (a packed row;
+    a key's codes and its fp32 scale)."""
+    entry = kv_row_bytes(cfg.head_dim, cfg.nope_head_dim) if kv_cache_dtype == "fp8" else cfg.head_dim * cache_itemsize
+    key = cfg.index_head_dim + 4 if kv_cache_dtype != "auto" else cfg.index_head_dim * cache_itemsize
+    return entry, key
 
 
 # ------------------------------------------------------------------------------------------------ engine
 def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator,
-                      eager: bool = False, index_cache_dtype: str = "auto") -> tuple[Engine, list]:
+                      eager: bool = False, kv_cache_dtype: str = "auto") -> tuple[Engine, list]:
     """An engine whose `batch` sequences each hold `context - 1` tokens of (random) cache state, so that every
     following step decodes one token per sequence."""
     engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
                     max_num_batched_tokens=max(batch, 1024), num_cache_pages=batch * pages_for(context + steps + 1),
-                    enforce_eager=eager, index_cache_dtype=index_cache_dtype)
+                    enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
     for pool in engine.cache.pools.values():
         if pool.dtype == torch.float8_e4m3fn:
             pool.view(torch.uint8).random_(0, 120)      # finite e4m3 codes
+        elif pool.dtype == torch.uint8:                 # packed fp8 rows: small finite codes, scales and bf16 values
+            pool.random_(0, 60)
         else:
             pool.normal_()
     return engine, admit_at_context(engine, batch, context, gen)
-
-
-def index_key_bytes(cfg: ModelConfig, index_cache_dtype: str) -> float | None:
-    """Bytes of one indexer key in the cache: its fp8 codes and fp32 scale, or None (the cache dtype's)."""
-    return cfg.index_head_dim + 4 if index_cache_dtype == "fp8" else None
 
 
 def admit_at_context(engine: Engine, batch: int, context: int, gen: torch.Generator) -> list:
@@ -161,9 +166,9 @@ def failed(seqs) -> None:
 
 
 def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False,
-                index_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto") -> dict:
     t = time.perf_counter()
-    engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager, index_cache_dtype)
+    engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager, kv_cache_dtype)
     out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device)}
     del engine
     gc.collect()                          # its pools go before the next case's are allocated
@@ -204,7 +209,7 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
                   enable_expert_parallel=args.enable_expert_parallel,
                   disable_custom_all_reduce=args.disable_custom_all_reduce, max_num_seqs=max(batches),
                   max_model_len=longest, num_cache_pages=pages, max_num_batched_tokens=max(max(batches), args.chunk),
-                  enforce_eager=mode == "eager", index_cache_dtype=args.index_cache_dtype, skip_tokenizer_init=True,
+                  enforce_eager=mode == "eager", kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True,
                   progress=False) as llm:
         build_s, engine, cfg = time.perf_counter() - t, llm.engine, llm.model.config
         comm = llm.model.layers[0].comm
@@ -223,7 +228,7 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
                     for seq in seqs:
                         engine.abort(seq.request_id)
                 nbytes = step_bytes(llm.model, cfg, batch, context, torch.finfo(engine.dtype).bits // 8,
-                                    index_key_bytes(cfg, args.index_cache_dtype))
+                                    args.kv_cache_dtype)
                 case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
                             floor_ms=nbytes / args.bandwidth * 1e3)     # rank 0's share: every GPU reads as much
                 steps_ms[(batch, context)] = case["step_ms"]
@@ -307,7 +312,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size > 1")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL (with "
                     "--tensor-parallel-size > 1; default: small ones through the symmetric-memory one-shot kernel)")
-    ap.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8"), help="the indexer's key cache")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="fp8: the attention's entries and the indexer's keys in fp8; fp8-indexer: the keys only")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -325,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
     res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-               index_cache_dtype=args.index_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype)
     for fmt in args.format.split(","):
         step_by_layers: dict[tuple[int, int, int], float] = {}
         for layers in ints(args.layers) if args.tensor_parallel_size > 1 else ():
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
                     case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s)
                     try:
                         case.update(time_decode(model, batch, context, args.steps, device, gen, mode == "eager",
-                                                args.index_cache_dtype))
+                                                args.kv_cache_dtype))
                     except CacheCapacityError as e:
                         case["skipped"] = str(e)
                     except Exception:
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     if "step_ms" in case:
                         nbytes = step_bytes(model, cfg, batch, context, torch.finfo(dtype).bits // 8,
-                                            index_key_bytes(cfg, args.index_cache_dtype))
+                                            args.kv_cache_dtype)
                         case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
                                     floor_ms=nbytes / args.bandwidth * 1e3)
                         step_by_layers[(layers, batch, context, mode)] = case["step_ms"]

@@ -314,7 +314,8 @@ def compressor_indexer_norms(run: Run, record) -> None:
 def sampling_and_fp8_keys(run: Run, record) -> None:
     """The sampler (one Triton launch on CUDA) against its PyTorch reference at V4's vocabulary: the share of rows that
     draw another token (exp and log may differ in the last bit: only near-ties move); and the indexer's keys in fp8
-    (index_cache_dtype "fp8"): the compressor's codes and scales and the picks from them against the references."""
+    (kv_cache_dtype "fp8-indexer" or "fp8"): the compressor's codes and scales and the picks from them against the
+    references."""
     from dsv4.model.state import CompressorState
     from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
     from dsv4.runtime.params import SamplingParams
@@ -361,6 +362,63 @@ def sampling_and_fp8_keys(run: Run, record) -> None:
            1 - same / max(valid, 1), 2e-2, exact=torch.equal((got >= 0).sum(1), (want >= 0).sum(1)))
 
 
+def fp8_cache(run: Run, record) -> None:
+    """The attention's fp8 cache (kv_cache_dtype "fp8") at V4's shapes (512 channels, 448 of them fp8): the kv
+    norm_rope launch's rounding (exact against `ref.fp8_kv_round` of the unrounded launch), the compressor's packed
+    entries (HCA and CSA, decoded, against `ref.compress` on the same rows) and attention over packed entries
+    (against the same kernel over their decoded values, and the reference)."""
+    from dsv4.model.state import CompressorState
+    from dsv4.runtime.cache import PAGE_TOKENS as page_tokens
+    dev, gen = run.device, run.gen
+    D, nope, H = (64, 48, 4) if run.toy else (512, 448, 64)
+    row = ref.kv_row_bytes(D, nope)
+    starts, lengths, num_pages, steps = ragged_pages(run)
+    B, N = len(starts), sum(lengths)
+    angle = torch.rand(N, (D - nope) // 2, device=dev, generator=gen) * 6
+    x = torch.randn(N, D, device=dev, generator=gen).bfloat16()
+    weight = torch.rand(D, device=dev, generator=gen) + 0.5
+    plain = run.ops.norm_rope(x, angle.cos(), angle.sin(), weight, 1e-6)
+    got = run.ops.norm_rope(x, angle.cos(), angle.sin(), weight, 1e-6, fp8_nope=nope)
+    record(f"norm_rope kv rows D={D}, fp8 rounding of {nope} channels", 0.0, 0.0,
+           exact=torch.equal(got, ref.fp8_kv_round(plain, nope)))
+    for ratio in (128, 4):
+        width = D * (2 if ratio == 4 else 1)
+
+        def state():
+            prev = (torch.zeros(B + 1, 4, D, device=dev).bfloat16(),
+                    torch.full((B + 1, 4, D), float("-inf"), device=dev)) if ratio == 4 else (None, None)
+            return CompressorState(torch.zeros(B + 1, ratio, width, device=dev).bfloat16(),
+                                   torch.zeros(B + 1, ratio, width, device=dev), *prev,
+                                   torch.zeros(num_pages, page_tokens // ratio, row, device=dev, dtype=torch.uint8),
+                                   None, nope)
+        mine, theirs = state(), state()
+        kv = torch.randn(N, width, device=dev, generator=gen).bfloat16()
+        score = (torch.randn(N, width, device=dev, generator=gen) * 2).bfloat16()
+        cos, sin = angle.cos(), angle.sin()
+        ape = torch.randn(ratio, width, device=dev, generator=gen)
+        run.ops.compress(kv, score, ape, steps, mine, ratio, cos, sin, weight, 1e-6, -(-max(lengths) // ratio))
+        ref.compress(kv, score, ape, steps, theirs, ratio, cos, sin, weight, 1e-6)
+        a, b = (ref.fp8_kv_unpack(s.entries, D, nope, torch.float32) for s in (mine, theirs))
+        closing = sum((s + n) // ratio - s // ratio for s, n in zip(starts, lengths))
+        record(f"compress ratio {ratio} packed fp8 entries D={D}: {closing} entries", rel_err(a, b) if closing else 0.0,
+               7e-2, written=int(mine.entries.any(-1).sum()) == closing)
+    W = 16 if run.toy else 128
+    q = torch.randn(N, H, D, device=dev, generator=gen).bfloat16()
+    kv = torch.randn(N, D, device=dev, generator=gen).bfloat16()
+    ring = torch.randn(B + 2, W, D, device=dev, generator=gen).bfloat16()
+    sinks = torch.randn(H, device=dev, generator=gen)
+    packed = ref.fp8_kv_pack(torch.randn(num_pages, page_tokens // 128, D, device=dev, generator=gen), nope)
+    values = ref.fp8_kv_unpack(packed, D, nope, torch.bfloat16)
+    bound = max((s + n) // 128 for s, n in zip(starts, lengths))
+    got = run.ops.sparse_attention(q, kv, ring, packed, None, steps, 128, sinks, D ** -0.5, bound, entry_nope=nope)
+    over_values = run.ops.sparse_attention(q, kv, ring, values, None, steps, 128, sinks, D ** -0.5, bound)
+    want = ref.sparse_attention(q.float(), kv.float(), ring.float(), packed, None, steps, 128, sinks, D ** -0.5,
+                                entry_nope=nope)
+    record(f"attention HCA over packed fp8 entries H={H} D={D} (against the decoded entries)",
+           rel_err(got, over_values), 1e-2)
+    record(f"attention HCA over packed fp8 entries H={H} D={D} (against the reference)", rel_err(got, want), 2e-2)
+
+
 def correctness(run: Run):
     from dsv4.kernels import w4a4
     from dsv4.formats import QWeight, stage_activation
@@ -378,6 +436,7 @@ def correctness(run: Run):
     attention_and_mhc(run, record)
     compressor_indexer_norms(run, record)
     sampling_and_fp8_keys(run, record)
+    fp8_cache(run, record)
     sh = run.models[0] if run.toy else FLASH
     big = run.models[-1]
     # dense linears: formats x shapes x M, bf16 activations, NaN-poisoned outputs

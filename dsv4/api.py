@@ -81,7 +81,7 @@ class LLM:
                  load_format: str = "auto", hf_overrides: dict | None = None,
                  seed: int = 0, progress: bool = True, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                  enable_expert_parallel: bool = False, enforce_eager: bool = False,
-                 disable_custom_all_reduce: bool = False, index_cache_dtype: str = "auto"):
+                 disable_custom_all_reduce: bool = False, kv_cache_dtype: str = "auto"):
         """model: a checkpoint folder (any dialect and format) or "demo". tokenizer: a folder with
         tokenizer.json (default: the checkpoint's, else DeepSeek-V4's packaged one). skip_tokenizer_init:
         token ids in and out, no text. The engine options size the decode cache: max_num_seqs sequences of
@@ -103,8 +103,11 @@ class LLM:
         instead of small ones through torch's symmetric-memory one-shot kernel. On a GPU, decode steps replay CUDA
         graphs captured at start-up (one per batch size and length bucket up to max_num_seqs and max_model_len; on
         every rank of a parallel engine with one pipeline stage); enforce_eager=True (vLLM's name) runs them
-        eagerly. index_cache_dtype="fp8" keeps the lightning indexer's keys in fp8 e4m3 with a power-of-two scale per
-        key (about half their bytes, which dominate a long context's reads); the default keeps the compute dtype."""
+        eagerly. kv_cache_dtype (vLLM's name): "fp8" keeps the attention's compressed entries as packed fp8 rows (448
+        e4m3 codes in blocks of 64 with a power-of-two scale each, 64 bf16 rope values: 584 instead of 1,024 bytes,
+        the K = V rows rounded as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 with
+        a power-of-two scale per key (132 instead of 256 bytes); "fp8-indexer" only the indexer's keys; "auto" (the
+        default) keeps the compute dtype, whose logits equal transformers'."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         load_format, dummy_format = _load_format(load_format)
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
@@ -115,7 +118,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, num_cache_pages=num_cache_pages,
                 gpu_memory_utilization=gpu_memory_utilization, load_format=load_format, dummy_format=dummy_format,
                 hf_overrides=hf_overrides, seed=seed, progress=progress, enforce_eager=enforce_eager,
-                one_shot_all_reduce=not disable_custom_all_reduce, index_cache_dtype=index_cache_dtype))
+                one_shot_all_reduce=not disable_custom_all_reduce, kv_cache_dtype=kv_cache_dtype))
             self._finalizer = weakref.finalize(self, self._group.shutdown)
             self.model = self._group.model
         else:
@@ -127,7 +130,7 @@ class LLM:
                                  max_num_batched_tokens=max_num_batched_tokens, max_logprobs=max_logprobs,
                                  num_cache_pages=num_cache_pages, gpu_memory_utilization=gpu_memory_utilization,
                                  driver=self._group and self._group.driver, enforce_eager=enforce_eager,
-                                 index_cache_dtype=index_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype)
         except BaseException:
             self.shutdown()
             raise
@@ -290,7 +293,7 @@ def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dty
                             opts["kernels"], opts["w4a4"], opts["max_num_seqs"], pages, step_tokens,
                             opts["gpu_memory_utilization"], opts["progress"], max_len,
                             _decode_runner(device, layout, opts["enforce_eager"]), opts["one_shot_all_reduce"],
-                            opts["index_cache_dtype"])
+                            opts["kv_cache_dtype"])
     return path, workers.start(spec)
 
 

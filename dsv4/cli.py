@@ -11,8 +11,9 @@ from types import MappingProxyType
 # Mirrors dsv4.checkpoint.writer.FORMATS / NAMINGS (kept literal so --help imports no torch; a test checks).
 FORMATS = ("bf16", "official", "nvfp4-experts", "nvfp4")
 NAMINGS = ("deepseek", "hf")
-INDEX_CACHE_HELP = ("fp8: the lightning indexer's key cache in fp8 e4m3 with a scale per key (about half the bytes "
-                    "of a long context's reads); auto: the compute dtype")
+KV_CACHE_HELP = ("fp8: the attention's compressed entries as packed fp8 rows (584 instead of 1,024 bytes, rounded "
+                 "as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 with a scale each; "
+                 "fp8-indexer: only the indexer's keys; auto: the compute dtype (default)")
 FORMAT_HELP = ("bf16: every linear in bf16. official: DeepSeek's release layout (FP8 128x128 UE8M0 attention, "
                "indexer wq_b, shared experts and MTP projections; MXFP4 routed experts; bf16 compressors, router, "
                "embedding, head). nvfp4-experts: official with NVFP4 routed experts (NVIDIA's V4 builds) plus "
@@ -136,7 +137,7 @@ def _serve_args(sub) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
-    s.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8"), help=INDEX_CACHE_HELP)
+    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8-indexer"), help=KV_CACHE_HELP)
     _load_format_args(s)
     _parallel_args(s)
 
@@ -154,7 +155,7 @@ def _model_args(g: argparse.ArgumentParser) -> None:
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
-    g.add_argument("--index-cache-dtype", default="auto", choices=("auto", "fp8"), help=INDEX_CACHE_HELP)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8-indexer"), help=KV_CACHE_HELP)
     _load_format_args(g)
     _parallel_args(g)
 
@@ -210,7 +211,7 @@ def _llm(args: argparse.Namespace):
     return LLM(args.model, device=args.device, dtype=args.dtype, kernels=args.kernels,
                max_model_len=args.max_model_len, max_num_seqs=1, progress=not args.no_progress,
                load_format=_load_format(args), hf_overrides=args.hf_overrides,
-               enforce_eager=args.enforce_eager, index_cache_dtype=args.index_cache_dtype, **_parallel(args))
+               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, **_parallel(args))
 
 
 def _load_format(args: argparse.Namespace) -> str:
@@ -304,7 +305,7 @@ def _serve(args: argparse.Namespace) -> int:
               max_logprobs=args.max_logprobs, gpu_memory_utilization=args.gpu_memory_utilization,
               progress=not args.no_progress, load_format=_load_format(args),
               hf_overrides=args.hf_overrides, enforce_eager=args.enforce_eager,
-              index_cache_dtype=args.index_cache_dtype, **_parallel(args))
+              kv_cache_dtype=args.kv_cache_dtype, **_parallel(args))
     run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
         api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_request_bytes)

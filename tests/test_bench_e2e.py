@@ -37,6 +37,12 @@ def test_step_bytes_counts_weights_experts_and_cache():
     grown = e2e.step_bytes(model, cfg, 1, 1024 + 512, 4) - one
     picks = 2 * (min(cfg.index_topk, 384) - min(cfg.index_topk, 256)) * cfg.head_dim
     assert grown == 4 * (2 * 128 * cfg.index_head_dim + picks + 4 * cfg.head_dim)
+    # the fp8 cache: a key is its codes and a 4-byte scale, an entry a packed row (88 bytes at 64 channels)
+    fp8 = e2e.step_bytes(model, cfg, 1, 1024 + 512, 4, "fp8") - e2e.step_bytes(model, cfg, 1, 1024, 4, "fp8")
+    assert fp8 == 2 * 128 * (cfg.index_head_dim + 4) + (picks // cfg.head_dim + 4) * 88
+    keys_only = e2e.step_bytes(model, cfg, 1, 1024 + 512, 4, "fp8-indexer") - \
+        e2e.step_bytes(model, cfg, 1, 1024, 4, "fp8-indexer")
+    assert keys_only == 2 * 128 * (cfg.index_head_dim + 4) + 4 * (picks + 4 * cfg.head_dim)
 
 
 def test_toy_run_on_two_ranks(tmp_path):

@@ -66,3 +66,4 @@ def test_run_all_correctness_section_passes_at_toy_shapes(tmp_path):
     checks = json.loads((tmp_path / "results.json").read_text())["correctness"]
     assert len(checks) > 100 and [c["check"] for c in checks if not c["ok"]] == []
     assert any(c["check"].startswith("sampler") for c in checks) and any("fp8 keys" in c["check"] for c in checks)
+    assert sum("packed fp8" in c["check"] or "fp8 rounding" in c["check"] for c in checks) == 5

@@ -14,7 +14,7 @@ from dsv4.kernels.steps import StepTokens
 W, D, H, E = 16, 32, 3, 8            # window, head_dim, heads, entries per page (ratio 4: 32 positions per page)
 
 
-def make_step(seed, ratio, starts, lengths, pages_per_seq=6, num_pages=20, k=5):
+def make_step(seed, ratio, starts, lengths, pages_per_seq=6, num_pages=20, k=5, D=D):
     g = torch.Generator().manual_seed(seed)
     B, N = len(starts), sum(lengths)
     q = torch.randn(N, H, D, generator=g)

@@ -7,7 +7,7 @@ inside a chunk and across chunk boundaries, fresh sequences, entries spread over
 import pytest
 import torch
 
-from dsv4.kernels import compressor, indexer, ref
+from dsv4.kernels import compressor, indexer, norm_rope, ref
 from dsv4.kernels.attention import write_ring
 from dsv4.kernels.steps import StepTokens
 from dsv4.model.state import CompressorState
@@ -180,7 +180,7 @@ def test_fp8_key_codes_are_exact_powers_of_two_scales_without_saturation():
 
 @pytest.mark.parametrize("hd", [32, 64])
 def test_fp8_indexer_keys_match_the_reference(hd):
-    """The compressor writing fp8 codes and scales (the indexer's cache in index_cache_dtype "fp8") and the scoring
+    """The compressor writing fp8 codes and scales (the indexer's cache in kv_cache_dtype "fp8-indexer") and the scoring
     kernel reading them, against the references, over the ratio-4 runs."""
     g = torch.Generator().manual_seed(hd)
     ratio, runs, slots, num_pages = 4, RUNS[4], 4, 16
@@ -225,7 +225,7 @@ def test_e4m3_codes_round_as_torch_does():
     def encode(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(v_ptr + i, mask=i < n, other=0.0)
-        tl.store(out_ptr + i, compressor._e4m3_codes(v), mask=i < n)
+        tl.store(out_ptr + i, norm_rope.e4m3_codes(v), mask=i < n)
 
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     grid = grid[torch.isfinite(grid)].unique()                          # every e4m3 value, then the midpoints

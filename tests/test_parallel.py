@@ -307,7 +307,7 @@ def test_decode_runner_on_every_rank_gives_the_tokens_of_one_process(layout, one
 
 @pytest.mark.parametrize("disable", [False, True])
 def test_engine_options_reach_every_ranks_spec(monkeypatch, disable):
-    """disable_custom_all_reduce, index_cache_dtype and the decode runner travel to the ranks in their RankSpec (on
+    """disable_custom_all_reduce, kv_cache_dtype and the decode runner travel to the ranks in their RankSpec (on
     CPU: plain steps)."""
     from dsv4.runtime import workers
 
@@ -319,7 +319,7 @@ def test_engine_options_reach_every_ranks_spec(monkeypatch, disable):
     monkeypatch.setattr(workers, "start", start)
     with pytest.raises(Captured) as got:
         dsv4.LLM(rf.variant("wide"), **ENGINE, tensor_parallel_size=2, disable_custom_all_reduce=disable,
-                 index_cache_dtype="fp8" if disable else "auto")
+                 kv_cache_dtype="fp8" if disable else "auto")
     spec = got.value.args[0]
     assert spec.one_shot_all_reduce is not disable and spec.decode_runner == "plain" and spec.max_model_len == 512
-    assert spec.index_cache_dtype == ("fp8" if disable else "auto")
+    assert spec.kv_cache_dtype == ("fp8" if disable else "auto")

@@ -258,23 +258,79 @@ def test_the_sampling_batch_is_rebuilt_only_when_the_rows_change(small_engine_mo
 
 
 def test_fp8_indexer_cache_halves_its_keys_and_keeps_the_tokens(small_engine_model):
-    """index_cache_dtype="fp8": the indexer's keys as e4m3 codes with a power-of-two scale each. The "wide" variant's
-    indexer picks every visible entry whatever the scores, so the tokens are those of the compute-dtype cache; the
-    page holds the keys in a quarter of fp32's bytes plus a scale."""
+    """kv_cache_dtype="fp8-indexer": the indexer's keys as e4m3 codes with a power-of-two scale each. The "wide"
+    variant's indexer picks every visible entry whatever the scores, so the tokens are those of the compute-dtype
+    cache; the page holds the keys in a quarter of fp32's bytes plus a scale."""
     from dsv4.runtime.cache import page_bytes, pool_shapes
 
     cfg = small_engine_model.config
-    shapes = pool_shapes(cfg, 1, 1, torch.float32, "fp8")
+    shapes = pool_shapes(cfg, 1, 1, torch.float32, "fp8-indexer")
     assert shapes["indexer.r4.entries"][1] == torch.float8_e4m3fn and "indexer.r4.entry_scales" in shapes
+    assert shapes["compressor.r4.entries"][1] == torch.float32
     keys = sum(cfg.compress_ratio(i) == 4 for i in range(cfg.num_hidden_layers)) * 256 // 4
-    assert page_bytes(cfg, torch.float32) - page_bytes(cfg, torch.float32, "fp8") == keys * (3 * cfg.index_head_dim - 4)
+    assert page_bytes(cfg, torch.float32) - page_bytes(cfg, torch.float32, "fp8-indexer") == \
+        keys * (3 * cfg.index_head_dim - 4)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [rf.prompt_ids(n, seed=70 + n) for n in (9, 130, 257)]
     want = finish_all(Engine(small_engine_model, max_num_seqs=3), prompts, [params] * 3)
-    engine = Engine(small_engine_model, max_num_seqs=3, index_cache_dtype="fp8")
+    engine = Engine(small_engine_model, max_num_seqs=3, kv_cache_dtype="fp8-indexer")
     got = finish_all(engine, prompts, [params] * 3)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     scales = engine.cache.pools["indexer.r4.entry_scales"]
     assert int((scales > 0).sum()) > 0 and engine.cache.layers[2].indexer.entry_scales is not None
-    with pytest.raises(ValueError, match="index_cache_dtype must be one of"):
-        Engine(small_engine_model, index_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        Engine(small_engine_model, kv_cache_dtype="fp4")
+
+
+def test_fp8_cache_packs_the_entries_and_keeps_deepseeks_rounding(small_engine_model):
+    """kv_cache_dtype="fp8": the compressed entries as packed fp8 rows, the K = V rows rounded to their values. The
+    engine's log-probabilities equal those of the cache-free prefill (dense masks, the compressor module) whose kv and
+    compressed entries are rounded by `ref.fp8_kv_round` (an oracle that shares no cache, packing or paging code;
+    the "wide" variant's indexer picks every entry, so its fp8 keys cannot move a pick); the same engine without the
+    fp8 cache is measurably farther from that oracle, and the cache holds the entries in fewer bytes."""
+    import dataclasses
+
+    from dsv4.kernels import ref
+    from dsv4.runtime.cache import page_bytes, pool_shapes
+
+    cfg, model = small_engine_model.config, small_engine_model
+    nope, row = cfg.nope_head_dim, ref.kv_row_bytes(cfg.head_dim, cfg.nope_head_dim)
+    shapes = pool_shapes(cfg, 1, 1, torch.float32, "fp8")
+    assert shapes["compressor.r4.entries"][0][2:] == (64, row) and shapes["compressor.r4.entries"][1] == torch.uint8
+    assert page_bytes(cfg, torch.float32, "fp8") < page_bytes(cfg, torch.float32, "fp8-indexer")
+    prompt, n = rf.prompt_ids(300, seed=11), 6
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
+
+    def run(**kw):
+        engine = Engine(model, max_num_seqs=1, **kw)
+        out = finish_all(engine, [prompt], [params])[0]
+        return engine, out.token_ids, [next(iter(lp.values())).logprob for lp in out.logprobs]
+    engine, tokens, logprobs = run(kv_cache_dtype="fp8")
+    packed = engine.cache.pools["compressor.r4.entries"]
+    csa_layers = sum(cfg.compress_ratio(i) == 4 for i in range(len(model.layers)))
+    assert int(packed.any(-1).sum()) == (300 + n - 1) // 4 * csa_layers       # the tokens fed: all but the last
+    assert not packed[..., row - 1].any()
+
+    saved, hooks = [(layer.attn, layer.attn.ops) for layer in model.layers], []
+    try:                                   # the oracle: the fresh prefill with the cache's rounding put in by hand
+        for attn, ops in saved:
+            def norm_rope(x, cos, sin, weight=None, eps=None, inverse=False, fp8_nope=0, _kv=attn.kv_norm.weight,
+                          _f=ops.norm_rope):
+                out = _f(x, cos, sin, weight, eps, inverse)
+                return ref.fp8_kv_round(out, nope) if weight is _kv else out
+            attn.ops = dataclasses.replace(ops, norm_rope=norm_rope)
+            if attn.compressor is not None:
+                hooks.append(attn.compressor.register_forward_hook(lambda m, i, o: ref.fp8_kv_round(o, nope)))
+        logits = model.logits(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:].float()
+    finally:
+        for attn, ops in saved:
+            attn.ops = ops
+        for h in hooks:
+            h.remove()
+    want = logits.log_softmax(-1)
+    assert tokens == want.argmax(-1).tolist()
+    got = torch.tensor(logprobs)
+    chosen = want[torch.arange(n), torch.tensor(tokens)]
+    assert torch.allclose(got, chosen, atol=1e-4)
+    _, plain_tokens, plain_logprobs = run()
+    assert plain_tokens != tokens or (torch.tensor(plain_logprobs) - chosen).abs().max() > 1e-3

@@ -6,7 +6,8 @@ Inputs (N tokens of B sequences; D = head_dim, W = window, E entries per page):
     q        [N, H, D]          rotated queries
     kv       [N, D]             this step's rotated K = V rows, the step's tokens in order
     ring     [slots, W, D]      each slot's last W rows before the step: position p at row p mod W
-    entries  [pages, E, D]      compressed entries (None for sliding-only layers)
+    entries  [pages, E, D]      compressed entries (None for sliding-only layers), or packed fp8 rows uint8
+                                [pages, E, kv_row_bytes] (`ref.fp8_kv_pack`, the fp8 cache) decoded as they load
     picks    [N, K] int         CSA: entry ids per token, -1 = none (None for HCA and sliding-only layers)
     steps    `StepTokens`       per token its sequence and position; per sequence its slot, start, first token,
                                 page table
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from .host import num_sms
 from .policy import next_pow2
+from .ref import kv_row_bytes
 from .steps import StepTokens
 
 
@@ -70,6 +72,8 @@ class Shape(NamedTuple):
     DOT: object                # operand dtype of the products
     SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
     UPDATE_RING: bool          # the step's rows into the rings (decode steps)
+    NOPE: int                  # > 0: entries are packed fp8 rows (`ref.fp8_kv_pack`) with this many fp8 channels
+    ROW: int                   # elements of an entries row (bytes of a packed row)
 
 
 @triton.jit
@@ -84,6 +88,30 @@ def _online(acc, m_i, l_i, q, k, valid, scale, DOT: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k.to(DOT), out_dtype=tl.float32)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _entry_keys(T, rows, valid, d, L: tl.constexpr):
+    """Entries at `rows` [BK] (page * E + row of the page; masked by valid) -> keys [BK, D]: the rows themselves, or
+    packed fp8 rows decoded in DOT (exactly: an e4m3 code times its block's power of two fits bf16; the rope
+    channels' bf16)."""
+    if L.NOPE > 0:
+        NOPE: tl.constexpr = L.NOPE
+        D: tl.constexpr = L.D
+        BK: tl.constexpr = L.BK
+        at = T.entries + rows * L.ROW
+        code = tl.load(at[:, None] + d[None, :], mask=valid[:, None], other=0)     # (bytes from NOPE on: unused)
+        blk = tl.arange(0, D // 64)
+        exponent = tl.load(at[:, None] + (2 * D - NOPE) + blk[None, :], mask=valid[:, None] & (blk * 64 < NOPE),
+                           other=0).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True).to(L.DOT)
+        value = tl.reshape(code.to(tl.float8e4nv, bitcast=True).to(L.DOT), [BK, D // 64, 64]) * scale[:, :, None]
+        rope = tl.load((at + NOPE).to(tl.pointer_type(tl.bfloat16))[:, None] + (d - NOPE)[None, :],
+                       mask=valid[:, None] & (d >= NOPE)[None, :], other=0.0)
+        k = tl.where((d < NOPE)[None, :], tl.reshape(value, [BK, D]), rope.to(L.DOT))
+    else:
+        k = tl.load(T.entries + rows[:, None] * L.ROW + d[None, :], mask=valid[:, None], other=0.0)
+    return k
 
 
 @triton.jit
@@ -137,7 +165,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
             j = e0 + tl.arange(0, BK)
             valid = j < e_hi
             page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
-            k = tl.load(T.entries + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            k = _entry_keys(T, page * E + j % E, valid, d, L)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if RATIO == 4:                                 # CSA: the indexer's picks
         i_lo, i_hi = _share(K, part, SPLIT)
@@ -146,7 +174,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
             j = tl.load(T.picks + t.to(tl.int64) * K + i, mask=i < i_hi, other=-1)
             valid = j >= 0
             page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
-            k = tl.load(T.entries + (page * E + j % E)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            k = _entry_keys(T, page * E + j % E, valid, d, L)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if SPLIT == 0:
         sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
@@ -200,18 +228,24 @@ def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.conste
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float, max_entries: int | None = None, update_ring: bool = False, split: int | None = None,
-                     dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
+                     scale: float, max_entries: int | None = None, update_ring: bool = False, entry_nope: int = 0,
+                     split: int | None = None, dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
     """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
     goes to `fallback` (the reference), or raises without one. max_entries: a bound on the entries any token sees
     (HCA; by default what the pages hold), which sizes the key split; update_ring: also `write_ring` (the caller
-    guarantees one token per sequence); split: the split itself, else planned (`attention_split`)."""
+    guarantees one token per sequence); entry_nope > 0: the entries are packed fp8 rows uint8 [pages, E,
+    kv_row_bytes] with that many fp8 channels; split: the split itself, else planned (`attention_split`)."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
         if fallback is not None:
-            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale, max_entries, update_ring)
+            return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale, max_entries, update_ring,
+                            entry_nope)
         raise ValueError(f"sparse_attention needs a power-of-two head_dim >= 16, got {D}")
+    if entries is not None and (entries.shape[-1] != (kv_row_bytes(D, entry_nope) if entry_nope else D)
+                                or entry_nope and D < 64):
+        raise ValueError(f"sparse_attention: entries {tuple(entries.shape)} do not hold rows of head_dim {D}"
+                         + (f" packed with {entry_nope} fp8 channels (head_dim >= 64)" if entry_nope else ""))
     o = torch.empty_like(q)
     if N == 0:
         return o
@@ -239,12 +273,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     if split is None:
         keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
         split = attention_split(N * triton.cdiv(H, BH), keys if ratio else 0, num_sms(q.device))
-    if split:                    # 16 heads a program on 8 warps: 32 accumulator values a thread (32 heads spill)
+    if split or entry_nope:      # 16 heads a program on 8 warps: 32 accumulator values a thread (32 heads spill)
         BH, warps = 16, 8
         part_o = torch.empty(N, H, split + 1, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(N, H, split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split, update_ring)
+    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split, update_ring, entry_nope if entries is not None else 0,
+                  ent.shape[-1])
     _attention_kernel[(N, triton.cdiv(H, BH), split + 1)](tensors, steps, strides, H, scale, shape, num_warps=warps)
     if split:
         bh = 8 if D > 256 else 16

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from .attention import sequence_tokens
-from .norm_rope import norm_rope_row
+from .ref import kv_row_bytes
+from .norm_rope import bf16_bits, e4m3_codes, fp8_kv_blocks, norm_rope_row
 from .steps import StepTokens
 
 
@@ -66,6 +67,8 @@ class Shape(NamedTuple):
     RB: int                    # rows per block
     WB: int                    # channels per block of `_state_kernel`
     FP8: bool                  # entries are fp8 e4m3 codes of entry / scale, the scale in entry_scales
+    PACKED_NOPE: int           # entries are packed fp8 K = V rows (`ref.fp8_kv_pack`) with this many fp8 channels
+    ROW: int                   # elements of an entries row (bytes of a packed row)
 
 
 @triton.jit
@@ -105,20 +108,6 @@ def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L:
 
 
 @triton.jit
-def _e4m3_codes(v):
-    """fp32 values with |v| <= 448 -> their fp8 e4m3 codes (uint8), rounded to nearest even as torch's conversion and
-    the hardware's round, by integer ops (Triton's interpreter converts some powers of two wrongly)."""
-    b = v.to(tl.int32, bitcast=True)
-    sign = (b >> 24) & 0x80
-    a = b & 0x7FFFFFFF
-    r = a + 0x7FFFF + ((a >> 20) & 1)                    # the fp32 mantissa rounded to 3 bits, nearest even
-    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # e4m3's exponent bias 7 against fp32's 127
-    f = a.to(tl.float32, bitcast=True) * 512.0           # below 2^-6: the code is |v| / 2^-9 rounded, nearest even
-    small = ((f + 8388608.0) - 8388608.0).to(tl.int32)
-    return (tl.where(a < 0x3C800000, small, normal) | sign).to(tl.uint8)
-
-
-@triton.jit
 def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
     M: tl.constexpr = L.M
     HD: tl.constexpr = L.HD
@@ -152,16 +141,37 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
         out = norm_rope_row(h, d, d < HD, T.weight, T.cos + tok * S.rope_t, T.sin + tok * S.rope_t, eps, dtype,
                             HD, HD, 2, HALF_ROPE, False)
         page = tl.load(steps.pages + b * S.pages_seq + j // E).to(tl.int64)
-        if L.FP8:           # `ref.fp8_key_codes`: the least power of two >= max |x| / 448 as the scale
+        if L.PACKED_NOPE > 0:
+            _store_packed(T.entries + (page * E + j % E) * L.ROW, out.to(dtype).to(tl.float32), d, L.PACKED_NOPE,
+                          HD, L.ROW)
+        elif L.FP8:           # `ref.fp8_key_codes`: the least power of two >= max |x| / 448 as the scale
             x = out.to(dtype).to(tl.float32)
             bits = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0).to(tl.int32, bitcast=True)
             exponent = tl.maximum((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1)
             inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)     # 1 / scale, exactly
-            codes = _e4m3_codes(x * inverse).to(tl.float8e4nv, bitcast=True)
+            codes = e4m3_codes(x * inverse).to(tl.float8e4nv, bitcast=True)
             tl.store(T.entries + (page * E + j % E) * HD + d, codes)
             tl.store(T.entry_scales + page * E + j % E, (exponent << 23).to(tl.float32, bitcast=True))
         else:
             tl.store(T.entries + (page * E + j % E) * HD + d, out.to(dtype))
+
+
+@triton.jit
+def _store_packed(row, x, d, NOPE: tl.constexpr, HD: tl.constexpr, ROW: tl.constexpr):
+    """Entry x fp32 [HD] as a packed fp8 row at `row` (uint8), `ref.fp8_kv_pack`'s bytes: NOPE e4m3 codes, the rope
+    channels' bf16 (low byte first), one exponent byte per 64-channel block, zeros to ROW."""
+    codes, _, exponent = fp8_kv_blocks(x, NOPE, HD)
+    tl.store(row + d, codes, mask=d < NOPE)
+    half = bf16_bits(x) >> 16
+    rope = d >= NOPE
+    tl.store(row + NOPE + 2 * (d - NOPE), (half & 0xFF).to(tl.uint8), mask=rope)
+    tl.store(row + NOPE + 2 * (d - NOPE) + 1, ((half >> 8) & 0xFF).to(tl.uint8), mask=rope)
+    end: tl.constexpr = 2 * HD - NOPE
+    blocks: tl.constexpr = (NOPE + 63) // 64
+    blk = tl.arange(0, HD // 64)
+    tl.store(row + end + blk, exponent.to(tl.uint8), mask=blk < blocks)
+    pad = tl.arange(0, 8)
+    tl.store(row + end + blocks + pad, tl.zeros([8], tl.uint8), mask=end + blocks + pad < ROW)
 
 
 @triton.jit
@@ -214,12 +224,16 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     B = steps.slot.shape[0]
     if N == 0:
         return
-    m, (_, E, hd) = ratio, state.entries.shape
+    m, (_, E, row) = ratio, state.entries.shape
     overlap = state.prev_kv is not None
     width = kv.shape[1]
-    if hd & (hd - 1) or width != hd * (2 if overlap else 1):
-        raise ValueError(f"compress: head_dim {hd} must be a power of two and kv {tuple(kv.shape)} [N, "
-                         f"{hd * (2 if overlap else 1)}]")
+    hd = width // 2 if overlap else width
+    if hd & (hd - 1) or width % (2 if overlap else 1) or (row != hd and not state.packed_nope):
+        raise ValueError(f"compress: kv {tuple(kv.shape)} must be [N, {'2 ' if overlap else ''}head_dim] with a "
+                         f"power-of-two head_dim, the width of the entries' rows ({row})")
+    if state.packed_nope and (hd < 64 or row != kv_row_bytes(hd, state.packed_nope)):
+        raise ValueError(f"compress: packed fp8 entries need head_dim >= 64 and rows of "
+                         f"{kv_row_bytes(hd, state.packed_nope)} bytes; got head_dim {hd}, rows of {row}")
     if ape.shape != (m, width) or ape.dtype != torch.float32:
         raise ValueError(f"compress: ape must be fp32 [{m}, {width}], got {ape.dtype} {tuple(ape.shape)}")
     if max_windows is None:
@@ -234,6 +248,6 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
                       steps.pages.stride(0))
     rb = min(m, 16 if hd <= 256 else 8)
-    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8)
+    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8, state.packed_nope, row)
     _emit_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, num_warps=4)
     _state_kernel[(B,)](tensors, steps, strides, N, shape, num_warps=4)

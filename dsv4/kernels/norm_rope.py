@@ -7,7 +7,9 @@ attention's projections, each of which is otherwise 6-12 small PyTorch kernels.
 
 One program per row, the row in registers in fp32. The roundings follow the reference's: the weighted norm casts
 weight * x / rms once to x's dtype; the unweighted one multiplies x by the factor rounded to x's dtype; the rotation
-starts from the normalised values in x's dtype and rounds once.
+starts from the normalised values in x's dtype and rounds once. fp8_nope > 0 (the attention's fp8 cache) then rounds
+the row's first fp8_nope channels through e4m3 codes in blocks of 64 as `ref.fp8_kv_round` does (`fp8_kv_blocks`,
+which the compressor's packed entries and the attention's reads of them share).
 """
 
 from __future__ import annotations
@@ -28,6 +30,45 @@ class Shape(NamedTuple):
     NORM: int                  # 0 none, 1 unweighted RMS, 2 weighted RMSNorm
     HALF_ROPE: int             # rotated pairs (0: none)
     INVERSE: bool
+    FP8_NOPE: int              # leading channels rounded through fp8 codes (0: none)
+
+
+@triton.jit
+def e4m3_codes(v):
+    """fp32 values with |v| <= 448 -> their fp8 e4m3 codes (uint8), rounded to nearest even as torch's conversion and
+    the hardware's round, by integer ops (Triton's interpreter converts some powers of two wrongly)."""
+    b = v.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    r = a + 0x7FFFF + ((a >> 20) & 1)                    # the fp32 mantissa rounded to 3 bits, nearest even
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)  # e4m3's exponent bias 7 against fp32's 127
+    f = a.to(tl.float32, bitcast=True) * 512.0           # below 2^-6: the code is |v| / 2^-9 rounded, nearest even
+    small = ((f + 8388608.0) - 8388608.0).to(tl.int32)
+    return (tl.where(a < 0x3C800000, small, normal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def bf16_bits(v):
+    """fp32 values -> the bits of their bf16 rounding (nearest even) in the high half of an int32, by integer ops
+    (Triton's interpreter truncates instead)."""
+    b = v.to(tl.int32, bitcast=True)
+    return (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+
+
+@triton.jit
+def fp8_kv_blocks(x, NOPE: tl.constexpr, BD: tl.constexpr):
+    """A row x fp32 [BD] (BD a multiple of 64) -> (its e4m3 codes uint8 [BD], each channel's scale fp32 [BD], each
+    64-channel block's biased exponent int32 [BD // 64]) as `ref.fp8_kv_pack`: a block's scale is
+    2^ceil(log2(max(amax, 1e-4) / 448)) over its channels below NOPE; channels from NOPE on get codes of no use."""
+    xs = tl.reshape(x, [BD // 64, 64])
+    nope = tl.reshape(tl.arange(0, BD), [BD // 64, 64]) < NOPE
+    amax = tl.maximum(tl.max(tl.where(nope, tl.abs(xs), 0.0), axis=1), 1e-4)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)             # 1 / scale, exactly
+    codes = e4m3_codes(tl.minimum(tl.maximum(xs * inverse[:, None], -448.0), 448.0))
+    scale = tl.broadcast_to(((exponent << 23).to(tl.float32, bitcast=True))[:, None], [BD // 64, 64])
+    return tl.reshape(codes, [BD]), tl.reshape(scale, [BD]), exponent
 
 
 @triton.jit
@@ -65,16 +106,25 @@ def _norm_rope_kernel(x, out, weight, cos, sin, x_r, out_r, rope_r, heads, eps, 
     t = r // heads
     v = norm_rope_row(v, d, dmask, weight, cos + t * rope_r, sin + t * rope_r, eps, dtype, D, BD, L.NORM,
                       L.HALF_ROPE, L.INVERSE)
+    if L.FP8_NOPE > 0:
+        v = v.to(dtype).to(tl.float32)
+        codes, scale, _ = fp8_kv_blocks(v, L.FP8_NOPE, BD)
+        rope = bf16_bits(v).to(tl.float32, bitcast=True)
+        v = tl.where(d < L.FP8_NOPE, codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, rope)
     tl.store(out + r * out_r + d, v.to(dtype), mask=dmask)
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
-              eps: float | None = None, inverse: bool = False) -> torch.Tensor:
+              eps: float | None = None, inverse: bool = False, fp8_nope: int = 0) -> torch.Tensor:
     """x normalised (eps given: by `weight`'s RMSNorm, or the unweighted RMS without one) and rotated (cos / sin
-    given: [..., R] for x [..., D] or [..., H, D]); module docstring."""
+    given: [..., R] for x [..., D] or [..., H, D]), its first fp8_nope channels rounded through fp8; module
+    docstring."""
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"norm_rope needs an even last axis, got {tuple(x.shape)}")
+    if fp8_nope and (D % 64 or D & (D - 1) or not 0 < fp8_nope <= D):
+        raise ValueError(f"norm_rope: fp8 rounding needs a power-of-two last axis of at least 64 channels and "
+                         f"0 < fp8_nope <= it; got {tuple(x.shape)}, fp8_nope={fp8_nope}")
     rows = x.reshape(-1, D)
     out = torch.empty_like(rows)
     if rows.shape[0] == 0:
@@ -89,7 +139,7 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     rows = rows.contiguous()
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
-    shape = Shape(D, bd, norm, half, inverse)
+    shape = Shape(D, bd, norm, half, inverse, fp8_nope)
     _norm_rope_kernel[(rows.shape[0],)](rows, out, weight if weight is not None else rows, cos_r, sin_r,
                                         rows.stride(0), out.stride(0), cos_r.stride(0), heads,
                                         eps if eps is not None else 0.0, shape, num_warps=8 if bd >= 4096 else 4)

@@ -143,16 +143,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
-              eps: float | None = None, inverse: bool = False) -> torch.Tensor:
+              eps: float | None = None, inverse: bool = False, fp8_nope: int = 0) -> torch.Tensor:
     """x [..., D] normalised (eps given: `rms_norm` with `weight`, or the unweighted `rms` without one), then rotated
-    (cos / sin given: [..., R] against x [..., D], or against each head of x [..., H, D]); `kernels.norm_rope`."""
+    (cos / sin given: [..., R] against x [..., D], or against each head of x [..., H, D]), then its first fp8_nope
+    channels rounded through the fp8 cache's codes (`fp8_kv_round`); `kernels.norm_rope`."""
     if eps is not None:
         x = rms(x, eps) if weight is None else rms_norm(x, weight, eps)
     if cos is not None:
         if x.dim() == cos.dim() + 1:
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         x = apply_rope(x, cos, sin, inverse)
-    return x
+    return fp8_kv_round(x, fp8_nope) if fp8_nope else x
 
 
 # ------------------------------------------------------------------------------------------- compressor
@@ -196,12 +197,13 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     rope at each token's window start. `state` holds open_kv / open_score [slots, ratio,
     width] (the open window, position p at row p mod ratio), prev_kv / prev_score [slots, ratio, head_dim] (CSA:
     the Ca half of the last complete window; -inf scores = none) and entries [pages, E, head_dim] (entry j of a
-    sequence at row j mod E of page pages[j // E]). Per sequence: the open rows and its tokens form its windows;
+    sequence at row j mod E of page pages[j // E]; fp8 codes with entry_scales, or packed fp8 rows with
+    packed_nope). Per sequence: the open rows and its tokens form its windows;
     each window that closes gives one entry (pooled, normed, roped) written to its page; the Ca half of the last
     closed window and the rows of the new open window are kept. max_windows: a bound on the windows any sequence
     closes in the step (the kernel's grid; unused here)."""
     overlap = state.prev_kv is not None
-    hd, per_page = state.entries.shape[-1], state.entries.shape[1]
+    hd, per_page = kv.shape[-1] // (2 if overlap else 1), state.entries.shape[1]
     m = ratio
     score = score.float() + ape[steps.pos.long() % m]
     for b, (slot, start, first, n) in enumerate(steps.spans()):
@@ -218,7 +220,9 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
             new = compress_finish(compress_pool(win_k, win_s, prev, overlap, hd)[0], cos[close], sin[close],
                                   weight, eps)
             page = steps.pages[b].long()[j // per_page]
-            if state.entry_scales is not None:
+            if state.packed_nope:
+                new = fp8_kv_pack(new, state.packed_nope)
+            elif state.entry_scales is not None:
                 new, state.entry_scales[page, j % per_page] = fp8_key_codes(new)
             state.entries[page, j % per_page] = new
             if overlap:                                        # the Ca half of the last window feeds the next entry
@@ -240,6 +244,59 @@ def fp8_key_codes(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exponent = ((bits >> 23) + ((bits & 0x7FFFFF) != 0)).clamp(min=1)          # round up to a power of two
     scales = (exponent << 23).view(torch.float32)
     return (x / scales[..., None]).to(torch.float8_e4m3fn), scales
+
+
+# The attention's fp8 cache (kv_cache_dtype "fp8"): a K = V row of D channels keeps its `nope` leading channels as
+# e4m3 codes in blocks of 64 channels (the last block may be shorter), each block scaled by a power of two (UE8M0),
+# and its rope channels in the compute dtype, as DeepSeek's reference rounds the window's and the compressed rows
+# (`act_quant(..., 64, "ue8m0", inplace=True)`: scale 2^ceil(log2(max(amax, 1e-4) / 448)), codes clamped to +-448).
+# A packed row is `kv_row_bytes` bytes: nope codes, the rope values as bf16, one exponent byte per block, zero padding
+# to a multiple of 8 (V4: 448 + 128 + 7 + 1 = 584, FlashMLA's "MODEL1" row).
+KV_BLOCK = 64
+
+
+def kv_row_bytes(head_dim: int, nope: int) -> int:
+    """Bytes of one packed fp8 K = V row (`fp8_kv_pack`)."""
+    return -(-(nope + 2 * (head_dim - nope) + -(-nope // KV_BLOCK)) // 8) * 8
+
+
+def _kv_exponents(x: torch.Tensor, nope: int) -> torch.Tensor:
+    """The biased exponents e (scale 2^(e - 127)) of x's nope blocks, int32 [..., blocks]."""
+    blocks = -(-nope // KV_BLOCK)
+    amax = F.pad(x[..., :nope].float().abs(), (0, blocks * KV_BLOCK - nope)).unflatten(-1, (blocks, KV_BLOCK))
+    bits = (amax.amax(-1).clamp(min=1e-4) * (1.0 / FP8_MAX)).view(torch.int32)
+    return (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)              # round up to a power of two
+
+
+def _kv_codes(x: torch.Tensor, exponents: torch.Tensor, nope: int) -> torch.Tensor:
+    scales = (exponents << 23).view(torch.float32).repeat_interleave(KV_BLOCK, -1)[..., :nope]
+    return (x[..., :nope].float() / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
+
+
+def fp8_kv_round(x: torch.Tensor, nope: int) -> torch.Tensor:
+    """x [..., D] with its nope channels rounded through the fp8 cache's codes and back, its rope channels through
+    bf16: the values a packed row holds, in x's dtype (exactly: an e4m3 code times a power of two fits bf16)."""
+    codes, scales = _kv_codes(x, _kv_exponents(x, nope), nope)
+    return torch.cat(((codes.float() * scales).to(x.dtype), x[..., nope:].to(torch.bfloat16).to(x.dtype)), dim=-1)
+
+
+def fp8_kv_pack(x: torch.Tensor, nope: int) -> torch.Tensor:
+    """Rows x [..., D] -> packed fp8 rows uint8 [..., kv_row_bytes(D, nope)] (see KV_BLOCK)."""
+    exponents = _kv_exponents(x, nope)
+    codes, _ = _kv_codes(x, exponents, nope)
+    rope = x[..., nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    row = torch.cat((codes.view(torch.uint8), rope, exponents.to(torch.uint8)), dim=-1)
+    return F.pad(row, (0, kv_row_bytes(x.shape[-1], nope) - row.shape[-1]))
+
+
+def fp8_kv_unpack(rows: torch.Tensor, head_dim: int, nope: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed fp8 rows uint8 [..., kv_row_bytes] -> their values [..., head_dim] in `dtype`."""
+    rope_end = nope + 2 * (head_dim - nope)
+    exponents = rows[..., rope_end:rope_end + -(-nope // KV_BLOCK)].to(torch.int32)
+    scales = (exponents << 23).view(torch.float32).repeat_interleave(KV_BLOCK, -1)[..., :nope]
+    values = rows[..., :nope].contiguous().view(torch.float8_e4m3fn).float() * scales
+    rope = rows[..., nope:rope_end].contiguous().view(torch.bfloat16)
+    return torch.cat((values.to(dtype), rope.to(dtype)), dim=-1)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -336,13 +393,15 @@ def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.T
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
-                     scale: float, max_entries: int | None = None, update_ring: bool = False) -> torch.Tensor:
+                     scale: float, max_entries: int | None = None, update_ring: bool = False,
+                     entry_nope: int = 0) -> torch.Tensor:
     """Cached attention of a ragged step (`kernels.attention.sparse_attention`'s contract): per sequence, its ring,
     its step rows and its entries (HCA: all visible ones; CSA: the picks [N, K], -1 = none) through its page table,
     with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]. max_entries:
     a bound on the entries any token sees (the kernel's key split; unused here). update_ring: then the step's rows
     into the rings as `write_ring` does (the kernel writes them in the same launch, which is right only for a decode
-    step: one token per sequence)."""
+    step: one token per sequence). entry_nope > 0: entries are packed fp8 rows (`fp8_kv_unpack` with that many fp8
+    channels)."""
     W, out = ring.shape[1], []
     for b, (slot, start, first, n) in enumerate(steps.spans()):
         tok = slice(first, first + n)
@@ -354,6 +413,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
             count = (start + n) // ratio
             pages = steps.pages[b, :-(-count // entries.shape[1])].long()
             seq_entries = entries[pages].flatten(0, 1)[:count]
+            if entry_nope:
+                seq_entries = fp8_kv_unpack(seq_entries, q.shape[-1], entry_nope, kv.dtype)
             if ratio == 4:
                 entry_bias = picked_entry_bias(picks[tok].long()[None], count)
             else:

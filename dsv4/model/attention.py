@@ -9,6 +9,10 @@
     o_h = rope_t^-1(o_h)                        undo the value's absolute rotation at the query position
     out = wo_b(grouped wo_a(o))                 groups of consecutive heads, block-diagonal wo_a
 
+With the fp8 cache (`LayerState.fp8_nope`) the step's K = V rows take the values a packed fp8 row holds (DeepSeek's
+reference rounds them so: the trained weights expect it), the compressed entries are stored packed, and attention
+reads them decoded; the fresh prefill (state=None) has no cache and no rounding.
+
 Masks are built from absolute positions (keys' and queries'), so the same `attend` serves a stateless
 prefill (keys = this chunk) and a cached step (keys = window ring + chunk, entries = all emitted so far).
 
@@ -101,7 +105,8 @@ class Attention(nn.Module):
         ops = self.ops                                                    # norm + rope: one kernel each
         qr = ops.norm_rope(self.wq_a(x), None, None, self.q_norm.weight, self.q_norm.eps)
         q = ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
-        kv = ops.norm_rope(self.wkv(x), cos, sin, self.kv_norm.weight, self.kv_norm.eps)   # [B, S, D]
+        fp8_nope = state.fp8_nope if state is not None else 0                # the fp8 cache's values
+        kv = ops.norm_rope(self.wkv(x), cos, sin, self.kv_norm.weight, self.kv_norm.eps, fp8_nope=fp8_nope)  # [B, S, D]
 
         if state is None:
             o = self._prefill(x, qr, q, kv, positions)
@@ -150,7 +155,8 @@ class Attention(nn.Module):
         decode = batch.max_length == 1        # one token per sequence: the attention launch updates the rings
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
                                       self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None,
-                                      update_ring=decode)
+                                      update_ring=decode,
+                                      entry_nope=state.compressor.packed_nope if self.compressor is not None else 0)
         if not decode:
             self.ops.write_ring(state.window, kv[0], steps)
         return o[None]

@@ -35,6 +35,8 @@ class CompressorState:
     prev_score: torch.Tensor | None      # CSA: [slots, ratio, head_dim] fp32; -inf = no window yet (weight 0)
     entries: torch.Tensor                # [pages, E, head_dim] compute dtype: emitted entries, paged (all slots)
     entry_scales: torch.Tensor | None = None   # [pages, E] fp32: then entries hold fp8 e4m3 codes of entry / scale
+    packed_nope: int = 0                 # > 0: entries are packed fp8 rows uint8 [pages, E, kv_row_bytes]
+                                         # (`kernels.ref.fp8_kv_pack`) with this many fp8 channels
 
     def reset(self, slot: int) -> None:
         if self.prev_kv is not None:
@@ -47,6 +49,8 @@ class LayerState:
     window: torch.Tensor                 # [slots, window, D] compute dtype
     compressor: CompressorState | None   # CSA and HCA layers
     indexer: CompressorState | None      # CSA layers
+    fp8_nope: int = 0                    # > 0 (the fp8 cache): the step's K = V rows keep the values of packed fp8
+                                         # rows (`kernels.ref.fp8_kv_round`), in the window as in the entries
 
     def reset(self, slot: int) -> None:
         for part in (self.compressor, self.indexer):

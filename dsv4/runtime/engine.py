@@ -86,17 +86,19 @@ class Engine:
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, num_cache_pages: int | None = None,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, driver: Driver | None = None,
-                 enforce_eager: bool = False, index_cache_dtype: str = "auto"):
+                 enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
         """The cache holds `num_cache_pages` pages of PAGE_TOKENS positions shared by all sequences; by default, on
         a GPU, as many as fit in `gpu_memory_utilization` of its memory after the weights and the largest step's
         activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens. driver: rank 0's side
         of a parallel engine, whose cache (rank 0's stage of it, sized with the other ranks) this engine uses.
         On CUDA, decode steps replay CUDA graphs captured here (`graphs.DecodeGraphs`) unless `enforce_eager`
         (vLLM's name); their memory is logged and kept in `graph_memory`. A driver's ranks have made their own
-        runners (`driver.graphs`; runtime/workers.py), whose steps every rank replays. index_cache_dtype "fp8" keeps the
+        runners (`driver.graphs`; runtime/workers.py), whose steps every rank replays. kv_cache_dtype (vLLM's name;
+        `runtime.cache.pool_shapes`): "auto" keeps the cache in the compute dtype; "fp8-indexer" keeps the
         lightning indexer's keys as fp8 e4m3 with a power-of-two scale per key (132 instead of 256 bytes a key at
-        V4's 128 channels; `runtime.cache.pool_shapes`); "auto", the compute dtype."""
-        self.index_cache_dtype = index_cache_dtype
+        V4's 128 channels); "fp8" also the attention's compressed entries as packed fp8 rows (584 instead of 1,024
+        bytes), with the K = V rows rounded as DeepSeek's reference rounds them."""
+        self.kv_cache_dtype = kv_cache_dtype
         cfg = model.config
         self.model, self.driver = model, driver
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
@@ -124,7 +126,7 @@ class Engine:
         graphed = driver is None and self.device.type == "cuda" and not enforce_eager
         # a graphed engine's cache has one more slot than sequences: the padding rows of a replayed step use it
         self.cache = driver.cache if driver else KVCache(cfg, max_num_seqs + graphed, num_cache_pages, self.dtype,
-                                                         self.device, index_cache_dtype)
+                                                         self.device, kv_cache_dtype)
         self.scheduler = Scheduler(max_num_seqs, budget, PageAllocator(num_cache_pages))
         if driver is not None:                    # its ranks' runners, made and captured with them (or none)
             self.graphs = driver.graphs
@@ -148,15 +150,15 @@ class Engine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * utilization - torch.cuda.memory_allocated(self.device) - self._step_workspace(step_tokens)
-        budget -= cache_bytes(cfg, slots, 0, self.dtype, self.index_cache_dtype)          # the per-slot state
-        return max(0, int(budget // page_bytes(cfg, self.dtype, self.index_cache_dtype)))
+        budget -= cache_bytes(cfg, slots, 0, self.dtype, self.kv_cache_dtype)          # the per-slot state
+        return max(0, int(budget // page_bytes(cfg, self.dtype, self.kv_cache_dtype)))
 
     @torch.inference_mode()
     def _step_workspace(self, tokens: int) -> int:
         """Peak bytes the activations of a `tokens`-token prefill step take (one profiling forward on a scratch
         cache of one sequence)."""
         tokens = min(tokens, self.max_model_len)
-        scratch = KVCache(self.model.config, 1, pages_for(tokens), self.dtype, self.device, self.index_cache_dtype)
+        scratch = KVCache(self.model.config, 1, pages_for(tokens), self.dtype, self.device, self.kv_cache_dtype)
         batch = SeqBatch((0,), (0,), (tokens,), (tuple(range(pages_for(tokens))),))
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
         torch.cuda.synchronize(self.device)

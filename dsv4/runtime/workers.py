@@ -76,7 +76,7 @@ class RankSpec:
     decode_runner: str = "plain"      # "plain" steps; "graphs" (CUDA, pp = 1): the decode runner, captured;
                                       # "padded": the same runner without capture (its CPU tests)
     one_shot_all_reduce: bool = True  # small all-reduces through symmetric memory where torch has it
-    index_cache_dtype: str = "auto"   # "fp8": the indexer's keys in fp8 e4m3 with a scale each
+    kv_cache_dtype: str = "auto"   # "fp8" / "fp8-indexer": runtime.cache.pool_shapes
 
 
 def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> tuple[StageRunner, ControlChannel]:
@@ -104,7 +104,7 @@ def build_rank(spec: RankSpec, rank: int, local_rank: int, init_method: str) -> 
     pages = spec.num_cache_pages
     if pages is None:
         pages = _pages_that_fit_everywhere(runner, spec, slots, control)
-    runner.cache = KVCache(shard.stage_config(), slots, pages, spec.dtype, device, spec.index_cache_dtype)
+    runner.cache = KVCache(shard.stage_config(), slots, pages, spec.dtype, device, spec.kv_cache_dtype)
     if spec.decode_runner != "plain":
         # Every rank captures the same graphs in the same order, so the collectives inside them meet.
         runner.graphs = DecodeGraphs(model, runner.cache.layers, spec.max_num_seqs, spec.max_model_len,
@@ -119,7 +119,7 @@ def _pages_that_fit_everywhere(runner: StageRunner, spec: RankSpec, slots: int, 
     per-slot state; the least over the ranks wins."""
     cfg, device, dtype = runner.shard.stage_config(), runner.device, runner.dtype
     tokens = spec.max_num_batched_tokens
-    runner.cache = KVCache(cfg, 1, pages_for(tokens), dtype, device, spec.index_cache_dtype)
+    runner.cache = KVCache(cfg, 1, pages_for(tokens), dtype, device, spec.kv_cache_dtype)
     batch = SeqBatch((0,), (0,), (tokens,), (tuple(range(pages_for(tokens))),))
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -131,8 +131,8 @@ def _pages_that_fit_everywhere(runner: StageRunner, spec: RankSpec, slots: int, 
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = total * spec.gpu_memory_utilization - torch.cuda.memory_allocated(device) - workspace
-    budget -= cache_bytes(cfg, slots, 0, dtype, spec.index_cache_dtype)
-    pages = torch.tensor([max(0, int(budget // page_bytes(cfg, dtype, spec.index_cache_dtype)))], dtype=torch.long)
+    budget -= cache_bytes(cfg, slots, 0, dtype, spec.kv_cache_dtype)
+    pages = torch.tensor([max(0, int(budget // page_bytes(cfg, dtype, spec.kv_cache_dtype)))], dtype=torch.long)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=control)
     return int(pages)
 
