@@ -411,7 +411,9 @@ def fp8_cache(run: Run, record) -> None:
     values = ref.fp8_kv_unpack(packed, D, nope, torch.bfloat16)
     bound = max((s + n) // 128 for s, n in zip(starts, lengths))
     got = run.ops.sparse_attention(q, kv, ring, packed, None, steps, 128, sinks, D ** -0.5, bound, entry_nope=nope)
+    run.sync()                      # a fault shows at the launch that made it (this check runs last: it ends the run)
     over_values = run.ops.sparse_attention(q, kv, ring, values, None, steps, 128, sinks, D ** -0.5, bound)
+    run.sync()
     want = ref.sparse_attention(q.float(), kv.float(), ring.float(), packed, None, steps, 128, sinks, D ** -0.5,
                                 entry_nope=nope)
     record(f"attention HCA over packed fp8 entries H={H} D={D} (against the decoded entries)",

@@ -77,7 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--device-memory", type=_size, metavar="SIZE",
                    help="memory of one device for --plan, e.g. 141GiB (default: this machine's GPU, if any)")
     i.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of --device-memory the weights may take (default 0.9)")
+                   help="share of --device-memory the weights and the cache may take (default 0.9)")
+    i.add_argument("--max-num-seqs", type=int, default=8,
+                   help="sequence slots whose fixed state --plan sets aside before the cache's pages (default 8)")
+    i.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8-indexer"), help=KV_CACHE_HELP)
     for name, help_, desc in (
             ("generate", "generate text from a prompt, streaming it as it is produced",
              "Load a checkpoint (or the built-in demo model) and continue PROMPT, printing the text as it is "
@@ -345,6 +348,19 @@ def _inspect(args: argparse.Namespace) -> int:
             memory = torch.cuda.get_device_properties(0).total_memory
     report = inspect_checkpoint(args.path, audit=args.audit, layout=layout, device_memory=memory,
                                 utilization=args.gpu_memory_utilization)
+    plan = report.plan
+    if plan is not None and memory is not None and plan.bytes_per_rank and report.ok:
+        import torch
+
+        from .runtime.cache import tokens_that_fit
+
+        budget = int(memory * args.gpu_memory_utilization)
+        report.cache_tokens = [tokens_that_fit(layout.shard(report.config, rank).stage_config(), budget - weights,
+                                               torch.bfloat16, args.kv_cache_dtype, args.max_num_seqs)
+                               for rank, weights in enumerate(plan.bytes_per_rank)]
+        report.notes.append(f"cache tokens: what fits in {args.gpu_memory_utilization:g} of the device after the "
+                            f"rank's weights and {args.max_num_seqs} slots' state, in bf16 ({args.kv_cache_dtype}), "
+                            "before the activation workspace (a few GiB); every rank of a stage holds its whole cache")
     print(report.render())
     return 0 if report.ok else 1
 

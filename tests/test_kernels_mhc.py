@@ -68,9 +68,11 @@ def test_bf16_streams_within_one_bf16_step():
 
 def test_plans_and_refusals():
     flash, pro = mhc.plan_hc(1, 4, 4096, 24), mhc.plan_hc(256, 4, 7168, 24)
-    assert (flash.chunk, flash.chunks, flash.rows_p2, flash.token_blocks) == (512, 32, 32, 1)
-    assert (pro.chunk, pro.chunks, pro.token_blocks) == (512, 56, 64)
-    assert mhc.plan_hc(3, 4, 64, 4).chunk == 256
+    # a decode token's fn read spreads over 256 programs of 64 columns; 256 tokens keep 512-column chunks
+    assert (flash.chunk, flash.chunks, flash.rows_p2, flash.token_blocks, flash.chunks_p2) == (64, 256, 32, 1, 256)
+    assert (pro.chunk, pro.chunks, pro.token_blocks, pro.chunks_p2) == (512, 56, 16, 64)
+    assert mhc.plan_hc(64, 4, 4096, 24).chunk == 256 and mhc.plan_hc(3, 4, 64, 4).chunk == 64
+    assert mhc.plan_hc(3, 4, 64, 4).rows_p2 == 16                    # the head's 4 rows: tl.dot's least N
     with pytest.raises(ValueError, match="power-of-two hc_mult"):
         mhc.plan_hc(1, 3, 4096, 15)
     empty = torch.zeros(0, 4, 64)

@@ -261,10 +261,26 @@ def test_inspect_plan_prints_bytes_per_rank_and_refuses_what_cannot_fit(capsys):
     lines = capsys.readouterr().out.splitlines()
     table = lines[next(i for i, line in enumerate(lines) if "weight bytes" in line) + 1:][:4]
     plan = layout_plan(open_checkpoint(path), Layout(tp=2, pp=2))
-    assert [int(row.split()[-1].replace(",", "")) for row in table] == plan.bytes_per_rank
+    assert [int(row.split()[-2].replace(",", "")) for row in table] == plan.bytes_per_rank
     assert [row.split()[:4] for row in table] == [["0", "0", "0", "0-2"], ["1", "0", "1", "0-2"],
                                                   ["2", "1", "0", "3-4"], ["3", "1", "1", "3-4"]]
     assert any("plan fits" in line for line in lines)
+    # the cache tokens column: whole pages of the rank's stage beside 8 slots' state in the rest of 0.9 GiB, as the
+    # pools KVCache allocates measure them (one page more would not fit)
+    from dsv4.runtime.cache import PAGE_TOKENS, KVCache
+    cfg = open_checkpoint(path).config
+    for rank, row in enumerate(table):
+        tokens = int(row.split()[-1].replace(",", ""))
+        stage = Layout(tp=2, pp=2).shard(cfg, rank).stage_config()
+        room = int(2**30 * 0.9) - plan.bytes_per_rank[rank]
+        pool_bytes = [sum(p.nbytes for p in KVCache(stage, 8, tokens // PAGE_TOKENS + k, torch.bfloat16,
+                                                      "meta").pools.values()) for k in (0, 1)]
+        assert tokens > 0 and tokens % PAGE_TOKENS == 0 and pool_bytes[0] <= room < pool_bytes[1]
+    assert cli(["inspect", path, "--plan", "-tp", "2", "-pp", "2", "--device-memory", "1GiB", "--kv-cache-dtype",
+                "fp8"]) == 0
+    fp8 = capsys.readouterr().out.splitlines()
+    fp8_rows = fp8[next(i for i, line in enumerate(fp8) if "weight bytes" in line) + 1:][:2]
+    assert int(fp8_rows[0].split()[-1].replace(",", "")) > int(table[0].split()[-1].replace(",", ""))
     assert cli(["inspect", path, "--plan", "-tp", "2", "--device-memory", "500KB"]) == 1
     assert "more than 0.9 of a 512,000-byte device" in capsys.readouterr().out
     assert cli(["inspect", path, "--plan", "-tp", "3"]) == 1

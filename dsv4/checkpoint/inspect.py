@@ -58,6 +58,9 @@ class Inspection:
     audit: object = None
     plan: LayoutPlan | None = None
     device_memory: int | None = None     # bytes of one device, for the plan's verdict
+    config: object = None                # the checkpoint's ModelConfig, once read
+    cache_tokens: list[int] | None = None   # per rank of the plan: cached tokens that fit beside its weights (set by
+                                            # the caller that sizes caches; rendered as a column)
 
     @property
     def ok(self) -> bool:
@@ -92,11 +95,14 @@ class Inspection:
         if plan is None or not plan.bytes_per_rank:
             return []
         lay = plan.layout
+        tokens = self.cache_tokens
         lines = [f"  plan      {lay.describe()}: {lay.world_size} ranks",
-                 f"  {'rank':>5s} {'stage':>5s} {'tp':>3s} {'layers':>8s} {'weight bytes':>16s}"]
+                 f"  {'rank':>5s} {'stage':>5s} {'tp':>3s} {'layers':>8s} {'weight bytes':>16s}"
+                 + (f" {'cache tokens':>14s}" if tokens else "")]
         for rank, (size, layers) in enumerate(zip(plan.bytes_per_rank, plan.layers_per_rank)):
             span = f"{layers.start}-{layers.stop - 1}"
-            lines.append(f"  {rank:5d} {rank // lay.tp:5d} {rank % lay.tp:3d} {span:>8s} {size:16,d}")
+            lines.append(f"  {rank:5d} {rank // lay.tp:5d} {rank % lay.tp:3d} {span:>8s} {size:16,d}"
+                         + (f" {tokens[rank]:14,d}" if tokens else ""))
         if self.device_memory is None:
             lines.append("  device memory unknown (no GPU here): give --device-memory for a verdict")
         return lines
@@ -138,7 +144,7 @@ def _plan(ckpt: Checkpoint, report: Inspection, layout: Layout, utilization: flo
 
 
 def _describe(ckpt: Checkpoint, report: Inspection) -> None:
-    cfg = ckpt.config
+    cfg = report.config = ckpt.config
     report.dialect = ckpt.dialect
     codes = {0: "S", 4: "C", 128: "H"}
     schedule = "".join(codes[r] for r in cfg.compress_ratios[:cfg.num_hidden_layers])

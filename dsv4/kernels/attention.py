@@ -106,8 +106,12 @@ def _entry_keys(T, rows, valid, d, L: tl.constexpr):
                            other=0).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True).to(L.DOT)
         value = tl.reshape(code.to(tl.float8e4nv, bitcast=True).to(L.DOT), [BK, D // 64, 64]) * scale[:, :, None]
-        rope = tl.load((at + NOPE).to(tl.pointer_type(tl.bfloat16))[:, None] + (d - NOPE)[None, :],
-                       mask=valid[:, None] & (d >= NOPE)[None, :], other=0.0)
+        # the rope channels' bf16 from their two bytes (byte loads: a row starts 8-byte aligned only)
+        rope_at = at[:, None] + NOPE + 2 * (d - NOPE)[None, :]
+        rope_mask = valid[:, None] & (d >= NOPE)[None, :]
+        lo = tl.load(rope_at, mask=rope_mask, other=0).to(tl.int32)
+        hi = tl.load(rope_at + 1, mask=rope_mask, other=0).to(tl.int32)
+        rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
         k = tl.where((d < NOPE)[None, :], tl.reshape(value, [BK, D]), rope.to(L.DOT))
     else:
         k = tl.load(T.entries + rows[:, None] * L.ROW + d[None, :], mask=valid[:, None], other=0.0)

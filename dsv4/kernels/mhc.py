@@ -6,12 +6,13 @@ Per token, streams X [n, d] (n = hc_mult, R = (2 + n) n mixing rows, or n for th
     m = fn @ X_flat * rsqrt(mean(X_flat^2) + norm_eps)          fn [R, n d] fp32
     pre, post, comb = sigmoid / 2 sigmoid / Sinkhorn of m * scale + base
     u = sum_j pre[j] X[j]
-`hc_pre` and `hc_head` are two launches: `_mix_kernel` splits n*d into K chunks over programs (a decode step has
-a few tokens but fn is R x n d: 1.5 MB for V4-Flash) and writes per-chunk partial dot products and sums of squares;
-`_finish_kernel` (one program per token) adds the chunks in a fixed order, normalises, runs the sigmoids and the
-Sinkhorn iterations in registers, and collapses the streams; given the block's norm weight it holds the whole row and
-applies that RMSNorm too (`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished dot product
-instead of every input: the same value within fp32 rounding. `hc_post` is one launch,
+`hc_pre` and `hc_head` are two launches: `_mix_kernel` splits n*d into chunks over programs (a decode step has a
+few tokens but fn is R x n d: 1.5 MB for V4-Flash; `plan_hc` sizes the chunks so that the launch fills the GPU) and
+writes per-chunk partial products (tl.dot in fp32) and sums of squares; `_finish_kernel` (one program per token) adds
+the chunks as one tile (a fixed order), normalises, runs the sigmoids and the Sinkhorn iterations in registers, and
+collapses the streams; given the block's norm weight it holds the whole row and applies that RMSNorm too
+(`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished
+dot product instead of every input: the same value within fp32 rounding. `hc_post` is one launch,
 X'[k] = post[k] out + sum_j comb[j, k] X[j], accumulated in fp32 and rounded once to the stream dtype.
 `hc_post_pre` (a sub-block's update, then the next sub-block's collapse) computes X' inside the mixing launch
 (`_post_mix_kernel`: each program makes the columns of X' it multiplies, from the same columns of every stream, as
@@ -31,9 +32,11 @@ import triton.language as tl
 from .norm_rope import norm_rope_row
 from .policy import cdiv, next_pow2
 
-MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most): (n d) / 512 programs per token block
-MIX_BK = 64           # columns per inner step of a chunk
-MIX_TOKENS = 4        # tokens per `_mix_kernel` program
+MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most)
+MIX_BK = 64           # columns per inner step of a chunk (and the fewest a chunk has)
+MIX_TOKENS = 16       # tokens per `_mix_kernel` program: the rows of its fp32 products (tl.dot's least M)
+MIX_PROGRAMS = 256    # chunks halve (down to MIX_BK columns) until a launch has this many programs: a decode step's
+                      # few tokens then read fn (1.5 MB for V4-Flash) over the whole GPU, not 32 SMs
 COLLAPSE_BD = 512     # hidden columns per step of the collapse and of `hc_post`
 
 
@@ -44,10 +47,15 @@ class HcPlan:
     streams: int          # n
     hidden: int           # d
     rows: int             # R: (2 + n) n for hc_pre, n for hc_head
-    rows_p2: int          # R rounded up to a power of two (register tiles)
+    rows_p2: int          # R rounded up to a power of two, at least 16 (the products' N)
     chunk: int            # columns of n d per `_mix_kernel` program
     chunks: int           # programs per token block
     token_blocks: int
+
+    @property
+    def chunks_p2(self) -> int:
+        """The chunk partials `_finish_kernel` adds as one tile."""
+        return next_pow2(self.chunks)
 
 
 def takes_shape(streams: int, hidden: int) -> bool:
@@ -59,21 +67,25 @@ def takes_shape(streams: int, hidden: int) -> bool:
 @lru_cache(maxsize=None)
 def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
     """The geometry of one shape (pure, cached): the mixing product's chunks are MIX_CHUNK columns, or the largest
-    divisor of n d below it that is a multiple of MIX_BK."""
+    divisor of n d below it that is a multiple of MIX_BK (a power of two), halved while the launch has fewer than
+    MIX_PROGRAMS programs and a chunk more than MIX_BK columns."""
     width = streams * hidden
     chunk = math.gcd(width, MIX_CHUNK)
     if not takes_shape(streams, hidden):
         raise ValueError(f"hc kernels need a power-of-two hc_mult and hc_mult * hidden divisible by {MIX_BK}, "
                          f"got {streams} x {hidden}")
-    return HcPlan(tokens, streams, hidden, rows, next_pow2(rows), chunk, width // chunk, cdiv(tokens, MIX_TOKENS))
+    blocks = cdiv(tokens, MIX_TOKENS)
+    while chunk > MIX_BK and blocks * (width // chunk) < MIX_PROGRAMS:
+        chunk //= 2
+    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk, blocks)
 
 
 @triton.jit
 def _mix_block(acc, ss, x, fn_ptr, r, rmask, k, K):
-    """One block of the flattened streams x fp32 [BT, BK] (columns k) into the partial products acc [BT, RP] and the
-    sums of squares ss [BT]."""
+    """One block of the flattened streams x fp32 [BT, BK] (columns k) into the partial products acc [BT, RP] (an
+    fp32 product: ieee, no tf32) and the sums of squares ss [BT]."""
     w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
-    return acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2), ss + tl.sum(x * x, axis=1)
+    return tl.dot(x, tl.trans(w), acc, input_precision="ieee"), ss + tl.sum(x * x, axis=1)
 
 
 @triton.jit
@@ -140,28 +152,24 @@ def _sigmoid(v):
 @triton.jit
 def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr, w_ptr, C, D, stride_xt, stride_pc,
                    stride_pt, stride_ut, norm_eps, hc_eps, w_eps, ITERS: tl.constexpr, N: tl.constexpr,
-                   RP: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
-    """One token: mixes from the chunk partials, then pre (and, unless HEAD, post and the Sinkhorn comb), then
-    u = sum_j pre[j] X[j] in fp32, stored in u's dtype; NORM (BD >= D: the whole row at once): rounded to u's dtype,
-    then the RMSNorm by w (eps w_eps) before the store."""
+                   RP: tl.constexpr, CP: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr):
+    """One token: mixes from the C chunk partials (one [CP, RP] tile summed over the chunks), then pre (and, unless
+    HEAD, post and the Sinkhorn comb), then u = sum_j pre[j] X[j] in fp32, stored in u's dtype; NORM (BD >= D: the
+    whole row at once): rounded to u's dtype, then the RMSNorm by w (eps w_eps) before the store."""
     t = tl.program_id(0)
     j = tl.arange(0, N)
-    mix_pre = tl.zeros([N], tl.float32)
-    ss = tl.zeros([], tl.float32)
-    for c in range(C):
-        row = part_ptr + c * stride_pc + t * stride_pt
-        mix_pre += tl.load(row + j)
-        ss += tl.load(row + RP)
+    c = tl.arange(0, CP)
+    q = tl.arange(0, RP)
+    rows = part_ptr + c * stride_pc + t * stride_pt
+    m = tl.sum(tl.load(rows[:, None] + q[None, :], mask=(c < C)[:, None], other=0.0), axis=0)     # [RP] mixes
+    ss = tl.sum(tl.load(rows + RP, mask=c < C, other=0.0), axis=0)
     r = tl.math.rsqrt(ss / (N * D) + norm_eps)
+    mix_pre = tl.sum(tl.where(q[None, :] == j[:, None], m[None, :], 0.0), axis=1)
     pre = _sigmoid(mix_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + j)) + hc_eps
     if not HEAD:
-        mix_post = tl.zeros([N], tl.float32)
-        mix_comb = tl.zeros([N, N], tl.float32)
         cell = j[:, None] * N + j[None, :]
-        for c in range(C):
-            row = part_ptr + c * stride_pc + t * stride_pt
-            mix_post += tl.load(row + N + j)
-            mix_comb += tl.load(row + 2 * N + cell)
+        mix_post = tl.sum(tl.where(q[None, :] == N + j[:, None], m[None, :], 0.0), axis=1)
+        mix_comb = tl.sum(tl.where(q[None, None, :] == (2 * N + cell)[:, :, None], m[None, None, :], 0.0), axis=2)
         post = 2.0 * _sigmoid(mix_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + j))
         logits = mix_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + cell)
         e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
@@ -239,7 +247,8 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
         _finish_kernel[(T,)](
             xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
             weight if norm else base, plan.chunks, d, xt.stride(0), part.stride(0), part.stride(1), u.stride(0),
-            norm_eps, hc_eps, weight_eps, ITERS=iters, N=n, RP=plan.rows_p2, HEAD=head, BD=bd, NORM=norm,
+            norm_eps, hc_eps, weight_eps, ITERS=iters, N=n, RP=plan.rows_p2, CP=plan.chunks_p2, HEAD=head, BD=bd,
+            NORM=norm,
             num_warps=16 if n * bd >= 32768 else 8 if n * bd >= 8192 else 4)
     return u.view(*lead, d), post.view(*lead, n), comb.view(*lead, n, n), xt.view(x.shape)
 
