@@ -58,6 +58,8 @@ class Strides(NamedTuple):
     ring_slot: int
     pages_seq: int
     kv_t: int
+    entry_row: int             # elements of an entries row (bytes of a packed row: 584, no multiple of 16, so the
+                               # compiler assumes no more alignment of a row than it has)
 
 
 class Shape(NamedTuple):
@@ -73,7 +75,6 @@ class Shape(NamedTuple):
     SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
     UPDATE_RING: bool          # the step's rows into the rings (decode steps)
     NOPE: int                  # > 0: entries are packed fp8 rows (`ref.fp8_kv_pack`) with this many fp8 channels
-    ROW: int                   # elements of an entries row (bytes of a packed row)
 
 
 @triton.jit
@@ -91,30 +92,26 @@ def _online(acc, m_i, l_i, q, k, valid, scale, DOT: tl.constexpr):
 
 
 @triton.jit
-def _entry_keys(T, rows, valid, d, L: tl.constexpr):
+def _entry_keys(T, S, rows, valid, d, L: tl.constexpr):
     """Entries at `rows` [BK] (page * E + row of the page; masked by valid) -> keys [BK, D]: the rows themselves, or
     packed fp8 rows decoded in DOT (exactly: an e4m3 code times its block's power of two fits bf16; the rope
     channels' bf16)."""
     if L.NOPE > 0:
         NOPE: tl.constexpr = L.NOPE
-        D: tl.constexpr = L.D
-        BK: tl.constexpr = L.BK
-        at = T.entries + rows * L.ROW
-        code = tl.load(at[:, None] + d[None, :], mask=valid[:, None], other=0)     # (bytes from NOPE on: unused)
-        blk = tl.arange(0, D // 64)
-        exponent = tl.load(at[:, None] + (2 * D - NOPE) + blk[None, :], mask=valid[:, None] & (blk * 64 < NOPE),
-                           other=0).to(tl.int32)
+        at = T.entries + rows[:, None] * S.entry_row
+        nope = valid[:, None] & (d < NOPE)[None, :]
+        rope = valid[:, None] & (d >= NOPE)[None, :]
+        # each channel's code and its block's exponent byte (8 distinct bytes a row: cached), the rope channels' bf16
+        # from their two bytes; byte loads only, and no reshape (a row starts 8-byte aligned)
+        code = tl.load(at + d[None, :], mask=nope, other=0).to(tl.float8e4nv, bitcast=True).to(L.DOT)
+        exponent = tl.load(at + (2 * L.D - NOPE) + d[None, :] // 64, mask=nope, other=0).to(tl.int32)
         scale = (exponent << 23).to(tl.float32, bitcast=True).to(L.DOT)
-        value = tl.reshape(code.to(tl.float8e4nv, bitcast=True).to(L.DOT), [BK, D // 64, 64]) * scale[:, :, None]
-        # the rope channels' bf16 from their two bytes (byte loads: a row starts 8-byte aligned only)
-        rope_at = at[:, None] + NOPE + 2 * (d - NOPE)[None, :]
-        rope_mask = valid[:, None] & (d >= NOPE)[None, :]
-        lo = tl.load(rope_at, mask=rope_mask, other=0).to(tl.int32)
-        hi = tl.load(rope_at + 1, mask=rope_mask, other=0).to(tl.int32)
-        rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
-        k = tl.where((d < NOPE)[None, :], tl.reshape(value, [BK, D]), rope.to(L.DOT))
+        lo = tl.load(at + NOPE + 2 * (d[None, :] - NOPE), mask=rope, other=0).to(tl.int32)
+        hi = tl.load(at + NOPE + 2 * (d[None, :] - NOPE) + 1, mask=rope, other=0).to(tl.int32)
+        rope_values = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True).to(L.DOT)
+        k = tl.where((d < NOPE)[None, :], code * scale, rope_values)
     else:
-        k = tl.load(T.entries + rows[:, None] * L.ROW + d[None, :], mask=valid[:, None], other=0.0)
+        k = tl.load(T.entries + rows[:, None] * S.entry_row + d[None, :], mask=valid[:, None], other=0.0)
     return k
 
 
@@ -169,7 +166,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
             j = e0 + tl.arange(0, BK)
             valid = j < e_hi
             page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
-            k = _entry_keys(T, page * E + j % E, valid, d, L)
+            k = _entry_keys(T, S, page * E + j % E, valid, d, L)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if RATIO == 4:                                 # CSA: the indexer's picks
         i_lo, i_hi = _share(K, part, SPLIT)
@@ -178,7 +175,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
             j = tl.load(T.picks + t.to(tl.int64) * K + i, mask=i < i_hi, other=-1)
             valid = j >= 0
             page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
-            k = _entry_keys(T, page * E + j % E, valid, d, L)
+            k = _entry_keys(T, S, page * E + j % E, valid, d, L)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if SPLIT == 0:
         sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
@@ -272,7 +269,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     kv, ent = kv.contiguous(), ent.contiguous()
     tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
-                      kv.stride(0))
+                      kv.stride(0), ent.shape[-1])
     ratio = ratio if entries is not None else 0
     if split is None:
         keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
@@ -282,8 +279,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
         part_o = torch.empty(N, H, split + 1, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(N, H, split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split, update_ring, entry_nope if entries is not None else 0,
-                  ent.shape[-1])
+    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split, update_ring, entry_nope if entries is not None else 0)
     _attention_kernel[(N, triton.cdiv(H, BH), split + 1)](tensors, steps, strides, H, scale, shape, num_warps=warps)
     if split:
         bh = 8 if D > 256 else 16

@@ -54,6 +54,8 @@ class Strides(NamedTuple):
     open_slot: int
     prev_slot: int
     pages_seq: int
+    entry_row: int             # elements of an entries row (bytes of a packed row: 584, no multiple of 16, so the
+                               # compiler assumes no more alignment of a row than it has)
 
 
 class Shape(NamedTuple):
@@ -68,7 +70,6 @@ class Shape(NamedTuple):
     WB: int                    # channels per block of `_state_kernel`
     FP8: bool                  # entries are fp8 e4m3 codes of entry / scale, the scale in entry_scales
     PACKED_NOPE: int           # entries are packed fp8 K = V rows (`ref.fp8_kv_pack`) with this many fp8 channels
-    ROW: int                   # elements of an entries row (bytes of a packed row)
 
 
 @triton.jit
@@ -142,8 +143,8 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
                             HD, HD, 2, HALF_ROPE, False)
         page = tl.load(steps.pages + b * S.pages_seq + j // E).to(tl.int64)
         if L.PACKED_NOPE > 0:
-            _store_packed(T.entries + (page * E + j % E) * L.ROW, out.to(dtype).to(tl.float32), d, L.PACKED_NOPE,
-                          HD, L.ROW)
+            _store_packed(T.entries + (page * E + j % E) * S.entry_row, out.to(dtype).to(tl.float32), d,
+                          L.PACKED_NOPE, HD, S.entry_row)
         elif L.FP8:           # `ref.fp8_key_codes`: the least power of two >= max |x| / 448 as the scale
             x = out.to(dtype).to(tl.float32)
             bits = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0).to(tl.int32, bitcast=True)
@@ -157,7 +158,7 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
 
 
 @triton.jit
-def _store_packed(row, x, d, NOPE: tl.constexpr, HD: tl.constexpr, ROW: tl.constexpr):
+def _store_packed(row, x, d, NOPE: tl.constexpr, HD: tl.constexpr, ROW):
     """Entry x fp32 [HD] as a packed fp8 row at `row` (uint8), `ref.fp8_kv_pack`'s bytes: NOPE e4m3 codes, the rope
     channels' bf16 (low byte first), one exponent byte per 64-channel block, zeros to ROW."""
     codes, _, exponent = fp8_kv_blocks(x, NOPE, HD)
@@ -246,8 +247,8 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     tensors = Tensors(kv, score, ape.contiguous(), cos, sin, weight, state.open_kv, state.open_score, prev_kv,
                       prev_score, state.entries, scales)
     strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
-                      steps.pages.stride(0))
+                      steps.pages.stride(0), row)
     rb = min(m, 16 if hd <= 256 else 8)
-    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8, state.packed_nope, row)
+    shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8, state.packed_nope)
     _emit_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, num_warps=4)
     _state_kernel[(B,)](tensors, steps, strides, N, shape, num_warps=4)
