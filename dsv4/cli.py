@@ -11,9 +11,9 @@ from types import MappingProxyType
 # Mirrors dsv4.checkpoint.writer.FORMATS / NAMINGS (kept literal so --help imports no torch; a test checks).
 FORMATS = ("bf16", "official", "nvfp4-experts", "nvfp4")
 NAMINGS = ("deepseek", "hf")
-KV_CACHE_HELP = ("fp8: the attention's compressed entries as packed fp8 rows (584 instead of 1,024 bytes, rounded "
-                 "as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 with a scale each; "
-                 "fp8-indexer: only the indexer's keys; auto: the compute dtype (default)")
+KV_CACHE_HELP = ("fp8 (experimental): the attention's compressed entries as packed fp8 rows (584 instead of 1,024 "
+                 "bytes, rounded as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 "
+                 "with a scale each; fp8-indexer: only the indexer's keys; auto: the compute dtype (default)")
 FORMAT_HELP = ("bf16: every linear in bf16. official: DeepSeek's release layout (FP8 128x128 UE8M0 attention, "
                "indexer wq_b, shared experts and MTP projections; MXFP4 routed experts; bf16 compressors, router, "
                "embedding, head). nvfp4-experts: official with NVFP4 routed experts (NVIDIA's V4 builds) plus "
