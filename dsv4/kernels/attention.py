@@ -26,6 +26,7 @@ on the GPU; fp32 in the interpreter, whose bf16 dot is wrong).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -227,15 +228,40 @@ def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.conste
              mask=hm[:, None])
 
 
+class AttentionPlan(NamedTuple):
+    """A launch's geometry (`plan_attention`)."""
+    heads: int                 # query heads a program takes (BH)
+    keys: int                  # keys a block (BK)
+    warps: int
+    split: int                 # programs over the entries besides the window's (0: one program takes all keys)
+
+
+@lru_cache(maxsize=None)
+def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
+                   split: int | None = None) -> AttentionPlan:
+    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached). Heads per program:
+    the fp32 accumulator [BH, D] at 64 values a thread (32 x 512 on 8 warps), or 16 heads on 8 warps (32 values)
+    when the keys are split or the entries packed (their decode needs the registers); split: as given, else
+    `attention_split`."""
+    bh = max(16, min(64, next_pow2(heads), 16384 // head_dim))
+    if split is None:
+        split = attention_split(tokens * -(-heads // bh), entries, sms)
+    if split or packed:
+        return AttentionPlan(16, 16 if head_dim > 256 else 32, 8, split)
+    return AttentionPlan(bh, 16 if head_dim > 256 else 32, 8 if bh * head_dim >= 16384 else 4, split)
+
+
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
                      scale: float, max_entries: int | None = None, update_ring: bool = False, entry_nope: int = 0,
-                     split: int | None = None, dot_dtype: torch.dtype | None = None, fallback=None) -> torch.Tensor:
+                     split: int | None = None, dot_dtype: torch.dtype | None = None, fallback=None,
+                     plan: AttentionPlan | None = None) -> torch.Tensor:
     """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
     goes to `fallback` (the reference), or raises without one. max_entries: a bound on the entries any token sees
     (HCA; by default what the pages hold), which sizes the key split; update_ring: also `write_ring` (the caller
     guarantees one token per sequence); entry_nope > 0: the entries are packed fp8 rows uint8 [pages, E,
-    kv_row_bytes] with that many fp8 channels; split: the split itself, else planned (`attention_split`)."""
+    kv_row_bytes] with that many fp8 channels; split: the split itself, else planned; plan: the whole geometry
+    (`plan_attention`'s by default)."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
@@ -253,13 +279,14 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     if dot_dtype is None:
         dot_dtype = torch.float32 if q.device.type != "cuda" or q.dtype == torch.float32 else torch.bfloat16
     dot = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dot_dtype]
-    # heads per program: the fp32 accumulator [BH, D] stays at 64 values a thread (32 x 512 on 8 warps)
-    BH = max(16, min(64, next_pow2(H), 16384 // D))
-    BK = 16 if D > 256 else 32
-    warps = 8 if BH * D >= 16384 else 4
-    ent = entries if entries is not None else kv     # never read when RATIO = 0 (not the ring, which may be written)
-    E = entries.shape[1] if entries is not None else 1
+    ratio = ratio if entries is not None else 0
+    entry_nope = entry_nope if ratio else 0
+    ent = entries if ratio else kv     # never read when RATIO = 0 (not the ring, which may be written)
+    E = entries.shape[1] if ratio else 1
     K = picks.shape[1] if picks is not None else 0
+    if plan is None:
+        keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
+        plan = plan_attention(N, H, D, keys if ratio else 0, bool(entry_nope), num_sms(q.device), split)
     pk = picks.contiguous() if picks is not None else steps.seq
     if ring.stride(2) != 1 or ring.stride(1) != D:        # rows of D values; any slot stride
         if update_ring:
@@ -270,20 +297,16 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
                       kv.stride(0), ent.shape[-1])
-    ratio = ratio if entries is not None else 0
-    if split is None:
-        keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
-        split = attention_split(N * triton.cdiv(H, BH), keys if ratio else 0, num_sms(q.device))
-    if split or entry_nope:      # 16 heads a program on 8 warps: 32 accumulator values a thread (32 heads spill)
-        BH, warps = 16, 8
-        part_o = torch.empty(N, H, split + 1, D, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(N, H, split + 1, 2, dtype=torch.float32, device=q.device)
+    if plan.split:
+        part_o = torch.empty(N, H, plan.split + 1, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(N, H, plan.split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    shape = Shape(W, D, E, K, ratio, BH, BK, dot, split, update_ring, entry_nope if entries is not None else 0)
-    _attention_kernel[(N, triton.cdiv(H, BH), split + 1)](tensors, steps, strides, H, scale, shape, num_warps=warps)
-    if split:
+    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope)
+    _attention_kernel[(N, triton.cdiv(H, plan.heads), plan.split + 1)](tensors, steps, strides, H, scale, shape,
+                                                                       num_warps=plan.warps)
+    if plan.split:
         bh = 8 if D > 256 else 16
-        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, split, D, bh, num_warps=4)
+        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, plan.split, D, bh, num_warps=4)
     return o
 
 
@@ -294,7 +317,6 @@ def attention_split(programs: int, entries: int, sms: int) -> int:
     if not entries or programs >= sms:
         return 0
     return max(1, min(-(-entries // 128), (2 * sms) // programs - 1))
-
 
 
 @triton.jit

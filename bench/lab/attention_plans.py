@@ -1,0 +1,121 @@
+"""Question: Which launch geometry makes a decode step's attention fastest at V4-Flash's shapes, batch 1 to 256?
+
+Round 33's H100 profile put batch-256 decode attention at 334 us a layer for bytes that take about 55 us, with
+`plan_attention`'s geometry (32 heads a program on 8 warps, 16 keys a block, no key split once the launch fills the
+GPU): one program per SM, about 40 dependent key blocks each. This times `kernels.attention.sparse_attention` over
+a decode step (one token per sequence, the ring written in the launch) with other plans: heads per program, warps,
+a key split at large batch, and compares each output with the default plan's.
+
+    python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
+    python bench/lab/attention_plans.py --toy                                              # CPU dry run
+
+For each batch and layer kind (CSA: the window + 512 picks; HCA: the window + every entry, context / 128): random
+bf16 queries, rows, rings and entries over scrambled pages, the picks random visible entries; each plan's launch
+timed with `common.Timer` (a CUDA graph of calls on rotated inputs, median), its output's largest difference from
+the default plan's relative to the output's largest value (expect bf16 rounding: < 1e-2). A plan the kernel cannot
+compile or run is reported, not fatal. Prints a table; writes attention_plans.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
+
+from common import Timer  # noqa: E402
+
+from dsv4.kernels.attention import AttentionPlan, plan_attention, sparse_attention  # noqa: E402
+from dsv4.kernels.host import num_sms  # noqa: E402
+from dsv4.kernels.steps import StepTokens  # noqa: E402
+
+PAGE_TOKENS = 256
+
+
+def step_inputs(batch: int, context: int, ratio: int, H: int, D: int, W: int, topk: int, dev, gen) -> dict:
+    """One decode token per sequence at position context - 1, its caches filled with random values."""
+    E = PAGE_TOKENS // ratio
+    per_seq = -(-context // PAGE_TOKENS)
+    perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(batch)).tolist()
+    pages = [tuple(perm[i * per_seq:(i + 1) * per_seq]) for i in range(batch)]
+    steps = StepTokens.build(tuple(range(batch)), (context - 1,) * batch, (1,) * batch, pages, dev)
+    picks = None
+    if ratio == 4:
+        visible = context // 4
+        picks = torch.stack([torch.randperm(visible, device=dev, generator=gen)[:topk] for _ in range(batch)])
+    return dict(q=torch.randn(batch, H, D, device=dev, generator=gen).bfloat16(),
+                kv=torch.randn(batch, D, device=dev, generator=gen).bfloat16(),
+                ring=torch.randn(batch + 1, W, D, device=dev, generator=gen).bfloat16(),
+                entries=torch.randn(batch * per_seq, E, D, device=dev, generator=gen).bfloat16(),
+                picks=picks, steps=steps, sinks=torch.randn(H, device=dev, generator=gen))
+
+
+def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, AttentionPlan]:
+    default = plan_attention(batch, H, D, keys, False, sms)
+    bk = default.keys
+    plans = {"default": default,
+             "16 heads, 8 warps": AttentionPlan(16, bk, 8, default.split),
+             "16 heads, 4 warps": AttentionPlan(16, bk, 4, default.split)}     # 228 registers: two programs an SM
+    for split in (1, 3):
+        if default.split == 0:
+            plans[f"16 heads, split {split}"] = AttentionPlan(16, bk, 8, split)
+    return plans
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--toy", action="store_true", help="CPU dry run at small shapes (checks the script)")
+    args = ap.parse_args()
+    H, D, W, topk = 64, 512, 128, 512
+    if args.toy:
+        args.device, args.batches, args.context = "cpu", "1,4", 512
+        H, D, W, topk = 4, 64, 16, 8
+    dev = torch.device(args.device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer, sms = Timer(dev), num_sms(dev)
+    rot = 3 if dev.type == "cuda" else 1
+    print(f"{'layer':5s} {'B':>4s} {'plan':22s} {'heads':>5s} {'warps':>5s} {'split':>5s} | {'us':>9s} "
+          f"{'vs default':>10s} | max diff")
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        for kind, ratio in (("CSA", 4), ("HCA", 128)):
+            inputs = [step_inputs(batch, args.context, ratio, H, D, W, topk, dev, gen) for _ in range(rot)]
+            keys = topk if ratio == 4 else args.context // 128
+            want, base_us = None, None
+            for name, plan in candidates(batch, H, D, keys, sms).items():
+                row = dict(layer=kind, B=batch, plan=name, **plan._asdict())
+                try:
+                    def launch(x, plan=plan):
+                        return sparse_attention(x["q"], x["kv"], x["ring"], x["entries"], x["picks"], x["steps"],
+                                                ratio, x["sinks"], D ** -0.5, keys, update_ring=True, plan=plan)
+                    got = launch(inputs[0]).float()
+                    want = got if want is None else want
+                    row["max_diff"] = float((got - want).abs().max() / want.abs().max())
+                    row["us"] = 1e3 * timer.per_call_ms([lambda x=x: launch(x) for x in inputs])
+                    base_us = row["us"] if base_us is None else base_us
+                except Exception:
+                    row["error"] = traceback.format_exc()[-800:]
+                rows.append(row)
+                us = f"{row['us']:9.1f} {base_us / row['us']:9.2f}x" if "us" in row else f"{'failed':>9s} {'':>10s}"
+                diff = f"{row['max_diff']:.1e}" if "max_diff" in row else row.get("error", "")[-80:]
+                print(f"{kind:5s} {batch:4d} {name:22s} {plan.heads:5d} {plan.warps:5d} {plan.split:5d} | {us} | "
+                      f"{diff}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "attention_plans.json").write_text(json.dumps(dict(device=str(dev), context=args.context, rows=rows),
+                                                         indent=1))
+
+
+if __name__ == "__main__":
+    main()
