@@ -8,9 +8,11 @@ import re
 import sys
 from types import MappingProxyType
 
-# Mirrors dsv4.checkpoint.writer.FORMATS / NAMINGS (kept literal so --help imports no torch; a test checks).
+# Mirrors dsv4.checkpoint.writer.FORMATS / NAMINGS and dsv4.runtime.cache.KV_CACHE_DTYPES (kept literal so --help
+# imports no torch; a test checks).
 FORMATS = ("bf16", "official", "nvfp4-experts", "nvfp4")
 NAMINGS = ("deepseek", "hf")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8-indexer")
 KV_CACHE_HELP = ("fp8 (experimental): the attention's compressed entries as packed fp8 rows (584 instead of 1,024 "
                  "bytes, rounded as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 "
                  "with a scale each; fp8-indexer: only the indexer's keys; auto: the compute dtype (default)")
@@ -80,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="share of --device-memory the weights and the cache may take (default 0.9)")
     i.add_argument("--max-num-seqs", type=int, default=8,
                    help="sequence slots whose fixed state --plan sets aside before the cache's pages (default 8)")
-    i.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8-indexer"), help=KV_CACHE_HELP)
+    i.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     for name, help_, desc in (
             ("generate", "generate text from a prompt, streaming it as it is produced",
              "Load a checkpoint (or the built-in demo model) and continue PROMPT, printing the text as it is "
@@ -140,7 +142,7 @@ def _serve_args(sub) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
-    s.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8-indexer"), help=KV_CACHE_HELP)
+    s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(s)
     _parallel_args(s)
 
@@ -158,7 +160,7 @@ def _model_args(g: argparse.ArgumentParser) -> None:
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8-indexer"), help=KV_CACHE_HELP)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(g)
     _parallel_args(g)
 

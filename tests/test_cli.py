@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_choices_match_the_writer():
-    assert cli.FORMATS == FORMATS and cli.NAMINGS == NAMINGS
+    from dsv4.runtime.cache import KV_CACHE_DTYPES
+    assert cli.FORMATS == FORMATS and cli.NAMINGS == NAMINGS and cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
 
 
 @pytest.mark.parametrize("text,value", [("4GB", 4 * 1024**3), ("4GiB", 4 * 1024**3), ("500MB", 500 * 1024**2),
