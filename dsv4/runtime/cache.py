@@ -85,11 +85,17 @@ def page_bytes(cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto
     return cache_bytes(cfg, 0, 1, dtype, kv_cache_dtype)
 
 
-def tokens_that_fit(cfg: ModelConfig, nbytes: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+def pages_that_fit(cfg: ModelConfig, nbytes: float, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                   num_slots: int = 1) -> int:
+    """Whole pages `nbytes` hold beside `num_slots` slots' fixed state (0 if not even that fits)."""
+    room = int(nbytes) - cache_bytes(cfg, num_slots, 0, dtype, kv_cache_dtype)
+    return max(0, room // page_bytes(cfg, dtype, kv_cache_dtype))
+
+
+def tokens_that_fit(cfg: ModelConfig, nbytes: float, dtype: torch.dtype, kv_cache_dtype: str = "auto",
                     num_slots: int = 1) -> int:
-    """Cached tokens a pool of `nbytes` holds beside `num_slots` slots' fixed state (whole pages)."""
-    pages = (nbytes - cache_bytes(cfg, num_slots, 0, dtype, kv_cache_dtype)) // page_bytes(cfg, dtype, kv_cache_dtype)
-    return max(0, pages) * PAGE_TOKENS
+    """Cached tokens `nbytes` hold beside `num_slots` slots' fixed state (`pages_that_fit`'s pages)."""
+    return pages_that_fit(cfg, nbytes, dtype, kv_cache_dtype, num_slots) * PAGE_TOKENS
 
 
 def pages_for(tokens: int) -> int:

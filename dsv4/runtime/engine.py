@@ -43,7 +43,7 @@ import torch
 
 from ..model import Transformer
 from ..model.state import SeqBatch
-from .cache import PAGE_TOKENS, CacheCapacityError, KVCache, PageAllocator, cache_bytes, page_bytes, pages_for
+from .cache import PAGE_TOKENS, CacheCapacityError, KVCache, PageAllocator, pages_for, pages_that_fit
 from .params import (
     OutputTracker,
     RequestError,
@@ -150,8 +150,7 @@ class Engine:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
         total = torch.cuda.get_device_properties(self.device).total_memory
         budget = total * utilization - torch.cuda.memory_allocated(self.device) - self._step_workspace(step_tokens)
-        budget -= cache_bytes(cfg, slots, 0, self.dtype, self.kv_cache_dtype)          # the per-slot state
-        return max(0, int(budget // page_bytes(cfg, self.dtype, self.kv_cache_dtype)))
+        return pages_that_fit(cfg, budget, self.dtype, self.kv_cache_dtype, slots)
 
     @torch.inference_mode()
     def _step_workspace(self, tokens: int) -> int:

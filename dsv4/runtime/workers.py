@@ -42,7 +42,7 @@ from ..config import ModelConfig
 from ..kernels import ops_for
 from ..model.state import SeqBatch
 from ..parallel import Communicator, Layout
-from .cache import KVCache, cache_bytes, page_bytes, pages_for
+from .cache import KVCache, pages_for, pages_that_fit
 from .graphs import DecodeGraphs
 from .spmd import ControlChannel, Driver, StageRunner, StepInputs, WorkerFailure
 
@@ -131,8 +131,7 @@ def _pages_that_fit_everywhere(runner: StageRunner, spec: RankSpec, slots: int, 
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     budget = total * spec.gpu_memory_utilization - torch.cuda.memory_allocated(device) - workspace
-    budget -= cache_bytes(cfg, slots, 0, dtype, spec.kv_cache_dtype)
-    pages = torch.tensor([max(0, int(budget // page_bytes(cfg, dtype, spec.kv_cache_dtype)))], dtype=torch.long)
+    pages = torch.tensor([pages_that_fit(cfg, budget, dtype, spec.kv_cache_dtype, slots)], dtype=torch.long)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN, group=control)
     return int(pages)
 
