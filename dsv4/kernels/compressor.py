@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .attention import sequence_tokens
-from .ref import kv_row_bytes
 from .norm_rope import bf16_bits, e4m3_codes, fp8_kv_blocks, norm_rope_row
+from .ref import kv_row_bytes
 from .steps import StepTokens
 
 
@@ -142,19 +142,20 @@ def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
         out = norm_rope_row(h, d, d < HD, T.weight, T.cos + tok * S.rope_t, T.sin + tok * S.rope_t, eps, dtype,
                             HD, HD, 2, HALF_ROPE, False)
         page = tl.load(steps.pages + b * S.pages_seq + j // E).to(tl.int64)
+        entry = page * E + j % E                                 # its row of the pool
         if L.PACKED_NOPE > 0:
-            _store_packed(T.entries + (page * E + j % E) * S.entry_row, out.to(dtype).to(tl.float32), d,
-                          L.PACKED_NOPE, HD, S.entry_row)
+            _store_packed(T.entries + entry * S.entry_row, out.to(dtype).to(tl.float32), d, L.PACKED_NOPE, HD,
+                          S.entry_row)
         elif L.FP8:           # `ref.fp8_key_codes`: the least power of two >= max |x| / 448 as the scale
             x = out.to(dtype).to(tl.float32)
             bits = tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0).to(tl.int32, bitcast=True)
             exponent = tl.maximum((bits >> 23) + ((bits & 0x7FFFFF) != 0).to(tl.int32), 1)
             inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)     # 1 / scale, exactly
             codes = e4m3_codes(x * inverse).to(tl.float8e4nv, bitcast=True)
-            tl.store(T.entries + (page * E + j % E) * HD + d, codes)
-            tl.store(T.entry_scales + page * E + j % E, (exponent << 23).to(tl.float32, bitcast=True))
+            tl.store(T.entries + entry * S.entry_row + d, codes)
+            tl.store(T.entry_scales + entry, (exponent << 23).to(tl.float32, bitcast=True))
         else:
-            tl.store(T.entries + (page * E + j % E) * HD + d, out.to(dtype))
+            tl.store(T.entries + entry * S.entry_row + d, out.to(dtype))
 
 
 @triton.jit

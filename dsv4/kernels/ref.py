@@ -268,8 +268,13 @@ def _kv_exponents(x: torch.Tensor, nope: int) -> torch.Tensor:
     return (bits >> 23) + ((bits & 0x7FFFFF) != 0).to(torch.int32)              # round up to a power of two
 
 
+def _kv_scales(exponents: torch.Tensor, nope: int) -> torch.Tensor:
+    """Each nope channel's scale fp32 [..., nope] from its block's biased exponent."""
+    return (exponents << 23).view(torch.float32).repeat_interleave(KV_BLOCK, -1)[..., :nope]
+
+
 def _kv_codes(x: torch.Tensor, exponents: torch.Tensor, nope: int) -> torch.Tensor:
-    scales = (exponents << 23).view(torch.float32).repeat_interleave(KV_BLOCK, -1)[..., :nope]
+    scales = _kv_scales(exponents, nope)
     return (x[..., :nope].float() / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scales
 
 
@@ -293,8 +298,7 @@ def fp8_kv_unpack(rows: torch.Tensor, head_dim: int, nope: int, dtype: torch.dty
     """Packed fp8 rows uint8 [..., kv_row_bytes] -> their values [..., head_dim] in `dtype`."""
     rope_end = nope + 2 * (head_dim - nope)
     exponents = rows[..., rope_end:rope_end + -(-nope // KV_BLOCK)].to(torch.int32)
-    scales = (exponents << 23).view(torch.float32).repeat_interleave(KV_BLOCK, -1)[..., :nope]
-    values = rows[..., :nope].contiguous().view(torch.float8_e4m3fn).float() * scales
+    values = rows[..., :nope].contiguous().view(torch.float8_e4m3fn).float() * _kv_scales(exponents, nope)
     rope = rows[..., nope:rope_end].contiguous().view(torch.bfloat16)
     return torch.cat((values.to(dtype), rope.to(dtype)), dim=-1)
 
