@@ -12,7 +12,8 @@ that format's storage), then
   experts, the experts the batch is expected to touch, each sequence's cache rows it attends to) and the time
   they take at the copy bandwidth (`--bandwidth`, 4.27 TB/s: the floor); kernel launches, GPU-busy share (a
   profiled step's kernel time over the median step's time) and the kernels taking the most GPU time in one step
-  from torch.profiler (on CPU: ATen ops per step); each case in the engine's default mode (`--modes graphs`: CUDA graphs for decode on a GPU) and / or `eager` (enforce_eager);
+  from torch.profiler (on CPU: ATen ops per step); each case in the engine's default mode (`--modes graphs`: CUDA
+  graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
 * `--kv-cache-dtype fp8` / `fp8-indexer`: the attention's entries (584-byte packed rows) and the indexer's keys, or
