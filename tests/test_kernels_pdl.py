@@ -116,6 +116,20 @@ sig = {n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else "i3
 sig["scaling"] = "fp32"
 out["route"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": 1}))
+from dsv4.kernels import mhc, norm_rope
+for pdl in (True, False):
+    fn = norm_rope._norm_rope_kernel
+    sig = dict(x="*bf16", out="*bf16", weight="*fp32", cos="*fp32", sin="*fp32", x_r="i32", out_r="i32",
+               rope_r="i32", heads="i32", eps="fp32", L="constexpr")
+    consts = dict(L=norm_rope.Shape(512, 512, 2, 32, False, 0, pdl))
+    out[f"norm_rope pdl={pdl}"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                                         options={"num_warps": 4}))
+    fn = mhc._finish_kernel
+    consts = dict(ITERS=20, N=4, RP=32, CP=64, HEAD=False, BD=4096, NORM=True, PDL=pdl)
+    sig = {n: "constexpr" if n in consts else "*fp32" if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+    sig.update(x_ptr="*bf16", u_ptr="*bf16", norm_eps="fp32", hc_eps="fp32", w_eps="fp32")
+    out[f"finish pdl={pdl}"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                                                      options={"num_warps": 8}))
 print("RESULT " + json.dumps(out))
 """
 
@@ -190,3 +204,14 @@ def test_route_kernel_triggers_its_dependents_first(ptx):
     `moe(after_route=True)`'s gate/up launch can stream the shared expert meanwhile; it waits for nothing."""
     r = ptx["route"]
     assert r["first"] == "trigger" and r["triggers"] == 1 and r["waits"] == 0 and r["reads"] and r["writes"], r
+
+
+@pytest.mark.parametrize("kernel", ["norm_rope", "finish"])
+def test_the_kernels_before_decode_gemvs_trigger_them_first(ptx, kernel):
+    """The norm / rope launch and mHC's finish (which make the x of wq_a, wq_b, wkv and wo_a) let the next launch
+    start first thing with PDL on: that GEMV's wait covers them, and it L2-prefetches its weights meanwhile. They
+    are launched without the attribute themselves, so they wait for nothing; without PDL, no griddepcontrol."""
+    on, off = ptx[f"{kernel} pdl=True"], ptx[f"{kernel} pdl=False"]
+    assert on["first"] == "trigger" and on["triggers"] == 1 and on["waits"] == 0 and not on["launch_pdl"], on
+    assert on["reads"] and on["writes"], on
+    assert off["triggers"] == off["waits"] == 0 and off["reads"] and off["writes"], off

@@ -19,7 +19,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
+from .host import has_pdl
 from .policy import next_pow2
 
 
@@ -31,6 +33,8 @@ class Shape(NamedTuple):
     HALF_ROPE: int             # rotated pairs (0: none)
     INVERSE: bool
     FP8_NOPE: int              # leading channels rounded through fp8 codes (0: none)
+    PDL: bool                  # let the next launch start now (`host.has_pdl`): a decode GEMV under PDL waits for
+                               # this one before it reads anything, and meanwhile L2-prefetches its weights
 
 
 @triton.jit
@@ -98,6 +102,8 @@ def norm_rope_row(v, d, dmask, weight, cos, sin, eps, dtype, D: tl.constexpr, BD
 def _norm_rope_kernel(x, out, weight, cos, sin, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
     D: tl.constexpr = L.D
     BD: tl.constexpr = L.BD
+    if L.PDL:
+        gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BD)
     dmask = d < D
@@ -139,7 +145,7 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     rows = rows.contiguous()
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
-    shape = Shape(D, bd, norm, half, inverse, fp8_nope)
+    shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device))
     _norm_rope_kernel[(rows.shape[0],)](rows, out, weight if weight is not None else rows, cos_r, sin_r,
                                         rows.stride(0), out.stride(0), cos_r.stride(0), heads,
                                         eps if eps is not None else 0.0, shape, num_warps=8 if bd >= 4096 else 4)
