@@ -153,13 +153,13 @@ def _sigmoid(v):
 
 @triton.jit
 def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_ptr, w_ptr, C, D, stride_xt, stride_pc,
-                   stride_pt, stride_ut, norm_eps, hc_eps, w_eps, ITERS: tl.constexpr, N: tl.constexpr,
+                   stride_pt, norm_eps, hc_eps, w_eps, ITERS: tl.constexpr, N: tl.constexpr,
                    RP: tl.constexpr, CP: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
                    PDL: tl.constexpr):
     """One token: mixes from the C chunk partials (one [CP, RP] tile summed over the chunks), then pre (and, unless
-    HEAD, post and the Sinkhorn comb), then u = sum_j pre[j] X[j] in fp32, stored in u's dtype; NORM (BD >= D: the
-    whole row at once): rounded to u's dtype, then the RMSNorm by w (eps w_eps) before the store. PDL: the next
-    launch may start now (a decode GEMV under PDL waits for this one before it reads u)."""
+    HEAD, post and the Sinkhorn comb), then u = sum_j pre[j] X[j] in fp32, stored in u's dtype (rows of D); NORM
+    (BD >= D: the whole row at once): rounded to u's dtype, then the RMSNorm by w (eps w_eps) before the store.
+    PDL: the next launch may start now (a decode GEMV under PDL waits for this one before it reads u)."""
     if PDL:
         gdc_launch_dependents()
     t = tl.program_id(0)
@@ -196,7 +196,7 @@ def _finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, u_ptr, post_ptr, comb_p
         if NORM:
             u = norm_rope_row(u.to(dtype).to(tl.float32), dd, dmask, w_ptr, w_ptr, w_ptr, w_eps, dtype, D, BD, 2, 0,
                               False)
-        tl.store(u_ptr + t.to(tl.int64) * stride_ut + dd, u.to(dtype), mask=dmask)
+        tl.store(u_ptr + t.to(tl.int64) * D + dd, u.to(dtype), mask=dmask)
 
 
 @triton.jit
@@ -252,7 +252,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     if T:
         _finish_kernel[(T,)](
             xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
-            weight if norm else base, plan.chunks, d, xt.stride(0), part.stride(0), part.stride(1), u.stride(0),
+            weight if norm else base, plan.chunks, d, xt.stride(0), part.stride(0), part.stride(1),
             norm_eps, hc_eps, weight_eps, ITERS=iters, N=n, RP=plan.rows_p2, CP=plan.chunks_p2, HEAD=head, BD=bd,
             NORM=norm, PDL=has_pdl(dev),
             num_warps=16 if n * bd >= 32768 else 8 if n * bd >= 8192 else 4)
