@@ -139,11 +139,12 @@ def test_compress_reads_row_strided_views():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("n, topk", [(1500, 64), (40, 64), (2048, 512), (3000, 1)])
+@pytest.mark.parametrize("n, topk", [(1500, 64), (40, 64), (2048, 512), (3000, 1), (9000, 512)])
 def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
     """The indexer's radix-select top-k against a stable sort by (score descending, id): rows with negative and
     positive scores, exact ties across the threshold (ReLU zeros), -inf tails (keys not visible) and rows with fewer
-    finite scores than topk; picks in ascending id order, -1 after them."""
+    finite scores than topk; picks in ascending id order, -1 after them. Rows up to `TOPK_RESIDENT` scores stay in
+    registers; 9000 takes the blocked passes."""
     g = torch.Generator().manual_seed(n + topk)
     rows = [torch.randn(n, generator=g),
             torch.randn(n, generator=g).clamp(min=0),                      # many exact zeros: ties at T
@@ -159,6 +160,24 @@ def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
         want = sorted(j for j in order[:topk] if row[j] > float("-inf"))
         assert picks[:len(want)].tolist() == want
         assert bool((picks[len(want):] == -1).all())
+
+
+@pytest.mark.parametrize("n", [700, 9000])
+def test_topk_kernel_reads_each_row_only_to_its_tokens_visible_entries(n):
+    """With the tokens' positions, row t takes its picks among its first (pos + 1) // ratio scores only: finite
+    values past them (which `index_scores` never leaves there) do not enter, so they prove the bound is applied;
+    a position beyond the row's width reads the whole row."""
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randn(4, n, generator=g)
+    positions = torch.tensor([0, 4 * 300 + 2, 4 * (n // 2) - 1, 4 * n + 40], dtype=torch.int32)
+    got = indexer.index_picks_of_scores(scores, 128, positions, 4)
+    plain = indexer.index_picks_of_scores(scores, 128)
+    for row, picks, p, every in zip(scores, got, positions.tolist(), plain):
+        visible = min(n, (p + 1) // 4)
+        order = sorted(range(visible), key=lambda j: (-row[j].item(), j))
+        want = sorted(order[:128])
+        assert picks[:len(want)].tolist() == want and bool((picks[len(want):] == -1).all())
+    assert torch.equal(got[3], plain[3]) and not torch.equal(got[2], plain[2])
 
 
 def test_fp8_key_codes_are_exact_powers_of_two_scales_without_saturation():

@@ -16,7 +16,9 @@ topk columns (every finite score where there are at most topk). A radix select: 
 same order (sign-magnitude to two's complement), four passes over the row histogram one byte of the keys among those
 that share the bytes found so far, which gives the topk-th largest key T and how many keys equal to T to take; a last
 pass writes every id with a key above T and the lowest ids with key T (ties go to the lower id; `torch.topk` leaves
-them unspecified). No sort: the attention reading the picks is a sum over them.
+them unspecified). No sort: the attention reading the picks is a sum over them. A row is read only up to the token's
+visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds), and
+a row of at most TOPK_RESIDENT scores is loaded into registers once for all five passes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import triton.language as tl
 from .policy import next_pow2
 from .steps import StepTokens
 
-TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes
+TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes over a long row
+TOPK_RESIDENT = 8192                    # rows up to this many scores stay in registers through every pass
 
 
 class Shape(NamedTuple):
@@ -83,21 +86,35 @@ def _ordered_keys(scores_row, j, n):
 
 
 @triton.jit
-def _topk_kernel(scores, out, n, scores_t, out_t, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _histogram(key, valid, prefix, shift, FIRST: tl.constexpr):
+    """The 256-bin histogram of byte `shift` of the keys that share the bytes of `prefix` above it."""
+    if not FIRST:
+        valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+    return tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
+
+
+@triton.jit
+def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK: tl.constexpr,
+                 BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = scores + t * scores_t
+    if RATIO > 0:                           # past the token's visible entries the scores are -inf: not read
+        n = tl.minimum(n, (tl.load(pos + t) + 1) // RATIO)
     bins = tl.arange(0, 256)
     prefix = tl.zeros([], tl.int64)        # the bytes of T found so far
     need = tl.zeros([], tl.int32) + TOPK   # keys equal to the prefix still to take
     finite = tl.zeros([], tl.int32)
+    if RESIDENT:                            # the whole row in registers, read once
+        row_key, row_valid = _ordered_keys(row, tl.arange(0, BLOCK), n)
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        hist = tl.zeros([256], tl.int32)
-        for j0 in range(0, n, BLOCK):
-            key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
-            if p > 0:
-                valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
+        if RESIDENT:
+            hist = _histogram(row_key, row_valid, prefix, shift, p == 0)
+        else:
+            hist = tl.zeros([256], tl.int32)
+            for j0 in range(0, n, BLOCK):
+                key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
+                hist += _histogram(key, valid, prefix, shift, p == 0)
         total = tl.sum(hist, axis=0)
         if p == 0:
             finite = total
@@ -112,16 +129,20 @@ def _topk_kernel(scores, out, n, scores_t, out_t, TOPK: tl.constexpr, BLOCK: tl.
     ties = tl.zeros([], tl.int32)
     for j0 in range(0, n, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        key, valid = _ordered_keys(row, j, n)
+        if RESIDENT:
+            key, valid = row_key, row_valid
+        else:
+            key, valid = _ordered_keys(row, j, n)
         tie = valid & (key == prefix)
         take = (valid & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), axis=0) <= need))
         at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(out + t * out_t + at, j.to(tl.int64), mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
         ties += tl.sum(tie.to(tl.int32), axis=0)
-    for i0 in range(0, TOPK, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        tl.store(out + t * out_t + i, tl.full([BLOCK], -1, tl.int64), mask=(i >= written) & (i < TOPK))
+    FILL: tl.constexpr = 1024
+    for i0 in range(0, TOPK, FILL):
+        i = i0 + tl.arange(0, FILL)
+        tl.store(out + t * out_t + i, tl.full([FILL], -1, tl.int64), mask=(i >= written) & (i < TOPK))
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, ratio: int,
@@ -154,14 +175,22 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
     if max_keys is None:
         max_keys = steps.pages.shape[1] * entries.shape[1]
     scores = index_scores(q, weights, entries, steps, ratio, scale, max_keys, weight_scale, entry_scales)
-    return index_picks_of_scores(scores, topk)
+    return index_picks_of_scores(scores, topk, steps.pos, ratio)
 
 
-def index_picks_of_scores(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tensor | None = None,
+                          ratio: int = 0) -> torch.Tensor:
     """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
-    order (ties to the lower id), then -1 (`_topk_kernel`, module docstring)."""
-    picks = torch.empty(scores.shape[0], topk, dtype=torch.long, device=scores.device)
-    if scores.shape[0]:
-        _topk_kernel[(scores.shape[0],)](scores, picks, scores.shape[1], scores.stride(0), picks.stride(0), topk,
-                                         TOPK_BLOCK, num_warps=4)
+    order (ties to the lower id), then -1 (`_topk_kernel`, module docstring). positions int32 [N] and ratio: row t
+    reads only its first (positions[t] + 1) // ratio scores, every later one being -inf (`index_scores`' rows),
+    so the select costs the token's context, not the row width."""
+    N, n = scores.shape
+    picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
+    if N:
+        resident = n <= TOPK_RESIDENT
+        block = max(16, next_pow2(n)) if resident else TOPK_BLOCK
+        pos = positions if positions is not None else picks
+        _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos,
+                           ratio if positions is not None else 0, topk, block, resident,
+                           num_warps=min(16, max(4, block // 512)))
     return picks
