@@ -143,8 +143,7 @@ def test_compress_reads_row_strided_views():
 def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
     """The indexer's radix-select top-k against a stable sort by (score descending, id): rows with negative and
     positive scores, exact ties across the threshold (ReLU zeros), -inf tails (keys not visible) and rows with fewer
-    finite scores than topk; picks in ascending id order, -1 after them. Rows up to `TOPK_RESIDENT` scores stay in
-    registers; 9000 takes the blocked passes."""
+    finite scores than topk; picks in ascending id order, -1 after them; rows of one block and of several."""
     g = torch.Generator().manual_seed(n + topk)
     rows = [torch.randn(n, generator=g),
             torch.randn(n, generator=g).clamp(min=0),                      # many exact zeros: ties at T

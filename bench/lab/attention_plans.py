@@ -1,10 +1,10 @@
 """Question: Which launch geometry makes a decode step's attention fastest at V4-Flash's shapes, batch 1 to 256?
 
 Round 33's H100 profile put batch-256 decode attention at 334 us a layer for bytes that take about 55 us, with
-`plan_attention`'s geometry (32 heads a program on 8 warps, 16 keys a block, no key split once the launch fills the
-GPU): one program per SM, about 40 dependent key blocks each. This times `kernels.attention.sparse_attention` over
-a decode step (one token per sequence, the ring written in the launch) with other plans: heads per program, warps,
-keys per block, a key split at large batch, and compares each output with the default plan's.
+the geometry of then (32 heads a program on 8 warps, 16 keys a block, no key split once the launch fills the GPU):
+one program per SM, about 40 dependent key blocks each. This times `kernels.attention.sparse_attention` over
+a decode step (one token per sequence, the ring written in the launch) with other plans: round 33's, heads per
+program, warps, a key split at large batch, and compares each output with the default plan's.
 
     python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
     python bench/lab/attention_plans.py --toy                                              # CPU dry run
@@ -60,11 +60,11 @@ def step_inputs(batch: int, context: int, ratio: int, H: int, D: int, W: int, to
 def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, AttentionPlan]:
     default = plan_attention(batch, H, D, keys, False, sms)
     bk = default.keys
+    old = AttentionPlan(16, 16, 8, default.split) if default.split else AttentionPlan(32, 16, 8, 0)
     plans = {"default": default,
+             "round 33 (16 keys a block)": old,
              "16 heads, 8 warps": AttentionPlan(16, bk, 8, default.split),
-             "16 heads, 4 warps": AttentionPlan(16, bk, 4, default.split),     # 228 registers: two programs an SM
-             "32 heads, 16 warps": AttentionPlan(32, bk, 16, default.split),   # 123-128 registers, no spill (sm_90)
-             "32 heads, 2x keys a block": AttentionPlan(32, 2 * bk, 8, default.split)}   # 222-254 registers
+             "16 heads, 4 warps": AttentionPlan(16, bk, 4, default.split)}     # 228 registers: two programs an SM
     for split in (1, 3):
         if default.split == 0:
             plans[f"16 heads, split {split}"] = AttentionPlan(16, bk, 8, split)

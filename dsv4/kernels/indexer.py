@@ -17,8 +17,7 @@ same order (sign-magnitude to two's complement), four passes over the row histog
 that share the bytes found so far, which gives the topk-th largest key T and how many keys equal to T to take; a last
 pass writes every id with a key above T and the lowest ids with key T (ties go to the lower id; `torch.topk` leaves
 them unspecified). No sort: the attention reading the picks is a sum over them. A row is read only up to the token's
-visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds), and
-a row of at most TOPK_RESIDENT scores is loaded into registers once for all five passes.
+visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds).
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ import triton.language as tl
 from .policy import next_pow2
 from .steps import StepTokens
 
-TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes over a long row
-TOPK_RESIDENT = 8192                    # rows up to this many scores stay in registers through every pass
+TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes
 
 
 class Shape(NamedTuple):
@@ -95,7 +93,7 @@ def _histogram(key, valid, prefix, shift, FIRST: tl.constexpr):
 
 @triton.jit
 def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK: tl.constexpr,
-                 BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+                 BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = scores + t * scores_t
     if RATIO > 0:                           # past the token's visible entries the scores are -inf: not read
@@ -104,17 +102,12 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
     prefix = tl.zeros([], tl.int64)        # the bytes of T found so far
     need = tl.zeros([], tl.int32) + TOPK   # keys equal to the prefix still to take
     finite = tl.zeros([], tl.int32)
-    if RESIDENT:                            # the whole row in registers, read once
-        row_key, row_valid = _ordered_keys(row, tl.arange(0, BLOCK), n)
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        if RESIDENT:
-            hist = _histogram(row_key, row_valid, prefix, shift, p == 0)
-        else:
-            hist = tl.zeros([256], tl.int32)
-            for j0 in range(0, n, BLOCK):
-                key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
-                hist += _histogram(key, valid, prefix, shift, p == 0)
+        hist = tl.zeros([256], tl.int32)
+        for j0 in range(0, n, BLOCK):
+            key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
+            hist += _histogram(key, valid, prefix, shift, p == 0)
         total = tl.sum(hist, axis=0)
         if p == 0:
             finite = total
@@ -129,10 +122,7 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
     ties = tl.zeros([], tl.int32)
     for j0 in range(0, n, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        if RESIDENT:
-            key, valid = row_key, row_valid
-        else:
-            key, valid = _ordered_keys(row, j, n)
+        key, valid = _ordered_keys(row, j, n)
         tie = valid & (key == prefix)
         take = (valid & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), axis=0) <= need))
         at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
@@ -187,10 +177,8 @@ def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tens
     N, n = scores.shape
     picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
     if N:
-        resident = n <= TOPK_RESIDENT
-        block = max(16, next_pow2(n)) if resident else TOPK_BLOCK
         pos = positions if positions is not None else picks
         _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos,
-                           ratio if positions is not None else 0, topk, block, resident,
-                           num_warps=min(16, max(4, block // 512)))
+                           ratio if positions is not None else 0, topk, min(TOPK_BLOCK, max(16, next_pow2(n))),
+                           num_warps=4)
     return picks
