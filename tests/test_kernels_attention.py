@@ -88,8 +88,8 @@ def test_the_key_split_takes_the_gpu_only_a_small_launch_leaves_idle():
 def test_plans_for_v4_flash_decode_steps():
     """plan_attention at V4-Flash's 64 heads of 512 on 132 SMs: (heads a program, keys a block, warps, split)."""
     from dsv4.kernels.attention import AttentionPlan, plan_attention
-    assert plan_attention(1, 64, 512, 512, False, 132) == AttentionPlan(32, 32, 8, 4)      # batch 1, CSA: split
-    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(32, 32, 8, 1)     # 128 programs: split 1
+    assert plan_attention(1, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # batch 1, CSA: split
+    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 1)     # 128 programs: split 1
     assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(32, 32, 8, 0)    # a full wave and more
     assert plan_attention(256, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 0)     # packed fp8 entries
     assert plan_attention(1, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 4)       # packed, batch 1: split

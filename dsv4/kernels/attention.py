@@ -239,15 +239,19 @@ class AttentionPlan(NamedTuple):
 @lru_cache(maxsize=None)
 def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
                    split: int | None = None) -> AttentionPlan:
-    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached). Heads per program:
-    the fp32 accumulator [BH, D] at 64 values a thread (32 x 512 on 8 warps), 32 keys a block; packed entries take
-    16 heads and 16 keys of 512 (their decode needs the registers); split: as given, else `attention_split`.
-    (docs/tuning.md#attention-plan)"""
-    bh = 16 if packed else max(16, min(64, next_pow2(heads), 16384 // head_dim))
+    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached), 32 keys a block.
+    A launch that fills the GPU: 32 heads a program on 8 warps (the fp32 accumulator [32, 512] at 64 values a
+    thread). One that does not takes a key split (`attention_split`, or `split` as given) and 16 heads on 4 warps:
+    more, smaller programs. Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs the
+    registers). docs/tuning.md#attention-plan has the measurements."""
+    bh = max(16, min(64, next_pow2(heads), 16384 // head_dim))
     if split is None:
         split = attention_split(tokens * -(-heads // bh), entries, sms)
-    keys = 16 if packed and head_dim > 256 else 32
-    return AttentionPlan(bh, keys, 8 if packed or bh * head_dim >= 16384 else 4, split)
+    if packed:
+        return AttentionPlan(16, 16 if head_dim > 256 else 32, 8, split)
+    if split:
+        return AttentionPlan(16, 32, 4, split)
+    return AttentionPlan(bh, 32, 8 if bh * head_dim >= 16384 else 4, 0)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,

@@ -31,7 +31,7 @@ import triton.language as tl
 from .policy import next_pow2
 from .steps import StepTokens
 
-TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes
+TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes (docs/tuning.md#indexer-topk)
 
 
 class Shape(NamedTuple):

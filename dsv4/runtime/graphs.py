@@ -73,6 +73,8 @@ class DecodeGraphs:
         self._rows: dict[int, tuple[int, int]] = {}       # slot -> (id of its sequence, pages on the device)
         pin = self.device.type == "cuda"
         self.host = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pin)   # token ids, positions, slots
+        self.host_rows = torch.zeros(largest * width, dtype=torch.int32, pin_memory=pin)  # changed page-table rows
+        self.host_row_slots = torch.zeros(largest, dtype=torch.int64, pin_memory=pin)     # and their slots
         self.inputs = torch.zeros(3, largest, dtype=torch.int64, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # by (batch, length) bucket
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -116,8 +118,16 @@ class DecodeGraphs:
     @torch.inference_mode()
     def replay(self, step: GraphStep) -> torch.Tensor:
         """Run a prepared step (its graph, or the same padded step eagerly) -> logits [bucket, vocab rows]."""
-        for slot, table in step.pages:
-            self.tables[slot, :len(table)].copy_(torch.tensor(table, dtype=torch.int32))
+        if step.pages:          # every changed row in one copy (a step that admits a batch changes them all)
+            n, cols = len(step.pages), max(len(table) for _, table in step.pages)
+            rows = self.host_rows.view(-1)[:n * cols].view(n, cols)     # contiguous: an asynchronous copy
+            slots = self.host_row_slots[:n]
+            rows.zero_()
+            for i, (slot, table) in enumerate(step.pages):
+                rows[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+                slots[i] = slot
+            self.tables[:, :cols].index_copy_(0, slots.to(self.device, non_blocking=True),
+                                              rows.to(self.device, non_blocking=True))
         b, bucket, host = len(step.ids), step.bucket, self.host
         host[0, :bucket] = 0
         host[1, :bucket] = 0
