@@ -42,3 +42,17 @@ def test_matches_the_reference(shape, rotate, weighted, normalised, inverse, dty
         assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2 ** -6
     if not normalised and not rotate:
         assert torch.equal(got, x)
+
+
+def test_rows_of_a_wider_product_are_read_in_place():
+    """x a column slice of a wider product (wq_a's and wkv's columns of their fused output): the launch reads the
+    rows through their stride, with the same result as a contiguous copy."""
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(3, 7, 96 + 64, generator=g).bfloat16()
+    kv = wide[..., 96:]
+    angle = torch.rand(3, 7, 8, generator=g)
+    weight = torch.rand(64, generator=g) + 0.5
+    got = norm_rope(kv, angle.cos(), angle.sin(), weight, 1e-6)
+    assert torch.equal(got, norm_rope(kv.contiguous(), angle.cos(), angle.sin(), weight, 1e-6))
+    want = ref.norm_rope(kv, angle.cos(), angle.sin(), weight, 1e-6)          # bf16 roundings may differ
+    assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2 ** -6

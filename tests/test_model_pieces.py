@@ -362,9 +362,39 @@ def test_fused_projections_give_the_separate_products_logits():
     attn = next(b.attn for b in model.layers if b.attn.indexer is not None)
     parts = attn.dense_projections()
     assert [p.weight.data_ptr() for p in parts][0] == attn.x_dense.data_ptr() and len(parts) == 5
+    for block in model.layers:                                     # wq_a and wkv: views of one weight too
+        a = block.attn
+        assert a.x_query_kv is not None and a.wq_a.weight.data_ptr() == a.x_query_kv.weight.data_ptr()
+        assert a.wkv.weight.data_ptr() == a.x_query_kv.weight[a.wq_a.out_features:].data_ptr()
     assert set(model.state_dict()) == keys
     got = decode_logits()
     assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("q_lora_rank, fused", [(128, True), (96, False)])
+def test_fp8_query_and_kv_projections_fuse_on_whole_scale_blocks(tmp_path, q_lora_rank, fused):
+    """`fuse_query_kv_` on FP8-block weights (DeepSeek's release format): wq_a's rows and 128-row scale blocks
+    first, then wkv's, in one weight, when wq_a's rows fill whole scale blocks (else the layers stay apart); a
+    prefill's logits equal the unfused model's, and the state dict keeps its keys and values."""
+    import dsv4
+    from dsv4.checkpoint.tiny import make_tiny
+    from dsv4.config import ModelConfig
+
+    make_tiny(tmp_path, seed=0, fmt="official", cfg=ModelConfig.tiny(q_lora_rank=q_lora_rank))
+    model = dsv4.load(tmp_path)
+    attn = model.layers[0].attn
+    assert attn.wq_a.format.fmt == attn.wkv.format.fmt == "fp8"
+    ids = torch.tensor([list(range(2, 40))])
+    with torch.inference_mode():
+        want, state = model(ids), {k: v.clone() for k, v in model.state_dict().items()}
+        assert all(bool(a.fuse_query_kv_()) == fused for a in (b.attn for b in model.layers))
+        got = model(ids)
+    if fused:
+        w = attn.x_query_kv
+        assert w.fmt == "fp8" and w.weight.shape[0] == q_lora_rank + attn.wkv.out_features
+        assert attn.wkv.scale.data_ptr() == w.scale[q_lora_rank // 128:].data_ptr()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_router_logits_are_fp32_products_of_the_bf16_values():

@@ -48,6 +48,19 @@ def test_tiled_weight_dequantizes_like_the_row_major_one(fmt):
     assert t.tile() is t and w.untiled() is w
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_stacking_tiled_weights_gives_the_tiled_stack(fmt):
+    """What `Attention.fuse_query_kv_` relies on: tiles are row blocks, so wq_a's and wkv's tiled bytes (and scales)
+    stacked are the stack's tiled bytes; FP8's 128-row scale blocks stack as rows too."""
+    a, b = stacked_weight(fmt, 128, 256), stacked_weight(fmt, 64, 256)
+    stacked = QWeight(fmt, torch.cat((a.weight, b.weight)), torch.cat((a.scale, b.scale)))
+    ta, tb, ts = a.tile(), b.tile(), stacked.tile()
+    same = lambda x, y: torch.equal(x.view(torch.uint8), y.view(torch.uint8))  # noqa: E731  (float8 bytes)
+    assert same(torch.cat((ta.weight, tb.weight)), ts.weight) and same(torch.cat((ta.scale, tb.scale)), ts.scale)
+    fused = QWeight(fmt, torch.cat((ta.weight, tb.weight)), torch.cat((ta.scale, tb.scale)), tiled=True)
+    assert torch.equal(fused.dequantize(), torch.cat((a.dequantize(), b.dequantize())))
+
+
 def test_row_slices_of_a_tiled_weight():
     w = stacked_weight("nvfp4", 256, 128)
     t = w.tile()

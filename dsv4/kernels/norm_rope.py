@@ -132,7 +132,9 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
         raise ValueError(f"norm_rope: fp8 rounding needs a power-of-two last axis of at least 64 channels and "
                          f"0 < fp8_nope <= it; got {tuple(x.shape)}, fp8_nope={fp8_nope}")
     rows = x.reshape(-1, D)
-    out = torch.empty_like(rows)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
     if rows.shape[0] == 0:
         return out.view(x.shape)
     half = 0 if cos is None else cos.shape[-1]
@@ -142,7 +144,6 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
         raise ValueError(f"norm_rope: cos {tuple(cos.shape)} does not match x {tuple(x.shape)}")
     cos_r = rows if cos is None else cos.reshape(-1, half).contiguous()
     sin_r = rows if sin is None else sin.reshape(-1, half).contiguous()
-    rows = rows.contiguous()
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
     shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device))

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..formats import QWeight
+from ..formats import FP8_BLOCK, QWeight
 from ..kernels.ref import attend, causal_entry_bias, picked_entry_bias, window_bias
 from .compressor import Compressor
 from .indexer import Indexer
@@ -66,6 +66,7 @@ class Attention(nn.Module):
         # buffer: built after loading, on the device, from the loaded weights, which become views of it)
         self.x_dense: torch.Tensor | None = None
         self.x_dense_widths: tuple[int, ...] = ()
+        self.x_query_kv: QWeight | None = None      # `fuse_query_kv_`: wq_a and wkv as one weight (rows stacked)
 
     def dense_projections(self) -> list[QLinear]:
         """The dense-capable projections of x a cached step runs besides wq_a / wkv, in the order of their rows in
@@ -91,6 +92,28 @@ class Attention(nn.Module):
             self.x_dense_widths = tuple(p.out_features for p in parts)
         return self.x_dense is not None
 
+    def fuse_query_kv_(self) -> bool:
+        """Run wq_a and wkv (both products of x) as one: their weights and scales move into one buffer, wq_a's
+        rows first, each layer's becoming a view of its rows (no memory added). Only where the rows stack
+        unchanged: one format of dense, fp8 (wq_a's rows a whole number of 128-row scale blocks) or mxfp4 (scales
+        per row), one scale dtype, both stored tiled or neither (tiles are row blocks, so stacked tiled weights
+        are the tiled stack). The device placement calls this; rounding may differ from separate products in the
+        last bit, so the CPU's reference model keeps them apart. Returns whether they are fused."""
+        a, b = self.wq_a, self.wkv
+        fmt = a.format.fmt
+        if self.x_query_kv is None and a.format == b.format and fmt in ("dense", "fp8", "mxfp4") \
+                and not a.leading and not b.leading and a.tiled == b.tiled and a.weight.dtype == b.weight.dtype \
+                and (fmt != "fp8" or a.out_features % FP8_BLOCK == 0):
+            widths = (a.out_features, b.out_features)
+            weight = torch.cat((a.weight, b.weight))
+            a.weight, b.weight = weight.split(widths)
+            scale = None
+            if fmt != "dense":
+                scale = torch.cat((a.scale, b.scale))
+                a.scale, b.scale = scale.split((a.scale.shape[0], b.scale.shape[0]))
+            self.x_query_kv = QWeight(fmt, weight, scale, None, None, tiled=a.tiled)
+        return self.x_query_kv is not None
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState | None = None,
                 batch: SeqBatch | None = None, ropes: StepRope | None = None) -> torch.Tensor:
         """x [B, S, d] (the attn_norm'ed block input) at `positions` [B, S] -> [B, S, d].
@@ -103,10 +126,14 @@ class Attention(nn.Module):
         ropes = ropes or StepRope(positions)
         cos, sin = ropes.at(self.rope)                                    # [B, S, rope/2]
         ops = self.ops                                                    # norm + rope: one kernel each
-        qr = ops.norm_rope(self.wq_a(x), None, None, self.q_norm.weight, self.q_norm.eps)
+        if self.x_query_kv is not None:                                  # wq_a and wkv in one product
+            xq, xkv = ops.linear(x, self.x_query_kv).split((self.wq_a.out_features, self.wkv.out_features), -1)
+        else:
+            xq, xkv = self.wq_a(x), self.wkv(x)
+        qr = ops.norm_rope(xq, None, None, self.q_norm.weight, self.q_norm.eps)
         q = ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
         fp8_nope = state.fp8_nope if state is not None else 0                # the fp8 cache's values
-        kv = ops.norm_rope(self.wkv(x), cos, sin, self.kv_norm.weight, self.kv_norm.eps, fp8_nope=fp8_nope)  # [B, S, D]
+        kv = ops.norm_rope(xkv, cos, sin, self.kv_norm.weight, self.kv_norm.eps, fp8_nope=fp8_nope)  # [B, S, D]
 
         if state is None:
             o = self._prefill(x, qr, q, kv, positions)

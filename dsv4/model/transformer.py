@@ -204,9 +204,13 @@ class Transformer(nn.Module):
         return sum(m.tile_() for m in self.modules() if isinstance(m, QLinear))
 
     def fuse_projections_(self) -> int:
-        """Each attention's dense projections of x as one product (`Attention.fuse_projections_`); returns how many
-        layers run them fused. Logits may change in the last bit (one GEMM's rounding instead of several)."""
-        return sum(m.fuse_projections_() for m in self.modules() if isinstance(m, Attention))
+        """Each attention's projections of x in fewer products: the compressors' dense ones as one
+        (`Attention.fuse_projections_`) and wq_a with wkv (`Attention.fuse_query_kv_`); returns how many layers run
+        the former fused. Logits may change in the last bit (one GEMM's rounding instead of several)."""
+        attentions = [m for m in self.modules() if isinstance(m, Attention)]
+        for m in attentions:
+            m.fuse_query_kv_()
+        return sum(m.fuse_projections_() for m in attentions)
 
     def prepare_for_kernels_(self) -> None:
         """The device placement's layout for the GPU kernels: weights tile-major (`tile_weights_`), fused
