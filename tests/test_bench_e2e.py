@@ -24,6 +24,15 @@ def test_toy_run_writes_every_case(tmp_path):
     assert res["hf"]["ms_per_token"] > 0
 
 
+def test_repeats_take_the_median_of_fresh_engines(tmp_path):
+    res = e2e.main(["--model", "tiny", "--device", "cpu", "--format", "bf16", "--layers", "3", "--batch", "2",
+                    "--context", "64", "--prefill", "", "--steps", "2", "--hf", "off", "--repeats", "3",
+                    "--out", str(tmp_path)])
+    assert not res["errors"] and len(res["decode"]) == 1
+    for case in res["decode"]:
+        assert len(case["step_ms_runs"]) == 3 and case["step_ms"] == sorted(case["step_ms_runs"])[1]
+
+
 def test_step_bytes_counts_weights_experts_and_cache():
     cfg = ModelConfig.tiny()
     model = dummy_model(cfg, "bf16", dtype=torch.float32)
