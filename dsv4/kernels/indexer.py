@@ -84,14 +84,6 @@ def _ordered_keys(scores_row, j, n):
 
 
 @triton.jit
-def _histogram(key, valid, prefix, shift, FIRST: tl.constexpr):
-    """The 256-bin histogram of byte `shift` of the keys that share the bytes of `prefix` above it."""
-    if not FIRST:
-        valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-    return tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
-
-
-@triton.jit
 def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK: tl.constexpr,
                  BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -107,7 +99,9 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
         hist = tl.zeros([256], tl.int32)
         for j0 in range(0, n, BLOCK):
             key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
-            hist += _histogram(key, valid, prefix, shift, p == 0)
+            if p > 0:
+                valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
         total = tl.sum(hist, axis=0)
         if p == 0:
             finite = total

@@ -120,7 +120,7 @@ class DecodeGraphs:
         """Run a prepared step (its graph, or the same padded step eagerly) -> logits [bucket, vocab rows]."""
         if step.pages:          # every changed row in one copy (a step that admits a batch changes them all)
             n, cols = len(step.pages), max(len(table) for _, table in step.pages)
-            rows = self.host_rows.view(-1)[:n * cols].view(n, cols)     # contiguous: an asynchronous copy
+            rows = self.host_rows[:n * cols].view(n, cols)     # contiguous: an asynchronous copy
             slots = self.host_row_slots[:n]
             rows.zero_()
             for i, (slot, table) in enumerate(step.pages):
