@@ -1,14 +1,16 @@
 """Decode CUDA graphs against eager steps: the same greedy tokens from `Engine()` (graphs) and
-`Engine(enforce_eager=True)` on the same requests, whose decode crosses CSA and HCA window closes, page boundaries
-and batch-size buckets (requests of different lengths finish at different steps, so the batch shrinks through
-them).
+`Engine(enforce_eager=True)` (the same padded steps, uncaptured) on the same requests, whose decode crosses CSA and
+HCA window closes, page boundaries and batch-size buckets (requests of different lengths finish at different steps,
+so the batch shrinks through them). On CUDA it also reports, without failing on it, whether the engine's plain
+unpadded steps give the same tokens (`plain_identical`): they plan their kernels by the exact batch and length, and
+a different key split or tile rounds differently, which can flip a near-tie of dummy weights' logits.
 
     python bench/graph_check.py --out DIR                       # CUDA: dummy V4-Flash dims, 4 layers
     python bench/graph_check.py --model tiny --out DIR          # CPU: the runner's padded path without capture
     python bench/graph_check.py --tensor-parallel-size 2 --out DIR   # two GPUs: every rank replays its graphs
 
-On the CPU no graph is captured: the engine gets the runner with capture=False (its padded static-buffer path),
-the comparison the tests make. With --tensor-parallel-size N the two engines are parallel `dsv4.LLM`s of dummy
+On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
+(its padded static-buffer path), the comparison the tests make. With --tensor-parallel-size N the two engines are parallel `dsv4.LLM`s of dummy
 weights (the same seed: the same weights), their decode graphs captured on every rank (one-shot all-reduce inside
 them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1 if any token differs.
 """
@@ -45,6 +47,11 @@ def generate(engine: Engine, prompts: list[list[int]], new: list[int]) -> list[l
     return [list(s.tracker.token_ids) for s in seqs]
 
 
+def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int | None]:
+    """Per request, the index of the first token where a and b differ (None: none does)."""
+    return [next((i for i, (x, y) in enumerate(zip(u, v)) if x != y), None) for u, v in zip(a, b)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="v4-flash", help="preset (v4-flash, tiny) or a config.json path")
@@ -71,17 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     eager = generate(Engine(model, enforce_eager=True, **kw), prompts, list(new))
     graphed_engine = Engine(model, **kw)
+    plain = None
     if graphed_engine.graphs is None:            # the CPU: the runner's padded path, without capture
         graphed_engine.cache = KVCache(cfg, kw["max_num_seqs"] + 1, kw["num_cache_pages"], dtype, device)
         graphed_engine.graphs = DecodeGraphs(model, graphed_engine.cache.layers, kw["max_num_seqs"],
                                              kw["max_model_len"], pad_slot=kw["max_num_seqs"], capture=False)
+    else:                                        # CUDA: also the plain unpadded steps, reported
+        plain_engine = Engine(model, enforce_eager=True, **kw)
+        plain_engine.graphs = None
+        plain = generate(plain_engine, prompts, list(new))
     graphed = generate(graphed_engine, prompts, list(new))
     same = [a == b for a, b in zip(eager, graphed)]
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(eager, graphed)]
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "layers": args.layers, "format": args.format, "captured": device.type == "cuda",
            "graph_memory": graphed_engine.graph_memory, "identical": all(same), "per_request": same,
-           "first_difference": first_diff, "seconds": time.perf_counter() - t}
+           "first_difference": first_differences(eager, graphed), "seconds": time.perf_counter() - t}
+    if plain is not None:
+        res |= {"plain_identical": plain == graphed, "plain_first_difference": first_differences(plain, graphed)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "graph_check.json").write_text(json.dumps(res, indent=1))

@@ -102,12 +102,13 @@ class LLM:
         before anything is loaded. disable_custom_all_reduce (vLLM's name) sends every all-reduce through NCCL
         instead of small ones through torch's symmetric-memory one-shot kernel. On a GPU, decode steps replay CUDA
         graphs captured at start-up (one per batch size and length bucket up to max_num_seqs and max_model_len; on
-        every rank of a parallel engine with one pipeline stage); enforce_eager=True (vLLM's name) runs them
-        eagerly. kv_cache_dtype (vLLM's name): "fp8" (experimental) keeps the attention's compressed entries as
-        packed fp8 rows (448 e4m3 codes in blocks of 64 with a power-of-two scale each, 64 bf16 rope values: 584
-        instead of 1,024 bytes, the K = V rows rounded as DeepSeek's reference rounds them) and the lightning
-        indexer's keys in fp8 e4m3 with a power-of-two scale per key (132 instead of 256 bytes); "fp8-indexer" only
-        the indexer's keys; "auto" (the default) keeps the compute dtype, whose logits equal transformers'."""
+        every rank of a parallel engine with one pipeline stage); enforce_eager=True (vLLM's name) runs the same
+        padded steps uncaptured, which give the same tokens. kv_cache_dtype (vLLM's name): "fp8" (experimental)
+        keeps the attention's compressed entries as packed fp8 rows (448 e4m3 codes in blocks of 64 with a
+        power-of-two scale each, 64 bf16 rope values: 584 instead of 1,024 bytes, the K = V rows rounded as
+        DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 with a power-of-two scale per
+        key (132 instead of 256 bytes); "fp8-indexer" only the indexer's keys; "auto" (the default) keeps the
+        compute dtype, whose logits equal transformers'."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         load_format, dummy_format = _load_format(load_format)
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
@@ -298,9 +299,12 @@ def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dty
 
 
 def _decode_runner(device: torch.device, layout: Layout, enforce_eager: bool) -> str:
-    """How a parallel engine runs decode steps (workers.RankSpec.decode_runner): captured CUDA graphs on one pipeline
-    stage, else plain steps (graphs of several stages would need the point-to-point sends inside them)."""
-    return "graphs" if device.type == "cuda" and layout.pp == 1 and not enforce_eager else "plain"
+    """How a parallel engine runs decode steps (workers.RankSpec.decode_runner): on CUDA with one pipeline stage the
+    decode runner, its graphs captured or, with enforce_eager, its padded steps uncaptured (the same tokens); else
+    plain steps (graphs of several stages would need the point-to-point sends inside them)."""
+    if device.type != "cuda" or layout.pp > 1:
+        return "plain"
+    return "padded" if enforce_eager else "graphs"
 
 
 def _load_format(value: str) -> tuple[str, str]:

@@ -141,7 +141,7 @@ def _serve_args(sub) -> None:
                    help="on SIGINT / SIGTERM, how long running requests may still take (default 10)")
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
-    s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
+    s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graph capture")
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(s)
     _parallel_args(s)
@@ -159,7 +159,7 @@ def _model_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
-    g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graphs")
+    g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graph capture")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(g)
     _parallel_args(g)

@@ -339,3 +339,16 @@ def test_engine_options_reach_every_ranks_spec(monkeypatch, disable):
     spec = got.value.args[0]
     assert spec.one_shot_all_reduce is not disable and spec.decode_runner == "plain" and spec.max_model_len == 512
     assert spec.kv_cache_dtype == ("fp8" if disable else "auto")
+
+
+def test_decode_runner_of_a_parallel_engine():
+    """CUDA with one pipeline stage: the decode runner, captured, or uncaptured with enforce_eager (the same padded
+    steps, so the same tokens); several stages or the CPU: plain steps."""
+    from dsv4.api import _decode_runner
+    from dsv4.parallel.layout import Layout
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert _decode_runner(cuda, Layout(tp=2), enforce_eager=False) == "graphs"
+    assert _decode_runner(cuda, Layout(tp=2), enforce_eager=True) == "padded"
+    assert _decode_runner(cuda, Layout(tp=2, pp=2), enforce_eager=False) == "plain"
+    assert _decode_runner(cpu, Layout(tp=2), enforce_eager=False) == "plain"

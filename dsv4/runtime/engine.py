@@ -91,8 +91,10 @@ class Engine:
         a GPU, as many as fit in `gpu_memory_utilization` of its memory after the weights and the largest step's
         activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens. driver: rank 0's side
         of a parallel engine, whose cache (rank 0's stage of it, sized with the other ranks) this engine uses.
-        On CUDA, decode steps replay CUDA graphs captured here (`graphs.DecodeGraphs`) unless `enforce_eager`
-        (vLLM's name); their memory is logged and kept in `graph_memory`. A driver's ranks have made their own
+        On CUDA, decode steps go through the decode runner (`graphs.DecodeGraphs`): they replay CUDA graphs captured
+        here, or with `enforce_eager` (vLLM's name) run the same padded steps uncaptured, so that both give the same
+        tokens (the kernels plan by the step's batch and length buckets, not its exact sizes); the graphs' memory is
+        logged and kept in `graph_memory`. A driver's ranks have made their own
         runners (`driver.graphs`; runtime/workers.py), whose steps every rank replays. kv_cache_dtype (vLLM's name;
         `runtime.cache.pool_shapes`): "auto" keeps the cache in the compute dtype; "fp8-indexer" keeps the
         lightning indexer's keys as fp8 e4m3 with a power-of-two scale per key (132 instead of 256 bytes a key at
@@ -123,16 +125,16 @@ class Engine:
                                      f"({num_cache_pages * PAGE_TOKENS} tokens), fewer than one sequence of "
                                      f"max_model_len={self.max_model_len}; lower max_model_len or give the cache more "
                                      "memory (gpu_memory_utilization, num_cache_pages)")
-        graphed = driver is None and self.device.type == "cuda" and not enforce_eager
-        # a graphed engine's cache has one more slot than sequences: the padding rows of a replayed step use it
-        self.cache = driver.cache if driver else KVCache(cfg, max_num_seqs + graphed, num_cache_pages, self.dtype,
+        padded = driver is None and self.device.type == "cuda"
+        # the decode runner's cache has one more slot than sequences: the padding rows of its steps use it
+        self.cache = driver.cache if driver else KVCache(cfg, max_num_seqs + padded, num_cache_pages, self.dtype,
                                                          self.device, kv_cache_dtype)
         self.scheduler = Scheduler(max_num_seqs, budget, PageAllocator(num_cache_pages))
         if driver is not None:                    # its ranks' runners, made and captured with them (or none)
             self.graphs = driver.graphs
         else:
             self.graphs = DecodeGraphs(model, self.cache.layers, max_num_seqs, self.max_model_len,
-                                       pad_slot=max_num_seqs) if graphed else None
+                                       pad_slot=max_num_seqs, capture=not enforce_eager) if padded else None
         self.graph_memory = self.graphs.memory if self.graphs else 0
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}      # unfinished requests by id

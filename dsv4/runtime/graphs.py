@@ -18,6 +18,7 @@ eagerly: the path the tests compare against the engine's plain step on the CPU.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -158,7 +159,11 @@ class DecodeGraphs:
     def _capture(self) -> None:
         """One graph per (batch, length) bucket, the largest first, all in one memory pool; a warm-up run on the
         padding slot before each capture compiles and plans its kernels."""
+        # what the graphs hold is the device memory they take from a state with no cached free blocks on either
+        # side (torch.cuda.graph itself empties the cache on entry, which would otherwise count as memory gained)
         torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         self.inputs[2].fill_(self.pad_slot)
         pool = None
@@ -171,6 +176,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[key], self.outputs[key] = graph, out
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         self.memory = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         log.info("captured decode CUDA graphs for batch sizes %s x lengths %s (%.2f GiB)", self.buckets, self.lengths,
                  self.memory / 2**30)
