@@ -97,10 +97,11 @@ def test_tiny_top_p_keeps_the_top_token():
 
 
 # ------------------------------------------------------------------ the kernel == the reference; the kept sets
-def kernel_tokens(x, batch):
-    """The Triton kernel's tokens for a batch (under the interpreter on the CPU)."""
+def kernel_tokens(x, batch, chunks=None):
+    """The Triton kernels' tokens for a batch (under the interpreter on the CPU); chunks: programs a row's first pass
+    splits into (by default the plan's, one here for most batches: the interpreter counts 4 SMs)."""
     return sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                         batch.seeds, batch.counters)
+                         batch.seeds, batch.counters, chunks=chunks)
 
 
 def kept_mask(x, batch):
@@ -184,6 +185,8 @@ def test_random_rows_the_kernel_draws_the_references_tokens(vocab):
         batch = build(params, vocab_size=vocab, all_filters=all_filters)
         want = sample_reference(x, batch).token_ids
         assert torch.equal(kernel_tokens(x, batch), want)
+        if vocab > 2048:                                  # the first pass over 3 chunks (2048, 2048, 904 logits)
+            assert torch.equal(kernel_tokens(x, batch, chunks=3), want)
         kept = kept_mask(x, batch)
         assert bool(kept.gather(1, want[:, None]).all())                     # the token is one the filters keep
     for i in range(0, rows, 8):
@@ -203,8 +206,26 @@ def test_flat_and_peaked_rows_give_the_references_tokens():
     params = ([SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2
               + [SamplingParams(), SamplingParams(top_p=0.9)] * 2)
     batch = build(params, range(100, 110), vocab_size=5000)
-    assert torch.equal(kernel_tokens(x, batch), sample_reference(x, batch).token_ids)
-    assert kernel_tokens(x, batch)[6:].tolist() == [10, 10, 4990, 4990]
+    for chunks in (1, 2, 3):
+        assert torch.equal(kernel_tokens(x, batch, chunks), sample_reference(x, batch).token_ids)
+        assert kernel_tokens(x, batch, chunks)[6:].tolist() == [10, 10, 4990, 4990]
+
+
+def test_chunks_combine_to_the_lowest_id_of_equal_maxima():
+    """The first pass split over chunks: a greedy row whose largest logit is in three chunks takes the lowest id (a
+    top-k 1 row keeps the three tied tokens and draws one); a chunk of only -inf logits loses; a row of only -inf
+    draws token 0, as the reference's argmax does."""
+    x = torch.randn(4, 5000, generator=torch.Generator().manual_seed(3))
+    x[:2, [4500, 2100, 3000]] = 9.0
+    x[2, :4096] = float("-inf")
+    x[3] = float("-inf")
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0)]
+    batch = build(params, range(4), vocab_size=5000)
+    want = sample_reference(x, batch).token_ids
+    assert want[0] == 2100 and want[1] in (2100, 3000, 4500) and want[3] == 0
+    for chunks in (1, 2, 3):
+        assert torch.equal(kernel_tokens(x, batch, chunks), want)
 
 
 def test_top_p_at_every_cumulative_boundary():
@@ -344,7 +365,7 @@ HOST_READS = {"aten._local_scalar_dense", "aten.item", "aten.nonzero", "aten.mas
 
 def test_sample_launches_the_same_ops_for_any_rows_and_reads_nothing_back():
     """The CPU path (the reference) with all_filters runs the same ops whatever the rows ask for and reads nothing back;
-    the CUDA path is one `sample_tokens` launch whose arguments are the batch's tensors."""
+    the CUDA path is one `sample_tokens` call whose arguments are the batch's tensors."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 300, generator=g)
     compositions = [

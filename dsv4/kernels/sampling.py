@@ -1,4 +1,5 @@
-"""One token per row of a batch of logits in one launch (`ref.sample_tokens`'s contract): one program per row.
+"""One token per row of a batch of logits in two launches (`ref.sample_tokens`'s contract): the first pass over
+chunks of every row, then one program per row.
 
 The rules (`ref.sample_kept`): with x = logits * inv_temperature, a row may draw the tokens that pass min-p
 (exp(x - max x) >= min_p), top-k (x >= the top_k-th largest x, ties kept) and top-p (with integer masses
@@ -8,10 +9,10 @@ and so do all three. The token is the Gumbel-max over that set, argmax(x + g) wi
 key, token id), which draws from softmax(x) restricted to the set; greedy rows take argmax(logits). Ties go to the
 lowest id.
 
-Program (row b), passes over the row in blocks of BLOCK:
-1. argmax of the logits (a greedy row stops here), max x, and the Gumbel winner over every token, the first
-   candidate (a block whose largest x + G_MAX is below the best score so far skips the noise: none of its tokens can
-   win); a top-k row also histograms the top byte of the ordered keys of x.
+Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums and maxima, reduced after the pass.
+1. `_chunk_kernel`, one program per (row, chunk of whole blocks; `plan_chunks`): argmax of the logits, max x, and
+   the Gumbel winner over every token, the first candidate; a top-k row also histograms the top byte of the ordered
+   keys of x. `_sample_kernel` (one program per row) combines the chunks; a greedy row stops here.
 2. A top-k row: three more passes finish the radix select of the top_k-th largest key (the indexer's top-k way).
 3. Rejection (FlashInfer's sampling design): a candidate in the kept set is the answer, because the winner over a
    set that holds the kept set is, when it lies in the kept set, the winner over the kept set. A rejected candidate
@@ -22,7 +23,7 @@ Program (row b), passes over the row in blocks of BLOCK:
    above hi is taken without a pass. No token with x <= max x - G_SPAN can win (g lies in [-2.86, 17.33]), which is
    where lo starts. Without top-p a candidate that passes min-p and top-k is the answer.
 A row reads its logits once without filters, twice with top-p (the candidate is usually kept), four or five times
-with top-k. Nothing is read back to the host; the launch is the same for any rows, as a CUDA graph needs.
+with top-k. Nothing is read back to the host; the launches are the same for any rows, as a CUDA graph needs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import num_sms
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
@@ -85,24 +87,82 @@ def _row_key(seed, counter):
     return (z & 0xFFFFFFFF).to(tl.uint32), (z >> 32).to(tl.uint32)
 
 
+def plan_chunks(rows: int, vocab: int, sms: int) -> int:
+    """Chunks each row's first pass splits into: enough (row, chunk) programs for two a streaming multiprocessor,
+    each chunk at least one BLOCK of logits."""
+    return max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(2 * sms, rows)))
+
+
 @triton.jit
-def _sample_kernel(logits, out, V, stride, inv_temperature, greedy, min_p, top_k, drop_share, seeds, counters,
-                   HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
-                   BLOCK: tl.constexpr, G_SPAN: tl.constexpr, MAX_PASSES: tl.constexpr):
+def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, inv_temperature, greedy, top_k, seeds, counters,
+                  HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
+    and (a sampled row) the Gumbel winner over every token (score, lowest id) and, for top-k, the histogram of the
+    keys' top byte. stat_x fp32 / stat_i int32 [B, S, 2]: (max logit, winner's score) / their ids (V where the
+    chunk holds only -inf); hist int32 [B, S, 256]. Each lane keeps its own running maxima (its first id of each:
+    ids grow along a lane), reduced once at the end."""
     b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
     row = logits + b * stride
     offs = tl.arange(0, BLOCK)
-    token = tl.full([], 0, tl.int32)
+    r = tl.load(inv_temperature + b)
+    sampled = tl.load(greedy + b) == 0
+    low, high = _row_key(tl.load(seeds + b), tl.load(counters + b))
+    radix = sampled & False
+    if HAS_TOP_K:
+        radix = sampled & (tl.load(top_k + b) < V)
+    top_l = tl.full([BLOCK], float("-inf"), tl.float32)
+    top_j = tl.full([BLOCK], V, tl.int32)
+    win_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    win_j = tl.full([BLOCK], V, tl.int32)
+    h = tl.zeros([256], tl.int32)
+    start = s * chunk
+    end = tl.minimum(start + chunk, V)
+    for j0 in range(start, end, BLOCK):
+        j = j0 + offs
+        valid = j < end
+        lg = tl.load(row + j, mask=valid, other=float("-inf"))
+        up = lg > top_l
+        top_j = tl.where(up, j, top_j)
+        top_l = tl.where(up, lg, top_l)
+        if sampled:
+            x = lg * r
+            score = tl.where(valid, x + _gumbel(j, low, high), float("-inf"))
+            up = score > win_s
+            win_j = tl.where(up, j, win_j)
+            win_s = tl.where(up, score, win_s)
+            if radix:
+                h += tl.histogram(((_key(x) >> 24) & 255).to(tl.int32), 256, mask=valid)
+    m = tl.max(top_l, axis=0)
+    w = tl.max(win_s, axis=0)
+    at = (b * tl.num_programs(1) + s) * 2
+    tl.store(stat_x + at, m)
+    tl.store(stat_x + at + 1, w)
+    tl.store(stat_i + at, tl.min(tl.where(top_l == m, top_j, V), axis=0))
+    tl.store(stat_i + at + 1, tl.min(tl.where(win_s == w, win_j, V), axis=0))
+    if HAS_TOP_K:
+        tl.store(hist + (b * tl.num_programs(1) + s) * 256 + tl.arange(0, 256), h)
+
+
+@triton.jit
+def _sample_kernel(logits, out, stat_x, stat_i, hist, V, stride, chunks, inv_temperature, greedy, min_p, top_k,
+                   drop_share, seeds, counters, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                   HAS_TOP_P: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr,
+                   MAX_PASSES: tl.constexpr):
+    """Row b: step 1's chunks combined (the lowest id among the chunks' equal maxima), then steps 2 and 3."""
+    b = tl.program_id(0).to(tl.int64)
+    row = logits + b * stride
+    c = tl.arange(0, CHUNKS_PAD)
+    at = (b * chunks + c) * 2
+    tops = tl.load(stat_x + at, mask=c < chunks, other=float("-inf"))
+    max_l = tl.max(tops, axis=0)
     if tl.load(greedy + b):
-        max_l = tl.full([], float("-inf"), tl.float32)
-        for j0 in range(0, V, BLOCK):
-            j = j0 + offs
-            lg = tl.load(row + j, mask=j < V, other=float("-inf"))
-            bm = tl.max(lg, axis=0)
-            bi = tl.min(tl.where(lg == bm, j, V), axis=0)
-            token = tl.where(bm > max_l, bi, token)
-            max_l = tl.maximum(max_l, bm)
+        token = tl.min(tl.where(tops == max_l, tl.load(stat_i + at, mask=c < chunks, other=V), V), axis=0)
     else:
+        wins = tl.load(stat_x + at + 1, mask=c < chunks, other=float("-inf"))
+        best = tl.max(wins, axis=0)
+        first = tl.min(tl.where(wins == best, tl.load(stat_i + at + 1, mask=c < chunks, other=V), V), axis=0)
+        first = tl.where(first < V, first, 0)
         r = tl.load(inv_temperature + b)
         low, high = _row_key(tl.load(seeds + b), tl.load(counters + b))
         k = V
@@ -114,38 +174,14 @@ def _sample_kernel(logits, out, V, stride, inv_temperature, greedy, min_p, top_k
         drop = tl.zeros([], tl.float64)
         if HAS_TOP_P:
             drop = tl.load(drop_share + b)
-        max_l, c, hist = _first_pass(row, V, r, low, high, k, BLOCK)
         kth = tl.zeros([], tl.int64)                    # keys >= kth pass top-k
         if k < V:
-            kth = _kth_key(row, V, r, k, hist, BLOCK)
-        token = _reject(row, V, r, low, high, max_l * r, kth, floor_e, drop, c, BLOCK, G_SPAN, MAX_PASSES)
-    tl.store(out + b, token.to(tl.int64))
-
-
-@triton.jit
-def _first_pass(row, V, r, low, high, k, BLOCK: tl.constexpr):
-    """Step 1 -> (max logit, the Gumbel winner over every token, top-k's histogram of the keys' top byte)."""
-    offs = tl.arange(0, BLOCK)
-    hist = tl.zeros([256], tl.int32)
-    max_l = tl.full([], float("-inf"), tl.float32)
-    best_s = tl.full([], float("-inf"), tl.float32)
-    best_i = tl.full([], 0, tl.int32)
-    for j0 in range(0, V, BLOCK):
-        j = j0 + offs
-        valid = j < V
-        lg = tl.load(row + j, mask=valid, other=float("-inf"))
-        x = lg * r
-        bm = tl.max(lg, axis=0)
-        if bm * r + G_MAX > best_s:                     # else no token of the block can beat the best so far
-            s = tl.where(valid, x + _gumbel(j, low, high), float("-inf"))
-            bs = tl.max(s, axis=0)
-            bi = tl.min(tl.where(s == bs, j, V), axis=0)
-            best_i = tl.where(bs > best_s, bi, best_i)
-            best_s = tl.maximum(best_s, bs)
-        max_l = tl.maximum(max_l, bm)
-        if k < V:
-            hist += tl.histogram(((_key(x) >> 24) & 255).to(tl.int32), 256, mask=valid)
-    return max_l, best_i, hist
+            bins = tl.arange(0, 256)
+            top_bytes = tl.sum(tl.load(hist + (b * chunks + c)[:, None] * 256 + bins[None, :],
+                                       mask=(c < chunks)[:, None], other=0), axis=0)
+            kth = _kth_key(row, V, r, k, top_bytes, BLOCK)
+        token = _reject(row, V, r, low, high, max_l * r, kth, floor_e, drop, first, BLOCK, G_SPAN, MAX_PASSES)
+    tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
 
 
 @triton.jit
@@ -189,13 +225,15 @@ def _reject(row, V, r, low, high, m_x, kth, floor_e, drop, c, BLOCK: tl.constexp
         p1 = lo + (hi - lo) // 4
         p2 = lo + (hi - lo) // 2
         p3 = hi - (hi - lo) // 4
-        total = tl.zeros([], tl.int64)
-        over_c = tl.zeros([], tl.int64)
-        over_1 = tl.zeros([], tl.int64)
-        over_2 = tl.zeros([], tl.int64)
-        over_3 = tl.zeros([], tl.int64)
-        next_s = tl.full([], float("-inf"), tl.float32)
-        next_i = tl.full([], 0, tl.int32)
+        # each lane sums its own masses and keeps its own next-candidate score (its first id of the best), reduced
+        # once after the pass
+        lane_total = tl.zeros([BLOCK], tl.int64)
+        lane_c = tl.zeros([BLOCK], tl.int64)
+        lane_1 = tl.zeros([BLOCK], tl.int64)
+        lane_2 = tl.zeros([BLOCK], tl.int64)
+        lane_3 = tl.zeros([BLOCK], tl.int64)
+        lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
+        lane_i = tl.full([BLOCK], V, tl.int32)
         for j0 in range(0, V, BLOCK):
             j = j0 + offs
             x = tl.load(row + j, mask=j < V, other=float("-inf")) * r
@@ -204,18 +242,25 @@ def _reject(row, V, r, low, high, m_x, kth, floor_e, drop, c, BLOCK: tl.constexp
             allowed = (j < V) & (key >= kth) & (e >= floor_e)
             if topp:
                 m = tl.where(allowed, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
-                total += tl.sum(m, axis=0)
-                over_c += tl.sum(tl.where(key > c_key, m, 0), axis=0)
-                over_1 += tl.sum(tl.where(key > p1, m, 0), axis=0)
-                over_2 += tl.sum(tl.where(key > p2, m, 0), axis=0)
-                over_3 += tl.sum(tl.where(key > p3, m, 0), axis=0)
+                lane_total += m
+                lane_c += tl.where(key > c_key, m, 0)
+                lane_1 += tl.where(key > p1, m, 0)
+                lane_2 += tl.where(key > p2, m, 0)
+                lane_3 += tl.where(key > p3, m, 0)
             drawable = allowed & (key > floor_key)
             if tl.max(drawable.to(tl.int32), axis=0) > 0:
                 s = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
-                bs = tl.max(s, axis=0)
-                bi = tl.min(tl.where(s == bs, j, V), axis=0)
-                next_i = tl.where(bs > next_s, bi, next_i)
-                next_s = tl.maximum(next_s, bs)
+                up = s > lane_s
+                lane_i = tl.where(up, j, lane_i)
+                lane_s = tl.where(up, s, lane_s)
+        total = tl.sum(lane_total, axis=0)
+        over_c = tl.sum(lane_c, axis=0)
+        over_1 = tl.sum(lane_1, axis=0)
+        over_2 = tl.sum(lane_2, axis=0)
+        over_3 = tl.sum(lane_3, axis=0)
+        next_s = tl.max(lane_s, axis=0)
+        next_i = tl.min(tl.where(lane_s == next_s, lane_i, V), axis=0)
+        next_i = tl.where(next_i < V, next_i, 0)
         passes += 1
         limit = total - tl.floor(total.to(tl.float64) * drop).to(tl.int64)     # a token stays iff over it < limit
         accept = c_ok & ((topp == 0) | (c_key > hi) | (over_c < limit))
@@ -237,18 +282,28 @@ def _reject(row, V, r, low, high, m_x, kth, floor_e, drop, c, BLOCK: tl.constexp
 
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
-                  seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`)."""
+                  seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
+    """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
+    programs take each row's first pass (by default `plan_chunks`')."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    if chunks is None:
+        chunks = plan_chunks(B, V, num_sms(logits.device))
+    chunk = BLOCK * triton.cdiv(triton.cdiv(V, BLOCK), chunks)    # whole blocks; the last chunk may be shorter
+    chunks = triton.cdiv(V, chunk)
+    stat_x = torch.empty(B, chunks, 2, dtype=torch.float32, device=logits.device)
+    stat_i = torch.empty(B, chunks, 2, dtype=torch.int32, device=logits.device)
+    hist = torch.empty(B, chunks, 256, dtype=torch.int32, device=logits.device) if top_k is not None else stat_i
     dummy = inv_temperature
-    _sample_kernel[(B,)](logits, out, V, logits.stride(0), inv_temperature, greedy,
-                         dummy if min_p is None else min_p, dummy if top_k is None else top_k,
-                         dummy if drop_share is None else drop_share, seeds, counters,
-                         min_p is not None, top_k is not None, drop_share is not None,
-                         BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
+    top_k_or = dummy if top_k is None else top_k
+    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, inv_temperature, greedy,
+                               top_k_or, seeds, counters, top_k is not None, BLOCK, num_warps=8)
+    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, V, logits.stride(0), chunks, inv_temperature, greedy,
+                         dummy if min_p is None else min_p, top_k_or, dummy if drop_share is None else drop_share,
+                         seeds, counters, min_p is not None, top_k is not None, drop_share is not None,
+                         triton.next_power_of_2(chunks), BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
     return out
