@@ -148,9 +148,9 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, reference: bool) -> Samp
         raise ValueError(f"logits have {logits.shape[0]} rows but the batch has {batch.temperature.shape[0]}")
     if logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits have {logits.shape[1]} columns but the batch was built for vocab {batch.vocab_size}")
-    if batch.all_greedy:
+    if reference and batch.all_greedy:
         token_ids = logits.argmax(dim=-1)    # first maximum: ties go to the lowest id
-    else:
+    else:                           # on CUDA greedy batches too: the kernels' argmax splits each row over programs
         if reference:
             draw = ref.sample_tokens
         else:
