@@ -88,9 +88,59 @@ def _row_key(seed, counter):
 
 
 def plan_chunks(rows: int, vocab: int, sms: int) -> int:
-    """Chunks each row's first pass splits into: enough (row, chunk) programs for two a streaming multiprocessor,
+    """Chunks each row's chunked passes split into: enough (row, chunk) programs for two a streaming multiprocessor,
     each chunk at least one BLOCK of logits."""
     return max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(2 * sms, rows)))
+
+
+@triton.jit
+def _row_params(b, V, inv_temperature, greedy, min_p, top_k, drop_share, seeds, counters,
+                HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr):
+    """Row b's (1 / temperature, sampled (not greedy), row key halves, k (V: off), min-p, drop share (0: off))."""
+    r = tl.load(inv_temperature + b)
+    sampled = tl.load(greedy + b) == 0
+    low, high = _row_key(tl.load(seeds + b), tl.load(counters + b))
+    k = V
+    if HAS_TOP_K:
+        k = tl.minimum(tl.load(top_k + b), V).to(tl.int32)
+    floor_e = tl.zeros([], tl.float32)
+    if HAS_MIN_P:
+        floor_e = tl.load(min_p + b)
+    drop = tl.zeros([], tl.float64)
+    if HAS_TOP_P:
+        drop = tl.load(drop_share + b)
+    return r, sampled, low, high, k, floor_e, drop
+
+
+@triton.jit
+def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Over row b's chunks, the largest value at `slot` of stat_x [B, S, 3] and the lowest id stat_i holds for it
+    (V: none)."""
+    c = tl.arange(0, CHUNKS_PAD)
+    at = (b * chunks + c) * 3 + slot
+    v = tl.load(stat_x + at, mask=c < chunks, other=float("-inf"))
+    m = tl.max(v, axis=0)
+    return m, tl.min(tl.where(v == m, tl.load(stat_i + at, mask=c < chunks, other=V), V), axis=0)
+
+
+@triton.jit
+def _radix_state(hist, state, b, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Row b's radix select after DIGITS bytes of the top_k-th largest key: (those bytes in place, how many of the
+    keys that share them are still to be counted). The state after DIGITS - 1 bytes is state [B, 3, 2]'s (the
+    initial (0, k) for the first byte); byte DIGITS comes from the chunks' histograms of pass DIGITS, summed."""
+    prefix = tl.zeros([], tl.int64)
+    need = k.to(tl.int64)
+    if DIGITS > 1:
+        prefix = tl.load(state + (b * 3 + DIGITS - 2) * 2)
+        need = tl.load(state + (b * 3 + DIGITS - 2) * 2 + 1)
+    c = tl.arange(0, CHUNKS_PAD)
+    bins = tl.arange(0, 256)
+    h = tl.sum(tl.load(hist + ((b * 4 + DIGITS - 1) * chunks + c)[:, None] * 256 + bins[None, :],
+                       mask=(c < chunks)[:, None], other=0), axis=0).to(tl.int64)
+    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)                 # keys with a larger byte here
+    d = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1), axis=0), 0)
+    need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
+    return prefix | (d.to(tl.int64) << (32 - 8 * DIGITS)), need
 
 
 @triton.jit
@@ -98,9 +148,8 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, inv_temperatur
                   HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
     and (a sampled row) the Gumbel winner over every token (score, lowest id) and, for top-k, the histogram of the
-    keys' top byte. stat_x fp32 / stat_i int32 [B, S, 2]: (max logit, winner's score) / their ids (V where the
-    chunk holds only -inf); hist int32 [B, S, 256]. Each lane keeps its own running maxima (its first id of each:
-    ids grow along a lane), reduced once at the end."""
+    keys' top byte. stat_x fp32 / stat_i int32 [B, S, 3]: slots 0 and 1 (max logit, winner's score) / their ids (V
+    where the chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row = logits + b * stride
@@ -135,156 +184,212 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, inv_temperatur
                 h += tl.histogram(((_key(x) >> 24) & 255).to(tl.int32), 256, mask=valid)
     m = tl.max(top_l, axis=0)
     w = tl.max(win_s, axis=0)
-    at = (b * tl.num_programs(1) + s) * 2
+    at = (b * tl.num_programs(1) + s) * 3
     tl.store(stat_x + at, m)
     tl.store(stat_x + at + 1, w)
     tl.store(stat_i + at, tl.min(tl.where(top_l == m, top_j, V), axis=0))
     tl.store(stat_i + at + 1, tl.min(tl.where(win_s == w, win_j, V), axis=0))
     if HAS_TOP_K:
-        tl.store(hist + (b * tl.num_programs(1) + s) * 256 + tl.arange(0, 256), h)
+        tl.store(hist + (b * 4 * tl.num_programs(1) + s) * 256 + tl.arange(0, 256), h)
 
 
 @triton.jit
-def _sample_kernel(logits, out, stat_x, stat_i, hist, V, stride, chunks, inv_temperature, greedy, min_p, top_k,
-                   drop_share, seeds, counters, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                   HAS_TOP_P: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr,
-                   MAX_PASSES: tl.constexpr):
-    """Row b: step 1's chunks combined (the lowest id among the chunks' equal maxima), then steps 2 and 3."""
+def _radix_kernel(logits, hist, state, V, stride, chunk, inv_temperature, greedy, top_k, PASS: tl.constexpr,
+                  CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 2, pass PASS (2..4) for program (row b, chunk s) of a top-k row: the bytes so far from the earlier
+    passes' histograms (chunk 0 stores them in state for the later passes), then the histogram of byte PASS of the
+    chunk's keys that share them."""
     b = tl.program_id(0).to(tl.int64)
-    row = logits + b * stride
-    c = tl.arange(0, CHUNKS_PAD)
-    at = (b * chunks + c) * 2
-    tops = tl.load(stat_x + at, mask=c < chunks, other=float("-inf"))
-    max_l = tl.max(tops, axis=0)
-    if tl.load(greedy + b):
-        token = tl.min(tl.where(tops == max_l, tl.load(stat_i + at, mask=c < chunks, other=V), V), axis=0)
-    else:
-        wins = tl.load(stat_x + at + 1, mask=c < chunks, other=float("-inf"))
-        best = tl.max(wins, axis=0)
-        first = tl.min(tl.where(wins == best, tl.load(stat_i + at + 1, mask=c < chunks, other=V), V), axis=0)
-        first = tl.where(first < V, first, 0)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    k = tl.minimum(tl.load(top_k + b), V).to(tl.int32)
+    if (tl.load(greedy + b) == 0) & (k < V):
+        prefix, need = _radix_state(hist, state, b, chunks, k, PASS - 1, CHUNKS_PAD)
+        if s == 0:
+            tl.store(state + (b * 3 + PASS - 2) * 2, prefix)
+            tl.store(state + (b * 3 + PASS - 2) * 2 + 1, need)
+        shift: tl.constexpr = 32 - 8 * PASS
+        row = logits + b * stride
         r = tl.load(inv_temperature + b)
-        low, high = _row_key(tl.load(seeds + b), tl.load(counters + b))
-        k = V
-        if HAS_TOP_K:
-            k = tl.minimum(tl.load(top_k + b), V).to(tl.int32)
-        floor_e = tl.zeros([], tl.float32)
-        if HAS_MIN_P:
-            floor_e = tl.load(min_p + b)
-        drop = tl.zeros([], tl.float64)
-        if HAS_TOP_P:
-            drop = tl.load(drop_share + b)
-        kth = tl.zeros([], tl.int64)                    # keys >= kth pass top-k
-        if k < V:
-            bins = tl.arange(0, 256)
-            top_bytes = tl.sum(tl.load(hist + (b * chunks + c)[:, None] * 256 + bins[None, :],
-                                       mask=(c < chunks)[:, None], other=0), axis=0)
-            kth = _kth_key(row, V, r, k, top_bytes, BLOCK)
-        token = _reject(row, V, r, low, high, max_l * r, kth, floor_e, drop, first, BLOCK, G_SPAN, MAX_PASSES)
-    tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
+        offs = tl.arange(0, BLOCK)
+        h = tl.zeros([256], tl.int32)
+        start = s * chunk
+        end = tl.minimum(start + chunk, V)
+        for j0 in range(start, end, BLOCK):
+            j = j0 + offs
+            key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
+            h += tl.histogram(((key >> shift) & 255).to(tl.int32), 256,
+                              mask=(j < end) & ((key >> (shift + 8)) == (prefix >> (shift + 8))))
+        tl.store(hist + ((b * 4 + PASS - 1) * chunks + s) * 256 + tl.arange(0, 256), h)
 
 
 @triton.jit
-def _kth_key(row, V, r, k, hist, BLOCK: tl.constexpr):
-    """Step 2: the k-th largest key of the row (ties counted), a byte a pass from the first pass's histogram."""
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    kth = tl.zeros([], tl.int64)
-    need = k
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
-        if p > 0:
-            hist = tl.zeros([256], tl.int32)
-            for j0 in range(0, V, BLOCK):
-                j = j0 + offs
-                key = _key(tl.load(row + j, mask=j < V, other=float("-inf")) * r)
-                hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256,
-                                     mask=(j < V) & ((key >> (shift + 8)) == (kth >> (shift + 8))))
-        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)            # keys with a larger byte here
-        d = tl.maximum(tl.max(tl.where(above + hist >= need, bins, -1), axis=0), 0)
-        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
-        kth = kth | (d.to(tl.int64) << shift)
-    return kth
-
-
-@triton.jit
-def _reject(row, V, r, low, high, m_x, kth, floor_e, drop, c, BLOCK: tl.constexpr, G_SPAN: tl.constexpr,
-            MAX_PASSES: tl.constexpr):
-    """Step 3: from the first candidate c to the token (module docstring)."""
-    offs = tl.arange(0, BLOCK)
-    topp = drop > 0.0
+def _start(row, c, r, m_x, kth, floor_e, drop, G_SPAN: tl.constexpr):
+    """Step 3's state at candidate c: (its key, whether it passes min-p and top-k, done, lo, hi)."""
     c_x = tl.load(row + c) * r
     c_key = _key(c_x)
-    c_ok = (c_key >= kth) & (tl.exp(c_x - m_x) >= floor_e)     # passes min-p and top-k
-    done = c_ok & (topp == 0)
-    lo = _key(m_x - G_SPAN)                             # keys <= lo: not drawn (out, or unable to win)
-    hi = _key(m_x)                                      # keys > hi: kept
-    passes = 0
-    while (done == 0) & (passes < MAX_PASSES):
-        floor_key = tl.where(c_ok, tl.maximum(lo, c_key), lo)
-        p1 = lo + (hi - lo) // 4
-        p2 = lo + (hi - lo) // 2
-        p3 = hi - (hi - lo) // 4
-        # each lane sums its own masses and keeps its own next-candidate score (its first id of the best), reduced
-        # once after the pass
-        lane_total = tl.zeros([BLOCK], tl.int64)
-        lane_c = tl.zeros([BLOCK], tl.int64)
-        lane_1 = tl.zeros([BLOCK], tl.int64)
-        lane_2 = tl.zeros([BLOCK], tl.int64)
-        lane_3 = tl.zeros([BLOCK], tl.int64)
-        lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
-        lane_i = tl.full([BLOCK], V, tl.int32)
-        for j0 in range(0, V, BLOCK):
-            j = j0 + offs
-            x = tl.load(row + j, mask=j < V, other=float("-inf")) * r
-            key = _key(x)
-            e = tl.exp(x - m_x)
-            allowed = (j < V) & (key >= kth) & (e >= floor_e)
-            if topp:
-                m = tl.where(allowed, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
-                lane_total += m
-                lane_c += tl.where(key > c_key, m, 0)
-                lane_1 += tl.where(key > p1, m, 0)
-                lane_2 += tl.where(key > p2, m, 0)
-                lane_3 += tl.where(key > p3, m, 0)
-            drawable = allowed & (key > floor_key)
-            if tl.max(drawable.to(tl.int32), axis=0) > 0:
-                s = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
-                up = s > lane_s
-                lane_i = tl.where(up, j, lane_i)
-                lane_s = tl.where(up, s, lane_s)
-        total = tl.sum(lane_total, axis=0)
-        over_c = tl.sum(lane_c, axis=0)
-        over_1 = tl.sum(lane_1, axis=0)
-        over_2 = tl.sum(lane_2, axis=0)
-        over_3 = tl.sum(lane_3, axis=0)
-        next_s = tl.max(lane_s, axis=0)
-        next_i = tl.min(tl.where(lane_s == next_s, lane_i, V), axis=0)
-        next_i = tl.where(next_i < V, next_i, 0)
-        passes += 1
-        limit = total - tl.floor(total.to(tl.float64) * drop).to(tl.int64)     # a token stays iff over it < limit
-        accept = c_ok & ((topp == 0) | (c_key > hi) | (over_c < limit))
-        move = (accept == 0) & topp                     # narrow the bracket (top-p rows)
-        lo = tl.where(move & c_ok, tl.maximum(lo, c_key), lo)
-        lo = tl.where(move & (over_1 >= limit), tl.maximum(lo, p1), lo)
-        lo = tl.where(move & (over_2 >= limit), tl.maximum(lo, p2), lo)
-        lo = tl.where(move & (over_3 >= limit), tl.maximum(lo, p3), lo)
-        hi = tl.where(move & (over_3 < limit), tl.minimum(hi, p3), hi)
-        hi = tl.where(move & (over_2 < limit), tl.minimum(hi, p2), hi)
-        hi = tl.where(move & (over_1 < limit), tl.minimum(hi, p1), hi)
-        c = tl.where(accept, c, next_i)
-        c_x = tl.load(row + c) * r
-        c_key = _key(c_x)
-        c_ok = tl.where(accept, c_ok, (next_s > float("-inf")) & (c_key > lo))
-        done = accept | (c_ok & ((topp == 0) | (c_key > hi)))
-    return c
+    c_ok = (c_key >= kth) & (tl.exp(c_x - m_x) >= floor_e)
+    done = c_ok & (drop == 0.0)
+    return c_key, c_ok, done, _key(m_x - G_SPAN), _key(m_x)    # keys <= lo: not drawn; keys > hi: kept
+
+
+@triton.jit
+def _pivots(c_ok, c_key, lo, hi):
+    """A pass's floor (a token at or below it is not the next candidate) and its three pivot keys."""
+    return tl.where(c_ok, tl.maximum(lo, c_key), lo), lo + (hi - lo) // 4, lo + (hi - lo) // 2, hi - (hi - lo) // 4
+
+
+@triton.jit
+def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_key, p1, p2, p3, V,
+          BLOCK: tl.constexpr):
+    """A rejection pass over the tokens [start, end): (T, the masses above c_key, p1, p2, p3, and the next candidate:
+    the Gumbel winner above floor_key (score, lowest id; V: none)). Each lane sums its own masses and keeps its own
+    best score (its first id of it), reduced once after the pass."""
+    offs = tl.arange(0, BLOCK)
+    lane_total = tl.zeros([BLOCK], tl.int64)
+    lane_c = tl.zeros([BLOCK], tl.int64)
+    lane_1 = tl.zeros([BLOCK], tl.int64)
+    lane_2 = tl.zeros([BLOCK], tl.int64)
+    lane_3 = tl.zeros([BLOCK], tl.int64)
+    lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_i = tl.full([BLOCK], V, tl.int32)
+    for j0 in range(start, end, BLOCK):
+        j = j0 + offs
+        x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
+        key = _key(x)
+        e = tl.exp(x - m_x)
+        allowed = (j < end) & (key >= kth) & (e >= floor_e)
+        if topp:
+            m = tl.where(allowed, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
+            lane_total += m
+            lane_c += tl.where(key > c_key, m, 0)
+            lane_1 += tl.where(key > p1, m, 0)
+            lane_2 += tl.where(key > p2, m, 0)
+            lane_3 += tl.where(key > p3, m, 0)
+        drawable = allowed & (key > floor_key)
+        if tl.max(drawable.to(tl.int32), axis=0) > 0:
+            s = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
+            up = s > lane_s
+            lane_i = tl.where(up, j, lane_i)
+            lane_s = tl.where(up, s, lane_s)
+    next_s = tl.max(lane_s, axis=0)
+    next_i = tl.min(tl.where(lane_s == next_s, lane_i, V), axis=0)
+    return (tl.sum(lane_total, axis=0), tl.sum(lane_c, axis=0), tl.sum(lane_1, axis=0), tl.sum(lane_2, axis=0),
+            tl.sum(lane_3, axis=0), next_s, next_i)
+
+
+@triton.jit
+def _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s, next_i,
+          V):
+    """After a pass: accept the candidate, or narrow the bracket (top-p rows) and take the next candidate ->
+    (c, c_ok, c_key, lo, hi, done)."""
+    topp = drop > 0.0
+    limit = total - tl.floor(total.to(tl.float64) * drop).to(tl.int64)     # a token stays iff over it < limit
+    accept = c_ok & ((topp == 0) | (c_key > hi) | (over_c < limit))
+    move = (accept == 0) & topp
+    lo = tl.where(move & c_ok, tl.maximum(lo, c_key), lo)
+    lo = tl.where(move & (over_1 >= limit), tl.maximum(lo, p1), lo)
+    lo = tl.where(move & (over_2 >= limit), tl.maximum(lo, p2), lo)
+    lo = tl.where(move & (over_3 >= limit), tl.maximum(lo, p3), lo)
+    hi = tl.where(move & (over_3 < limit), tl.minimum(hi, p3), hi)
+    hi = tl.where(move & (over_2 < limit), tl.minimum(hi, p2), hi)
+    hi = tl.where(move & (over_1 < limit), tl.minimum(hi, p1), hi)
+    c = tl.where(accept, c, tl.where(next_i < V, next_i, 0))
+    c_key = _key(tl.load(row + c) * r)
+    c_ok = tl.where(accept, c_ok, (next_s > float("-inf")) & (c_key > lo))
+    return c, c_ok, c_key, lo, hi, accept | (c_ok & ((topp == 0) | (c_key > hi)))
+
+
+@triton.jit
+def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor_e, drop, HAS_TOP_K: tl.constexpr,
+                     CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
+    """Step 3's start from the chunks' stats: (c, m_x, kth, c_key, c_ok, done, lo, hi)."""
+    max_l, top_id = _combined(stat_x, stat_i, b, chunks, V, 0, CHUNKS_PAD)
+    best, c = _combined(stat_x, stat_i, b, chunks, V, 1, CHUNKS_PAD)
+    c = tl.where(c < V, c, 0)
+    m_x = max_l * r
+    kth = tl.zeros([], tl.int64)                        # keys >= kth pass top-k
+    if HAS_TOP_K:
+        if k < V:
+            kth, need = _radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
+    c_key, c_ok, done, lo, hi = _start(row, c, r, m_x, kth, floor_e, drop, G_SPAN)
+    return c, m_x, kth, c_key, c_ok, done, lo, hi
+
+
+@triton.jit
+def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, inv_temperature, greedy, min_p, top_k,
+                 drop_share, seeds, counters, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                 HAS_TOP_P: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr):
+    """Step 3's first pass for program (row b, chunk s) of a sampled row whose first candidate is not the answer
+    without one: the chunk's sums (mass int64 [B, S, 5]) and next candidate (stat_x / stat_i slot 2)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    row = logits + b * stride
+    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, inv_temperature, greedy, min_p, top_k, drop_share,
+                                                          seeds, counters, HAS_MIN_P, HAS_TOP_K, HAS_TOP_P)
+    if sampled:
+        c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r,
+                                                                   k, floor_e, drop, HAS_TOP_K, CHUNKS_PAD, G_SPAN)
+        if done == 0:
+            floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+            start = s * chunk
+            sums = _pass(row, start, tl.minimum(start + chunk, V), r, low, high, m_x, kth, floor_e, drop > 0.0,
+                         c_key, floor_key, p1, p2, p3, V, BLOCK)
+            at = (b * chunks + s) * 5
+            for q in tl.static_range(5):
+                tl.store(mass + at + q, sums[q])
+            tl.store(stat_x + (b * chunks + s) * 3 + 2, sums[5])
+            tl.store(stat_i + (b * chunks + s) * 3 + 2, sums[6])
+
+
+@triton.jit
+def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, chunks, inv_temperature, greedy, min_p,
+                   top_k, drop_share, seeds, counters, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
+                   HAS_TOP_P: tl.constexpr, FIRST_PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   G_SPAN: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Row b: a greedy row's argmax from the chunks; a sampled row's step 3 from the chunks' first candidate, its
+    first pass taken from `_pass_kernel`'s chunks (FIRST_PASS), the rest over the whole row."""
+    b = tl.program_id(0).to(tl.int64)
+    row = logits + b * stride
+    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, inv_temperature, greedy, min_p, top_k, drop_share,
+                                                          seeds, counters, HAS_MIN_P, HAS_TOP_K, HAS_TOP_P)
+    if sampled:
+        c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r,
+                                                                   k, floor_e, drop, HAS_TOP_K, CHUNKS_PAD, G_SPAN)
+        passes = 0
+        if FIRST_PASS:
+            if done == 0:
+                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+                q = tl.arange(0, CHUNKS_PAD)
+                at = (b * chunks + q) * 5
+                total = tl.sum(tl.load(mass + at, mask=q < chunks, other=0), axis=0)
+                over_c = tl.sum(tl.load(mass + at + 1, mask=q < chunks, other=0), axis=0)
+                over_1 = tl.sum(tl.load(mass + at + 2, mask=q < chunks, other=0), axis=0)
+                over_2 = tl.sum(tl.load(mass + at + 3, mask=q < chunks, other=0), axis=0)
+                over_3 = tl.sum(tl.load(mass + at + 4, mask=q < chunks, other=0), axis=0)
+                next_s, next_i = _combined(stat_x, stat_i, b, chunks, V, 2, CHUNKS_PAD)
+                c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
+                                                     over_1, over_2, over_3, next_s, next_i, V)
+                passes = 1
+        while (done == 0) & (passes < MAX_PASSES):
+            floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+            total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
+                row, 0, V, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V, BLOCK)
+            c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
+                                                 over_1, over_2, over_3, next_s, next_i, V)
+            passes += 1
+        token = c
+    else:
+        max_l, token = _combined(stat_x, stat_i, b, chunks, V, 0, CHUNKS_PAD)
+    tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
 
 
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
                   seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
     """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
-    programs take each row's first pass (by default `plan_chunks`')."""
+    programs take each row's chunked passes (by default `plan_chunks`')."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -295,15 +400,30 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
         chunks = plan_chunks(B, V, num_sms(logits.device))
     chunk = BLOCK * triton.cdiv(triton.cdiv(V, BLOCK), chunks)    # whole blocks; the last chunk may be shorter
     chunks = triton.cdiv(V, chunk)
-    stat_x = torch.empty(B, chunks, 2, dtype=torch.float32, device=logits.device)
-    stat_i = torch.empty(B, chunks, 2, dtype=torch.int32, device=logits.device)
-    hist = torch.empty(B, chunks, 256, dtype=torch.int32, device=logits.device) if top_k is not None else stat_i
+    dev = logits.device
+    stat_x = torch.empty(B, chunks, 3, dtype=torch.float32, device=dev)
+    stat_i = torch.empty(B, chunks, 3, dtype=torch.int32, device=dev)
+    hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if top_k is not None else stat_i
+    state = torch.empty(B, 3, 2, dtype=torch.int64, device=dev) if top_k is not None else out
+    first_pass = min_p is not None or top_k is not None or drop_share is not None
+    mass = torch.empty(B, chunks, 5, dtype=torch.int64, device=dev) if first_pass else out
     dummy = inv_temperature
+    min_p_or = dummy if min_p is None else min_p
     top_k_or = dummy if top_k is None else top_k
+    drop_or = dummy if drop_share is None else drop_share
+    flags = (min_p is not None, top_k is not None, drop_share is not None)
+    pad = triton.next_power_of_2(chunks)
     _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, inv_temperature, greedy,
-                               top_k_or, seeds, counters, top_k is not None, BLOCK, num_warps=8)
-    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, V, logits.stride(0), chunks, inv_temperature, greedy,
-                         dummy if min_p is None else min_p, top_k_or, dummy if drop_share is None else drop_share,
-                         seeds, counters, min_p is not None, top_k is not None, drop_share is not None,
-                         triton.next_power_of_2(chunks), BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
+                               top_k_or, seeds, counters, flags[1], BLOCK, num_warps=8)
+    if top_k is not None:
+        for p in (2, 3, 4):
+            _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, inv_temperature, greedy,
+                                       top_k, p, pad, BLOCK, num_warps=8)
+    if first_pass:
+        _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk,
+                                  inv_temperature, greedy, min_p_or, top_k_or, drop_or, seeds, counters, *flags, pad,
+                                  BLOCK, G_SPAN, num_warps=8)
+    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunks,
+                         inv_temperature, greedy, min_p_or, top_k_or, drop_or, seeds, counters, *flags, first_pass,
+                         pad, BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
     return out
