@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.kernels import ref
-from dsv4.kernels.sampling import sample_tokens
+from dsv4.kernels.sampling import ROUNDS, sample_tokens
 from dsv4.runtime.params import SamplingParams
 from dsv4.runtime.sampler import (GOLDEN_GAMMA, SAMPLE_MASS_BITS, SamplingBatch, row_keys, sample, sample_reference,
                                   sampling_probs)
@@ -97,11 +97,12 @@ def test_tiny_top_p_keeps_the_top_token():
 
 
 # ------------------------------------------------------------------ the kernel == the reference; the kept sets
-def kernel_tokens(x, batch, chunks=None):
-    """The Triton kernels' tokens for a batch (under the interpreter on the CPU); chunks: programs a row's first pass
-    splits into (by default the plan's, one here for most batches: the interpreter counts 4 SMs)."""
+def kernel_tokens(x, batch, chunks=None, rounds=ROUNDS):
+    """The Triton kernels' tokens for a batch (under the interpreter on the CPU); chunks: programs a row's chunked
+    passes split into (by default the plan's, one here for most batches: the interpreter counts 4 SMs); rounds:
+    rejection passes over chunks before a row's own."""
     return sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                         batch.seeds, batch.counters, chunks=chunks)
+                         batch.seeds, batch.counters, chunks=chunks, rounds=rounds)
 
 
 def kept_mask(x, batch):
@@ -206,9 +207,10 @@ def test_flat_and_peaked_rows_give_the_references_tokens():
     params = ([SamplingParams(top_p=p) for p in (0.01, 1e-4, 0.5)] * 2
               + [SamplingParams(), SamplingParams(top_p=0.9)] * 2)
     batch = build(params, range(100, 110), vocab_size=5000)
-    for chunks in (1, 2, 3):
-        assert torch.equal(kernel_tokens(x, batch, chunks), sample_reference(x, batch).token_ids)
-        assert kernel_tokens(x, batch, chunks)[6:].tolist() == [10, 10, 4990, 4990]
+    want = sample_reference(x, batch).token_ids
+    assert want[6:].tolist() == [10, 10, 4990, 4990]
+    for chunks, rounds in ((1, ROUNDS), (2, ROUNDS), (3, ROUNDS), (3, 0), (3, 1), (2, 6)):   # rejected rows end in
+        assert torch.equal(kernel_tokens(x, batch, chunks, rounds), want)          # chunked rounds, their own, both
 
 
 def test_chunks_combine_to_the_lowest_id_of_equal_maxima():

@@ -1,5 +1,5 @@
-"""One token per row of a batch of logits in two launches (`ref.sample_tokens`'s contract): the first pass over
-chunks of every row, then one program per row.
+"""One token per row of a batch of logits (`ref.sample_tokens`'s contract): passes over chunks of every row, then
+one program per row; two launches without filters, up to eight with every filter.
 
 The rules (`ref.sample_kept`): with x = logits * inv_temperature, a row may draw the tokens that pass min-p
 (exp(x - max x) >= min_p), top-k (x >= the top_k-th largest x, ties kept) and top-p (with integer masses
@@ -13,7 +13,8 @@ Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums an
 1. `_chunk_kernel`, one program per (row, chunk of whole blocks; `plan_chunks`): argmax of the logits, max x, and
    the Gumbel winner over every token, the first candidate; a top-k row also histograms the top byte of the ordered
    keys of x. `_sample_kernel` (one program per row) combines the chunks; a greedy row stops here.
-2. A top-k row: three more passes finish the radix select of the top_k-th largest key (the indexer's top-k way).
+2. A top-k row: three more passes over chunks (`_radix_kernel`) finish the radix select of the top_k-th largest key
+   (the indexer's top-k way), each program redoing the bytes so far from the summed histograms.
 3. Rejection (FlashInfer's sampling design): a candidate in the kept set is the answer, because the winner over a
    set that holds the kept set is, when it lies in the kept set, the winner over the kept set. A rejected candidate
    takes every token with an x at most its own out (the kept set is an upper set), and the next candidate is the
@@ -21,12 +22,16 @@ Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums an
    weighs three pivot keys between lo (nothing at or below it can be drawn) and hi (everything above it is kept):
    the bracket narrows fourfold a pass, so a row ends within about 18 passes whatever its logits, and a candidate
    above hi is taken without a pass. No token with x <= max x - G_SPAN can win (g lies in [-2.86, 17.33]), which is
-   where lo starts. Without top-p a candidate that passes min-p and top-k is the answer.
+   where lo starts. Without top-p a candidate that passes min-p and top-k is the answer. The first ROUNDS passes run
+   over chunks (`_pass_kernel`: every program replays the rounds before from their integer sums and lowest-id
+   maxima, which combine exactly); a row not done after them makes its own passes in `_sample_kernel`.
 A row reads its logits once without filters, twice with top-p (the candidate is usually kept), four or five times
 with top-k. Nothing is read back to the host; the launches are the same for any rows, as a CUDA graph needs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,6 +44,8 @@ BLOCK = 2048                  # logits per iteration of a pass
 G_SPAN = 21.0                 # x + g of a token with x <= max x - G_SPAN is below the top token's: it never wins
 G_MAX = tl.constexpr(17.5)    # above every Gumbel value (`ref.gumbel`: at most 17.33)
 MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
+ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
+                              # is nearly always kept, and a step waits for its slowest row
 _HASH_1 = tl.constexpr(LOWBIAS32[0])
 _HASH_2 = tl.constexpr(LOWBIAS32[1])
 _MASS_SCALE = tl.constexpr(2.0**SAMPLE_MASS_BITS)
@@ -87,6 +94,24 @@ def _row_key(seed, counter):
     return (z & 0xFFFFFFFF).to(tl.uint32), (z >> 32).to(tl.uint32)
 
 
+class Rows(NamedTuple):
+    """The batch's per-row parameters (`sample_tokens`' arguments; a filter no row uses gets a stand-in tensor)."""
+    inv_temperature: torch.Tensor    # fp32
+    greedy: torch.Tensor             # bool
+    min_p: torch.Tensor              # fp32
+    top_k: torch.Tensor              # int64
+    drop_share: torch.Tensor         # fp64
+    seeds: torch.Tensor              # int64
+    counters: torch.Tensor           # int64
+
+
+class Filters(NamedTuple):
+    """Which filters some row uses (compile-time)."""
+    MIN_P: bool
+    TOP_K: bool
+    TOP_P: bool
+
+
 def plan_chunks(rows: int, vocab: int, sms: int) -> int:
     """Chunks each row's chunked passes split into: enough (row, chunk) programs for two a streaming multiprocessor,
     each chunk at least one BLOCK of logits."""
@@ -94,30 +119,30 @@ def plan_chunks(rows: int, vocab: int, sms: int) -> int:
 
 
 @triton.jit
-def _row_params(b, V, inv_temperature, greedy, min_p, top_k, drop_share, seeds, counters,
-                HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr):
-    """Row b's (1 / temperature, sampled (not greedy), row key halves, k (V: off), min-p, drop share (0: off))."""
-    r = tl.load(inv_temperature + b)
-    sampled = tl.load(greedy + b) == 0
-    low, high = _row_key(tl.load(seeds + b), tl.load(counters + b))
+def _row_params(b, V, P, F: tl.constexpr):
+    """Row b's (1 / temperature, sampled (not greedy), row key halves, k (V: off), min-p, drop share (0: off)) from
+    the `Rows` P under the `Filters` F."""
+    r = tl.load(P.inv_temperature + b)
+    sampled = tl.load(P.greedy + b) == 0
+    low, high = _row_key(tl.load(P.seeds + b), tl.load(P.counters + b))
     k = V
-    if HAS_TOP_K:
-        k = tl.minimum(tl.load(top_k + b), V).to(tl.int32)
+    if F.TOP_K:
+        k = tl.minimum(tl.load(P.top_k + b), V).to(tl.int32)
     floor_e = tl.zeros([], tl.float32)
-    if HAS_MIN_P:
-        floor_e = tl.load(min_p + b)
+    if F.MIN_P:
+        floor_e = tl.load(P.min_p + b)
     drop = tl.zeros([], tl.float64)
-    if HAS_TOP_P:
-        drop = tl.load(drop_share + b)
+    if F.TOP_P:
+        drop = tl.load(P.drop_share + b)
     return r, sampled, low, high, k, floor_e, drop
 
 
 @triton.jit
-def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Over row b's chunks, the largest value at `slot` of stat_x [B, S, 3] and the lowest id stat_i holds for it
-    (V: none)."""
+def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Over row b's chunks, the largest value at `slot` of stat_x [B, S, SLOTS] and the lowest id stat_i holds for
+    it (V: none)."""
     c = tl.arange(0, CHUNKS_PAD)
-    at = (b * chunks + c) * 3 + slot
+    at = (b * chunks + c) * SLOTS + slot
     v = tl.load(stat_x + at, mask=c < chunks, other=float("-inf"))
     m = tl.max(v, axis=0)
     return m, tl.min(tl.where(v == m, tl.load(stat_i + at, mask=c < chunks, other=V), V), axis=0)
@@ -144,22 +169,18 @@ def _radix_state(hist, state, b, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: tl
 
 
 @triton.jit
-def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, inv_temperature, greedy, top_k, seeds, counters,
-                  HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.constexpr, SLOTS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
     and (a sampled row) the Gumbel winner over every token (score, lowest id) and, for top-k, the histogram of the
-    keys' top byte. stat_x fp32 / stat_i int32 [B, S, 3]: slots 0 and 1 (max logit, winner's score) / their ids (V
-    where the chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
+    keys' top byte. stat_x fp32 / stat_i int32 [B, S, SLOTS]: slots 0 and 1 (max logit, winner's score) / their ids
+    (V where the chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row = logits + b * stride
     offs = tl.arange(0, BLOCK)
-    r = tl.load(inv_temperature + b)
-    sampled = tl.load(greedy + b) == 0
-    low, high = _row_key(tl.load(seeds + b), tl.load(counters + b))
-    radix = sampled & False
-    if HAS_TOP_K:
-        radix = sampled & (tl.load(top_k + b) < V)
+    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
+    radix = sampled & (k < V)
     top_l = tl.full([BLOCK], float("-inf"), tl.float32)
     top_j = tl.full([BLOCK], V, tl.int32)
     win_s = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -184,17 +205,17 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, inv_temperatur
                 h += tl.histogram(((_key(x) >> 24) & 255).to(tl.int32), 256, mask=valid)
     m = tl.max(top_l, axis=0)
     w = tl.max(win_s, axis=0)
-    at = (b * tl.num_programs(1) + s) * 3
+    at = (b * tl.num_programs(1) + s) * SLOTS
     tl.store(stat_x + at, m)
     tl.store(stat_x + at + 1, w)
     tl.store(stat_i + at, tl.min(tl.where(top_l == m, top_j, V), axis=0))
     tl.store(stat_i + at + 1, tl.min(tl.where(win_s == w, win_j, V), axis=0))
-    if HAS_TOP_K:
+    if F.TOP_K:
         tl.store(hist + (b * 4 * tl.num_programs(1) + s) * 256 + tl.arange(0, 256), h)
 
 
 @triton.jit
-def _radix_kernel(logits, hist, state, V, stride, chunk, inv_temperature, greedy, top_k, PASS: tl.constexpr,
+def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
                   CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Step 2, pass PASS (2..4) for program (row b, chunk s) of a top-k row: the bytes so far from the earlier
     passes' histograms (chunk 0 stores them in state for the later passes), then the histogram of byte PASS of the
@@ -202,15 +223,15 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, inv_temperature, greedy
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
-    k = tl.minimum(tl.load(top_k + b), V).to(tl.int32)
-    if (tl.load(greedy + b) == 0) & (k < V):
+    k = tl.minimum(tl.load(P.top_k + b), V).to(tl.int32)
+    if (tl.load(P.greedy + b) == 0) & (k < V):
         prefix, need = _radix_state(hist, state, b, chunks, k, PASS - 1, CHUNKS_PAD)
         if s == 0:
             tl.store(state + (b * 3 + PASS - 2) * 2, prefix)
             tl.store(state + (b * 3 + PASS - 2) * 2 + 1, need)
         shift: tl.constexpr = 32 - 8 * PASS
         row = logits + b * stride
-        r = tl.load(inv_temperature + b)
+        r = tl.load(P.inv_temperature + b)
         offs = tl.arange(0, BLOCK)
         h = tl.zeros([256], tl.int32)
         start = s * chunk
@@ -302,10 +323,10 @@ def _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_
 
 @triton.jit
 def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor_e, drop, HAS_TOP_K: tl.constexpr,
-                     CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
+                     SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
     """Step 3's start from the chunks' stats: (c, m_x, kth, c_key, c_ok, done, lo, hi)."""
-    max_l, top_id = _combined(stat_x, stat_i, b, chunks, V, 0, CHUNKS_PAD)
-    best, c = _combined(stat_x, stat_i, b, chunks, V, 1, CHUNKS_PAD)
+    max_l, top_id = _combined(stat_x, stat_i, b, chunks, V, 0, SLOTS, CHUNKS_PAD)
+    best, c = _combined(stat_x, stat_i, b, chunks, V, 1, SLOTS, CHUNKS_PAD)
     c = tl.where(c < V, c, 0)
     m_x = max_l * r
     kth = tl.zeros([], tl.int64)                        # keys >= kth pass top-k
@@ -317,61 +338,71 @@ def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor
 
 
 @triton.jit
-def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, inv_temperature, greedy, min_p, top_k,
-                 drop_share, seeds, counters, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                 HAS_TOP_P: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr):
-    """Step 3's first pass for program (row b, chunk s) of a sampled row whose first candidate is not the answer
-    without one: the chunk's sums (mass int64 [B, S, 5]) and next candidate (stat_x / stat_i slot 2)."""
+def _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, done, lo, hi, TAKE: tl.constexpr,
+            ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Step 3's first TAKE rounds from their chunks' sums (mass int64 [B, ROUNDS, S, 5]) and next candidates (stat
+    slot 2 + round) -> (c, c_ok, c_key, done, lo, hi, the rounds a row not yet done took)."""
+    taken = tl.zeros([], tl.int32)
+    q = tl.arange(0, CHUNKS_PAD)
+    for rnd in tl.static_range(TAKE):
+        if done == 0:
+            floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+            at = ((b * ROUNDS + rnd) * chunks + q) * 5
+            total = tl.sum(tl.load(mass + at, mask=q < chunks, other=0), axis=0)
+            over_c = tl.sum(tl.load(mass + at + 1, mask=q < chunks, other=0), axis=0)
+            over_1 = tl.sum(tl.load(mass + at + 2, mask=q < chunks, other=0), axis=0)
+            over_2 = tl.sum(tl.load(mass + at + 3, mask=q < chunks, other=0), axis=0)
+            over_3 = tl.sum(tl.load(mass + at + 4, mask=q < chunks, other=0), axis=0)
+            next_s, next_i = _combined(stat_x, stat_i, b, chunks, V, 2 + rnd, 2 + ROUNDS, CHUNKS_PAD)
+            c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
+                                                 over_1, over_2, over_3, next_s, next_i, V)
+            taken += 1
+    return c, c_ok, c_key, done, lo, hi, taken
+
+
+@triton.jit
+def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, P, F: tl.constexpr, ROUND: tl.constexpr,
+                 ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr):
+    """Step 3's pass ROUND over chunks, program (row b, chunk s) of a sampled row not done after the rounds before
+    (replayed from their sums): the chunk's sums (mass [b, ROUND, s]) and next candidate (stat slot 2 + ROUND)."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
     row = logits + b * stride
-    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, inv_temperature, greedy, min_p, top_k, drop_share,
-                                                          seeds, counters, HAS_MIN_P, HAS_TOP_K, HAS_TOP_P)
+    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
     if sampled:
         c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r,
-                                                                   k, floor_e, drop, HAS_TOP_K, CHUNKS_PAD, G_SPAN)
+                                                                   k, floor_e, drop, F.TOP_K, 2 + ROUNDS,
+                                                                   CHUNKS_PAD, G_SPAN)
+        c, c_ok, c_key, done, lo, hi, taken = _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok,
+                                                      c_key, done, lo, hi, ROUND, ROUNDS, CHUNKS_PAD)
         if done == 0:
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             start = s * chunk
             sums = _pass(row, start, tl.minimum(start + chunk, V), r, low, high, m_x, kth, floor_e, drop > 0.0,
                          c_key, floor_key, p1, p2, p3, V, BLOCK)
-            at = (b * chunks + s) * 5
+            at = ((b * ROUNDS + ROUND) * chunks + s) * 5
             for q in tl.static_range(5):
                 tl.store(mass + at + q, sums[q])
-            tl.store(stat_x + (b * chunks + s) * 3 + 2, sums[5])
-            tl.store(stat_i + (b * chunks + s) * 3 + 2, sums[6])
+            tl.store(stat_x + (b * chunks + s) * (2 + ROUNDS) + 2 + ROUND, sums[5])
+            tl.store(stat_i + (b * chunks + s) * (2 + ROUNDS) + 2 + ROUND, sums[6])
 
 
 @triton.jit
-def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, chunks, inv_temperature, greedy, min_p,
-                   top_k, drop_share, seeds, counters, HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr,
-                   HAS_TOP_P: tl.constexpr, FIRST_PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   G_SPAN: tl.constexpr, MAX_PASSES: tl.constexpr):
+def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, chunks, P, F: tl.constexpr,
+                   ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr,
+                   MAX_PASSES: tl.constexpr):
     """Row b: a greedy row's argmax from the chunks; a sampled row's step 3 from the chunks' first candidate, its
-    first pass taken from `_pass_kernel`'s chunks (FIRST_PASS), the rest over the whole row."""
+    first ROUNDS rounds taken from `_pass_kernel`'s chunks, any later one over the whole row."""
     b = tl.program_id(0).to(tl.int64)
     row = logits + b * stride
-    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, inv_temperature, greedy, min_p, top_k, drop_share,
-                                                          seeds, counters, HAS_MIN_P, HAS_TOP_K, HAS_TOP_P)
+    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
     if sampled:
         c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r,
-                                                                   k, floor_e, drop, HAS_TOP_K, CHUNKS_PAD, G_SPAN)
-        passes = 0
-        if FIRST_PASS:
-            if done == 0:
-                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
-                q = tl.arange(0, CHUNKS_PAD)
-                at = (b * chunks + q) * 5
-                total = tl.sum(tl.load(mass + at, mask=q < chunks, other=0), axis=0)
-                over_c = tl.sum(tl.load(mass + at + 1, mask=q < chunks, other=0), axis=0)
-                over_1 = tl.sum(tl.load(mass + at + 2, mask=q < chunks, other=0), axis=0)
-                over_2 = tl.sum(tl.load(mass + at + 3, mask=q < chunks, other=0), axis=0)
-                over_3 = tl.sum(tl.load(mass + at + 4, mask=q < chunks, other=0), axis=0)
-                next_s, next_i = _combined(stat_x, stat_i, b, chunks, V, 2, CHUNKS_PAD)
-                c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
-                                                     over_1, over_2, over_3, next_s, next_i, V)
-                passes = 1
+                                                                   k, floor_e, drop, F.TOP_K, 2 + ROUNDS,
+                                                                   CHUNKS_PAD, G_SPAN)
+        c, c_ok, c_key, done, lo, hi, passes = _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok,
+                                                       c_key, done, lo, hi, ROUNDS, ROUNDS, CHUNKS_PAD)
         while (done == 0) & (passes < MAX_PASSES):
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
@@ -381,15 +412,17 @@ def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, ch
             passes += 1
         token = c
     else:
-        max_l, token = _combined(stat_x, stat_i, b, chunks, V, 0, CHUNKS_PAD)
+        max_l, token = _combined(stat_x, stat_i, b, chunks, V, 0, 2 + ROUNDS, CHUNKS_PAD)
     tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
 
 
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
-                  seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None) -> torch.Tensor:
+                  seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None,
+                  rounds: int = ROUNDS) -> torch.Tensor:
     """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
-    programs take each row's chunked passes (by default `plan_chunks`')."""
+    programs take each row's chunked passes (by default `plan_chunks`'); rounds: rejection passes over chunks
+    before a row's own (with a filter)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -401,29 +434,25 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     chunk = BLOCK * triton.cdiv(triton.cdiv(V, BLOCK), chunks)    # whole blocks; the last chunk may be shorter
     chunks = triton.cdiv(V, chunk)
     dev = logits.device
-    stat_x = torch.empty(B, chunks, 3, dtype=torch.float32, device=dev)
-    stat_i = torch.empty(B, chunks, 3, dtype=torch.int32, device=dev)
+    rounds = rounds if min_p is not None or top_k is not None or drop_share is not None else 0
+    stat_x = torch.empty(B, chunks, 2 + rounds, dtype=torch.float32, device=dev)
+    stat_i = torch.empty(B, chunks, 2 + rounds, dtype=torch.int32, device=dev)
     hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if top_k is not None else stat_i
     state = torch.empty(B, 3, 2, dtype=torch.int64, device=dev) if top_k is not None else out
-    first_pass = min_p is not None or top_k is not None or drop_share is not None
-    mass = torch.empty(B, chunks, 5, dtype=torch.int64, device=dev) if first_pass else out
+    mass = torch.empty(B, rounds, chunks, 5, dtype=torch.int64, device=dev) if rounds else out
     dummy = inv_temperature
-    min_p_or = dummy if min_p is None else min_p
-    top_k_or = dummy if top_k is None else top_k
-    drop_or = dummy if drop_share is None else drop_share
-    flags = (min_p is not None, top_k is not None, drop_share is not None)
+    P = Rows(inv_temperature, greedy, dummy if min_p is None else min_p, dummy if top_k is None else top_k,
+             dummy if drop_share is None else drop_share, seeds, counters)
+    F = Filters(min_p is not None, top_k is not None, drop_share is not None)
     pad = triton.next_power_of_2(chunks)
-    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, inv_temperature, greedy,
-                               top_k_or, seeds, counters, flags[1], BLOCK, num_warps=8)
-    if top_k is not None:
+    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, P, F, 2 + rounds, BLOCK,
+                               num_warps=8)
+    if F.TOP_K:
         for p in (2, 3, 4):
-            _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, inv_temperature, greedy,
-                                       top_k, p, pad, BLOCK, num_warps=8)
-    if first_pass:
-        _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk,
-                                  inv_temperature, greedy, min_p_or, top_k_or, drop_or, seeds, counters, *flags, pad,
-                                  BLOCK, G_SPAN, num_warps=8)
-    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunks,
-                         inv_temperature, greedy, min_p_or, top_k_or, drop_or, seeds, counters, *flags, first_pass,
+            _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, P, p, pad, BLOCK, num_warps=8)
+    for rnd in range(rounds):
+        _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk, P, F, rnd,
+                                  rounds, pad, BLOCK, G_SPAN, num_warps=8)
+    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunks, P, F, rounds,
                          pad, BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
     return out

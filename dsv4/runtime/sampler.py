@@ -22,7 +22,7 @@ of (seed, counter) (`kernels.ref.row_keys`): a request with a seed draws its n-t
 tokens depend neither on the other rows nor on its own row's position, and are the same in every run; rows without a
 seed draw with the caller's `unseeded_seed` and distinct counters the caller gives them.
 
-`sample` runs two Triton launches on CUDA (`kernels/sampling.py`: the kept set found by rejection, no sort) and the
+`sample` runs Triton kernels on CUDA (`kernels/sampling.py`: the kept set found by rejection, no sort) and the
 PyTorch reference elsewhere (`kernels.ref.sample_tokens`: the kept set found by sorting each row), which
 `sample_reference` runs everywhere; they keep the same tokens and draw the same token up to the last bit of exp
 and log. Nothing in `sample` reads a device value back to the host, and a batch built with `all_filters=True`
@@ -123,7 +123,7 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """One token per row: two Triton launches on CUDA, the PyTorch reference elsewhere; no host sync."""
+    """One token per row: the Triton kernels on CUDA, the PyTorch reference elsewhere; no host sync."""
     return _sample(logits, batch, reference=logits.device.type != "cuda")
 
 
