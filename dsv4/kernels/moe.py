@@ -12,7 +12,9 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .host import has_pdl
-from .policy import ROUTE_WARPS, mma_n
+from .policy import ROUTE_WARPS, mma_n, next_pow2
+
+EXPERT_BLOCKS_CHUNK = 64     # pairs a program of the expert-block table places (its rank is a CHUNK x CHUNK compare)
 
 # --------------------------------------------------------------------------------------------- routing
 
@@ -99,44 +101,52 @@ def _expert_counts(ids_ptr, pairs, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["pairs", "n_blocks"])
 def _expert_blocks_kernel(ids_ptr, table_ptr, work_ptr, pairs, n_blocks, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                          MMA_N: tl.constexpr, PDL: tl.constexpr):
-    """One program: the pairs (token, slot) pairs' distinct experts as blocks of at most MMA_N pairs, in expert order, each
-    expert's pairs in pair order. Row b of table (int32 [n_blocks, 2 + MMA_N], n_blocks at least the blocks there can be): expert,
-    pairs in the block (0 past the last block), then the pairs (flat indices t * k + j). work (int32 [2 * E_PAD]):
-    each expert's first block, then the pairs of it placed by earlier chunks. Cost O(pairs * (E_PAD + CHUNK)): a
-    histogram, a scan, and per chunk of pairs their ranks among the chunk's pairs of the same expert."""
+                          SCAN: tl.constexpr, MMA_N: tl.constexpr, PDL: tl.constexpr):
+    """The pairs (token, slot) pairs' distinct experts as blocks of at most MMA_N pairs, in expert order, each
+    expert's pairs in pair order. Row b of table (int32 [n_blocks, 2 + MMA_N], n_blocks at least the blocks there
+    can be): expert, pairs in the block (0 past the last block), then the pairs (flat indices t * k + j). Program c
+    places the pairs of chunk c (CHUNK pairs): it histograms every pair (SCAN at a time) for the experts' first blocks
+    and the pairs before its chunk for each expert's pairs already placed, stores both in its row of work (int32
+    [programs, 2 * E_PAD]) to gather them back per pair, and ranks its pairs among the chunk's pairs of the same
+    expert; program 0 also writes the blocks' experts and counts. Cost per program O(pairs + CHUNK * CHUNK)."""
     if PDL:   # the gate/up launch after it may start and stream the shared expert; the ids are routing's
         gdc_launch_dependents()
         gdc_wait()
+    c = tl.program_id(0)
     offs_e = tl.arange(0, E_PAD)
-    counts = _expert_counts(ids_ptr, pairs, E, E_PAD, CHUNK)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    earlier = tl.zeros((E_PAD,), dtype=tl.int32)
+    for s0 in range(0, pairs, SCAN):
+        offs = s0 + tl.arange(0, SCAN)
+        e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E).to(tl.int32)    # padding counts in bin E
+        counts += tl.histogram(e, E_PAD)
+        earlier += tl.histogram(e, E_PAD, mask=offs < c * CHUNK)
+    counts = tl.where(offs_e < E, counts, 0)
     nb = (counts + MMA_N - 1) // MMA_N
     starts = tl.cumsum(nb, 0) - nb
-    total = tl.sum(nb, axis=0)
-    tl.store(work_ptr + offs_e, starts)
-    for j in range(0, tl.max(nb, axis=0)):   # block j of every expert that has one
-        has = nb > j
-        row = table_ptr + (starts + j) * (2 + MMA_N)
-        tl.store(row, offs_e, mask=has)
-        tl.store(row + 1, tl.minimum(counts - j * MMA_N, MMA_N), mask=has)
-    for c in range(0, n_blocks, CHUNK):   # rows past the last block: no pairs
-        b = c + tl.arange(0, CHUNK)
-        empty = (b >= total) & (b < n_blocks)
-        tl.store(table_ptr + b * (2 + MMA_N), tl.zeros_like(b), mask=empty)
-        tl.store(table_ptr + b * (2 + MMA_N) + 1, tl.zeros_like(b), mask=empty)
-    placed = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c in range(0, pairs, CHUNK):
-        tl.store(work_ptr + E_PAD + offs_e, placed)
-        tl.debug_barrier()   # (one CTA: its own stores are visible to its loads after the barrier)
-        offs = c + tl.arange(0, CHUNK)
-        valid = offs < pairs
-        e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)
-        before = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])
-        col = tl.load(work_ptr + E_PAD + e, mask=valid, other=0) + tl.sum(before.to(tl.int32), axis=1)
-        blk = tl.load(work_ptr + e, mask=valid, other=0) + col // MMA_N
-        tl.store(table_ptr + blk * (2 + MMA_N) + 2 + col % MMA_N, offs, mask=valid)
-        placed += tl.histogram(e, E_PAD)
-        tl.debug_barrier()   # every load of this chunk done before the next chunk's store
+    work = work_ptr + c * (2 * E_PAD)
+    tl.store(work + offs_e, starts)
+    tl.store(work + E_PAD + offs_e, earlier)
+    if c == 0:
+        total = tl.sum(nb, axis=0)
+        for j in range(0, tl.max(nb, axis=0)):   # block j of every expert that has one
+            has = nb > j
+            row = table_ptr + (starts + j) * (2 + MMA_N)
+            tl.store(row, offs_e, mask=has)
+            tl.store(row + 1, tl.minimum(counts - j * MMA_N, MMA_N), mask=has)
+        for b0 in range(0, n_blocks, CHUNK):   # rows past the last block: no pairs
+            b = b0 + tl.arange(0, CHUNK)
+            empty = (b >= total) & (b < n_blocks)
+            tl.store(table_ptr + b * (2 + MMA_N), tl.zeros_like(b), mask=empty)
+            tl.store(table_ptr + b * (2 + MMA_N) + 1, tl.zeros_like(b), mask=empty)
+    tl.debug_barrier()   # (one CTA: its own stores are visible to its loads after the barrier)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < pairs
+    e = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)
+    before = (e[:, None] == e[None, :]) & (offs[None, :] < offs[:, None])
+    col = tl.load(work + E_PAD + e, mask=valid, other=0) + tl.sum(before.to(tl.int32), axis=1)
+    blk = tl.load(work + e, mask=valid, other=0) + col // MMA_N
+    tl.store(table_ptr + blk * (2 + MMA_N) + 2 + col % MMA_N, offs, mask=valid)
 
 
 def block_rows(pairs: int, n_experts: int) -> int:
@@ -159,9 +169,11 @@ def expert_blocks(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     if pairs:
         pdl = has_pdl(ids.device)
         E_PAD = triton.next_power_of_2(n_experts + 1)
-        work = torch.empty(2 * E_PAD, dtype=torch.int32, device=ids.device)
-        _expert_blocks_kernel[(1,)](ids.reshape(-1), table, work, pairs, n_blocks, n_experts, E_PAD=E_PAD, CHUNK=64,
-                                    MMA_N=n, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
+        programs = triton.cdiv(pairs, EXPERT_BLOCKS_CHUNK)
+        work = torch.empty(programs, 2 * E_PAD, dtype=torch.int32, device=ids.device)
+        _expert_blocks_kernel[(programs,)](ids.reshape(-1), table, work, pairs, n_blocks, n_experts, E_PAD=E_PAD,
+                                           CHUNK=EXPERT_BLOCKS_CHUNK, SCAN=min(1024, next_pow2(pairs)),
+                                           MMA_N=n, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}))
     return table
 
 
