@@ -10,9 +10,10 @@ a different key split or tile rounds differently, which can flip a near-tie of d
     python bench/graph_check.py --tensor-parallel-size 2 --out DIR   # two GPUs: every rank replays its graphs
 
 On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
-(its padded static-buffer path), the comparison the tests make. With --tensor-parallel-size N the two engines are parallel `dsv4.LLM`s of dummy
-weights (the same seed: the same weights), their decode graphs captured on every rank (one-shot all-reduce inside
-them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1 if any token differs.
+(its padded static-buffer path), the comparison the tests make. With --tensor-parallel-size N the two engines are
+parallel `dsv4.LLM`s of dummy weights (the same seed: the same weights), their decode graphs captured on every rank
+(one-shot all-reduce inside them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1
+if any token differs.
 """
 
 from __future__ import annotations

@@ -94,8 +94,8 @@ class Engine:
         On CUDA, decode steps go through the decode runner (`graphs.DecodeGraphs`): they replay CUDA graphs captured
         here, or with `enforce_eager` (vLLM's name) run the same padded steps uncaptured, so that both give the same
         tokens (the kernels plan by the step's batch and length buckets, not its exact sizes); the graphs' memory is
-        logged and kept in `graph_memory`. A driver's ranks have made their own
-        runners (`driver.graphs`; runtime/workers.py), whose steps every rank replays. kv_cache_dtype (vLLM's name;
+        logged and kept in `graph_memory`. A driver's ranks have made their own runners (`driver.graphs`;
+        runtime/workers.py), whose steps every rank replays. kv_cache_dtype (vLLM's name;
         `runtime.cache.pool_shapes`): "auto" keeps the cache in the compute dtype; "fp8-indexer" keeps the
         lightning indexer's keys as fp8 e4m3 with a power-of-two scale per key (132 instead of 256 bytes a key at
         V4's 128 channels); "fp8" also the attention's compressed entries as packed fp8 rows (584 instead of 1,024

@@ -12,8 +12,9 @@ nothing a real sequence reads is written. Kernel plans are made at capture (a wa
 slot first); every launch of the step is then on the device, with no host synchronization until the caller reads the
 sampled tokens.
 
-Without capture (`capture=False`, and everywhere but CUDA) `run` executes the same padded static-buffer step
-eagerly: the path the tests compare against the engine's plain step on the CPU.
+Without capture (`capture=False`: the engine's `enforce_eager` on CUDA, and the tests on the CPU) `run` executes the
+same padded static-buffer step eagerly, with the graphs' kernel plans and so their tokens; the tests compare it
+against the engine's plain step on the CPU.
 """
 
 from __future__ import annotations

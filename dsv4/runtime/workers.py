@@ -9,7 +9,8 @@ Every rank then does the same (`build_rank`): joins the process groups (the defa
 collectives time out after COLLECTIVE_TIMEOUT; a gloo control group for the step messages, whose timeout IDLE_TIMEOUT
 lets a worker wait for the next request for days; one group per pipeline stage for its TP ranks), loads its part of
 the model (its slices only), sizes its stage's cache (the same slots and pages on every rank), with the decode runner
-(CUDA, pp = 1, not enforce_eager) captures its decode graphs together with the others, and meets them at a barrier.
+(CUDA, pp = 1) captures its decode graphs together with the others (unless enforce_eager: the runner's steps then run
+uncaptured), and meets them at a barrier.
 
 Failure: a watchdog thread of rank 0 waits on the spawned workers' process sentinels. When one ends unasked it
 records the rank and its cause (the exception the worker reported through its pipe, or the signal that killed it),
@@ -74,7 +75,8 @@ class RankSpec:
     progress: bool = False
     max_model_len: int = 4096
     decode_runner: str = "plain"      # "plain" steps; "graphs" (CUDA, pp = 1): the decode runner, captured;
-                                      # "padded": the same runner without capture (its CPU tests)
+                                      # "padded": the same runner without capture (enforce_eager on CUDA, and
+                                      # the CPU tests)
     one_shot_all_reduce: bool = True  # small all-reduces through symmetric memory where torch has it
     kv_cache_dtype: str = "auto"   # "fp8" / "fp8-indexer": runtime.cache.pool_shapes
 
