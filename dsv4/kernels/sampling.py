@@ -361,6 +361,18 @@ def _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, do
 
 
 @triton.jit
+def _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, TOP_K: tl.constexpr,
+               TAKE: tl.constexpr, ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
+    """A sampled row's step 3 after its first TAKE rounds over chunks: (c, m_x, kth, c_key, c_ok, done, lo, hi, the
+    rounds it took)."""
+    c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k,
+                                                               floor_e, drop, TOP_K, 2 + ROUNDS, CHUNKS_PAD, G_SPAN)
+    c, c_ok, c_key, done, lo, hi, taken = _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key,
+                                                  done, lo, hi, TAKE, ROUNDS, CHUNKS_PAD)
+    return c, m_x, kth, c_key, c_ok, done, lo, hi, taken
+
+
+@triton.jit
 def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, P, F: tl.constexpr, ROUND: tl.constexpr,
                  ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr):
     """Step 3's pass ROUND over chunks, program (row b, chunk s) of a sampled row not done after the rounds before
@@ -371,11 +383,9 @@ def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, P,
     row = logits + b * stride
     r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
     if sampled:
-        c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r,
-                                                                   k, floor_e, drop, F.TOP_K, 2 + ROUNDS,
-                                                                   CHUNKS_PAD, G_SPAN)
-        c, c_ok, c_key, done, lo, hi, taken = _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok,
-                                                      c_key, done, lo, hi, ROUND, ROUNDS, CHUNKS_PAD)
+        c, m_x, kth, c_key, c_ok, done, lo, hi, taken = _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks,
+                                                                    V, r, k, floor_e, drop, F.TOP_K, ROUND, ROUNDS,
+                                                                    CHUNKS_PAD, G_SPAN)
         if done == 0:
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             start = s * chunk
@@ -398,11 +408,9 @@ def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, ch
     row = logits + b * stride
     r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
     if sampled:
-        c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r,
-                                                                   k, floor_e, drop, F.TOP_K, 2 + ROUNDS,
-                                                                   CHUNKS_PAD, G_SPAN)
-        c, c_ok, c_key, done, lo, hi, passes = _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok,
-                                                       c_key, done, lo, hi, ROUNDS, ROUNDS, CHUNKS_PAD)
+        c, m_x, kth, c_key, c_ok, done, lo, hi, passes = _row_state(row, stat_x, stat_i, hist, state, mass, b,
+                                                                     chunks, V, r, k, floor_e, drop, F.TOP_K, ROUNDS,
+                                                                     ROUNDS, CHUNKS_PAD, G_SPAN)
         while (done == 0) & (passes < MAX_PASSES):
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
