@@ -23,6 +23,9 @@ that format's storage), then
 * with `--tensor-parallel-size N` (`--enable-expert-parallel`): the same on a parallel `dsv4.LLM` of N ranks, one
   per GPU (dummy weights drawn per rank), one engine per format, layer count and mode whose cache holds the largest
   case; the floor is one GPU's share of the bytes (rank 0's weights);
+* with `--one-rank-of N` instead (one GPU, the dry run of a parallel layout): rank 0's part of that layout alone,
+  its collectives absent (`AbsentPeers`): its weights, memory and kernels at their real shapes, a step without the
+  communication (whose cost adds to it) and whose sums are not the model's; the floor is rank 0's bytes;
 * transformers' eager `DeepseekV4ForCausalLM` at the same dims, batch 1 (`--hf`; skipped with the reason if it
   cannot run). Writes e2e.json and prints a table.
 """
@@ -39,6 +42,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -46,6 +50,7 @@ from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import ops_for  # noqa: E402
 from dsv4.kernels.ref import kv_row_bytes  # noqa: E402
+from dsv4.parallel.layout import Layout  # noqa: E402
 from dsv4.runtime.cache import KV_CACHE_DTYPES, CacheCapacityError, pages_for  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
@@ -58,6 +63,23 @@ DECODE = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class AbsentPeers:
+    """The collectives of a tensor-parallel group whose other ranks are absent (`--one-rank-of`): `all_reduce` keeps
+    the local partial and `gather_last` repeats the local logits over the absent ranks' vocabulary shares, so rank 0's
+    part runs its kernels at their real shapes on one GPU, without communication. Its sums are not the model's."""
+
+    path = "absent (one rank alone)"
+
+    def __init__(self, size: int):
+        self.size, self.rank = size, 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_last(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return torch.cat([F.pad(x, (0, n - x.shape[-1])) if n > x.shape[-1] else x[..., :n] for n in sizes], dim=-1)
 
 
 # ------------------------------------------------------------------------------------------------ bytes
@@ -322,7 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "captures them), eager (enforce_eager), or both: graphs,eager")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (GPUs) of a parallel engine; the "
                     "floor is then one GPU's share of the bytes")
-    ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tensor-parallel-size > 1")
+    ap.add_argument("--enable-expert-parallel", action="store_true",
+                    help="with --tensor-parallel-size or --one-rank-of > 1")
+    ap.add_argument("--one-rank-of", type=int, default=1, help="one GPU: rank 0 of a tensor-parallel layout of this "
+                    "many ranks alone, its collectives absent (module docstring)")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL (with "
                     "--tensor-parallel-size > 1; default: small ones through the symmetric-memory one-shot kernel)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -344,7 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
     res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype, one_rank_of=args.one_rank_of)
+    if args.one_rank_of > 1 and args.tensor_parallel_size > 1:
+        raise SystemExit("--one-rank-of runs one rank of a layout on one GPU: not with --tensor-parallel-size")
     for fmt in args.format.split(","):
         step_by_layers: dict[tuple[int, int, int], float] = {}
         for layers in ints(args.layers) if args.tensor_parallel_size > 1 else ():
@@ -358,7 +385,16 @@ def main(argv: list[str] | None = None) -> dict:
         for layers in ints(args.layers) if args.tensor_parallel_size == 1 else ():
             cfg = base.with_layers(layers)
             t = time.perf_counter()
-            model = dummy_model(cfg, fmt, device, dtype, ops_for(device))
+            try:
+                if args.one_rank_of > 1:              # rank 0's part of the layout, its peers absent
+                    layout = Layout(args.one_rank_of, 1, args.enable_expert_parallel)
+                    model = dummy_model(cfg, fmt, device, dtype, ops_for(device), shard=layout.shard(cfg, 0),
+                                        comm=AbsentPeers(args.one_rank_of))
+                else:
+                    model = dummy_model(cfg, fmt, device, dtype, ops_for(device))
+            except Exception:           # (a layout the model cannot be split into is refused, naming the tensor)
+                res["errors"].append(f"build {fmt} {layers} layers: {traceback.format_exc()[-1500:]}")
+                continue
             if device.type == "cuda":
                 model.prepare_for_kernels_()
             sync(device)
@@ -416,8 +452,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def table(res: dict) -> str:
     tp = res.get("tensor_parallel_size", 1)
-    split = (f", {tp} ranks{' + expert parallel' if res.get('enable_expert_parallel') else ''}, all-reduce "
-             f"{res.get('all_reduce')}") if tp > 1 else ""
+    ep = " + expert parallel" if res.get("enable_expert_parallel") else ""
+    split = f", {tp} ranks{ep}, all-reduce {res.get('all_reduce')}" if tp > 1 else ""
+    if res.get("one_rank_of", 1) > 1:
+        split = f", rank 0 of {res['one_rank_of']}{ep} alone, no communication"
     lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']}{split})",
              f"{'format':14s} {'mode':6s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
              f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s}"]

@@ -63,3 +63,27 @@ def test_toy_run_on_two_ranks(tmp_path):
         (layers, batch, context) for layers in (3, 5) for batch in (1, 2) for context in (64, 160)]
     assert all(c["step_ms"] > 0 and c["tensor_parallel_size"] == 2 for c in res["decode"])
     assert len(res["per_layer"]) == 4 and len(res["prefill"]) == 2
+
+
+def test_one_rank_of_a_layout_runs_alone_on_its_share(tmp_path):
+    """--one-rank-of 2 (the one-GPU dry run of a TP2 layout): rank 0's part alone, its collectives absent, runs the
+    decode case and the prefill; the bytes its step reads are its share, below the whole model's; a layout the model
+    cannot be split into is recorded as an error naming the tensor, not raised."""
+    common = ["--model", "tiny", "--device", "cpu", "--layers", "3", "--batch", "2", "--context", "64",
+              "--prefill", "96", "--chunk", "32", "--steps", "2", "--hf", "off"]
+    whole = e2e.main([*common, "--format", "bf16", "--out", str(tmp_path / "whole")])
+    rank = e2e.main([*common, "--format", "bf16,nvfp4-experts", "--one-rank-of", "2", "--out", str(tmp_path / "rank")])
+    assert not whole["errors"] and rank["one_rank_of"] == 2
+    assert [c["format"] for c in rank["decode"]] == ["bf16"] and rank["prefill"][0]["tokens_per_s"] > 0
+    assert rank["decode"][0]["step_bytes"] < whole["decode"][0]["step_bytes"]
+    errors = rank["errors"]
+    assert len(errors) == 1 and "wo_a.scale" in errors[0] and "tensor_parallel_size" in errors[0]
+    assert "rank 0 of 2 alone" in e2e.table(rank)
+
+
+def test_absent_peers_keep_the_partial_and_fill_the_vocabulary():
+    comm = e2e.AbsentPeers(3)
+    x = torch.arange(12.0).view(2, 6)
+    assert comm.all_reduce(x) is x
+    out = comm.gather_last(x[:, :4], [4, 4, 3])
+    assert out.shape == (2, 11) and torch.equal(out[:, :4], x[:, :4])
