@@ -139,11 +139,13 @@ def test_compress_reads_row_strided_views():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.parametrize("chunks", [None, 3])
 @pytest.mark.parametrize("n, topk", [(1500, 64), (40, 64), (2048, 512), (3000, 1), (9000, 512)])
-def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
+def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk, chunks):
     """The indexer's radix-select top-k against a stable sort by (score descending, id): rows with negative and
     positive scores, exact ties across the threshold (ReLU zeros), -inf tails (keys not visible) and rows with fewer
-    finite scores than topk; picks in ascending id order, -1 after them; rows of one block and of several."""
+    finite scores than topk; picks in ascending id order, -1 after them; rows of one block and of several; in one
+    program a row (rows up to 8192 wide by default) and over chunks of whole blocks (ties spanning chunks)."""
     g = torch.Generator().manual_seed(n + topk)
     rows = [torch.randn(n, generator=g),
             torch.randn(n, generator=g).clamp(min=0),                      # many exact zeros: ties at T
@@ -152,7 +154,7 @@ def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
             torch.full((n,), float("-inf")),                               # nothing visible
             torch.cat((torch.randn(n // 3, generator=g), torch.full((n - n // 3,), float("-inf"))))]
     scores = torch.stack(rows)
-    got = indexer.index_picks_of_scores(scores, topk)
+    got = indexer.index_picks_of_scores(scores, topk, chunks=chunks)
     assert got.dtype == torch.long and got.shape == (len(rows), topk)
     for row, picks in zip(scores, got):
         order = sorted(range(n), key=lambda j: (-row[j].item(), j))
@@ -161,16 +163,17 @@ def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk):
         assert bool((picks[len(want):] == -1).all())
 
 
+@pytest.mark.parametrize("chunks", [None, 4])
 @pytest.mark.parametrize("n", [700, 9000])
-def test_topk_kernel_reads_each_row_only_to_its_tokens_visible_entries(n):
+def test_topk_kernel_reads_each_row_only_to_its_tokens_visible_entries(n, chunks):
     """With the tokens' positions, row t takes its picks among its first (pos + 1) // ratio scores only: finite
     values past them (which `index_scores` never leaves there) do not enter, so they prove the bound is applied;
-    a position beyond the row's width reads the whole row."""
+    a position beyond the row's width reads the whole row; chunks past a row's visible scores take nothing."""
     g = torch.Generator().manual_seed(n)
     scores = torch.randn(4, n, generator=g)
     positions = torch.tensor([0, 4 * 300 + 2, 4 * (n // 2) - 1, 4 * n + 40], dtype=torch.int32)
-    got = indexer.index_picks_of_scores(scores, 128, positions, 4)
-    plain = indexer.index_picks_of_scores(scores, 128)
+    got = indexer.index_picks_of_scores(scores, 128, positions, 4, chunks=chunks)
+    plain = indexer.index_picks_of_scores(scores, 128, chunks=chunks)
     for row, picks, p, every in zip(scores, got, positions.tolist(), plain):
         visible = min(n, (p + 1) // 4)
         order = sorted(range(visible), key=lambda j: (-row[j].item(), j))
@@ -254,3 +257,11 @@ def test_e4m3_codes_round_as_torch_does():
     out = torch.empty(values.shape[0], dtype=torch.uint8)
     encode[(triton.cdiv(values.shape[0], 256),)](values, out, values.shape[0], 256)
     assert torch.equal(out, values.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+def test_topk_takes_chunks_for_rows_wider_than_8192():
+    """`indexer.topk_chunks`: one program a row up to TOPK_CHUNKED_KEYS scores (32K tokens of context), chunks of
+    whole blocks beyond, as many as make two programs an SM (the picks: the tests above, with chunks given)."""
+    assert indexer.topk_chunks(1, indexer.TOPK_CHUNKED_KEYS, 132) == 1
+    assert indexer.topk_chunks(1, 32768, 132) == 32 and indexer.topk_chunks(64, 32768, 132) == 5
+    assert indexer.topk_chunks(256, 16384, 132) == 2

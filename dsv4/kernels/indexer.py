@@ -18,6 +18,11 @@ that share the bytes found so far, which gives the topk-th largest key T and how
 pass writes every id with a key above T and the lowest ids with key T (ties go to the lower id; `torch.topk` leaves
 them unspecified). No sort: the attention reading the picks is a sum over them. A row is read only up to the token's
 visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds).
+
+Rows wider than TOPK_CHUNKED_KEYS take the same select over (token, chunk) programs (`topk_chunks`), six launches:
+the four byte passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
+(`_topk_count_kernel`), and the write (`_topk_write_kernel`), where a chunk's picks start after those of the chunks
+before it and its ties after theirs.
 """
 
 from __future__ import annotations
@@ -28,10 +33,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import num_sms
 from .policy import next_pow2
+from .radix import radix_state, store_state
 from .steps import StepTokens
 
 TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes (docs/tuning.md#indexer-topk)
+TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
+                                        # outlast six launches over its chunks (32K tokens of context and up)
 
 
 class Shape(NamedTuple):
@@ -112,21 +121,129 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
     if finite <= TOPK:                      # every finite score is a pick
         prefix = tl.zeros([], tl.int64)
         need = tl.zeros([], tl.int32)
-    written = tl.zeros([], tl.int32)
-    ties = tl.zeros([], tl.int32)
-    for j0 in range(0, n, BLOCK):
+    written = _write_picks(row, out + t * out_t, 0, n, prefix, need, tl.zeros([], tl.int32), tl.zeros([], tl.int32),
+                           BLOCK)
+    _fill_after(out + t * out_t, written, TOPK)
+
+
+@triton.jit
+def _write_picks(row, out_row, start, end, prefix, need, written, ties, BLOCK: tl.constexpr):
+    """The ids in [start, end) with a key above prefix, and those with key prefix while the ties taken (`ties` before
+    start) stay within need, stored in id order from out_row[written] -> the picks written then."""
+    for j0 in range(start, end, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        key, valid = _ordered_keys(row, j, n)
+        key, valid = _ordered_keys(row, j, end)
         tie = valid & (key == prefix)
         take = (valid & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), axis=0) <= need))
         at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out + t * out_t + at, j.to(tl.int64), mask=take)
+        tl.store(out_row + at, j.to(tl.int64), mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
         ties += tl.sum(tie.to(tl.int32), axis=0)
+    return written
+
+
+@triton.jit
+def _fill_after(out_row, written, TOPK: tl.constexpr):
+    """-1 in out_row[written:TOPK]."""
     FILL: tl.constexpr = 1024
     for i0 in range(0, TOPK, FILL):
         i = i0 + tl.arange(0, FILL)
-        tl.store(out + t * out_t + i, tl.full([FILL], -1, tl.int64), mask=(i >= written) & (i < TOPK))
+        tl.store(out_row + i, tl.full([FILL], -1, tl.int64), mask=(i >= written) & (i < TOPK))
+
+
+def topk_chunks(rows: int, width: int, sms: int) -> int:
+    """Programs a row's select runs over: one for rows up to TOPK_CHUNKED_KEYS wide, else chunks of whole blocks,
+    enough for two programs an SM."""
+    if width <= TOPK_CHUNKED_KEYS:
+        return 1
+    return max(1, min(triton.cdiv(width, TOPK_BLOCK), triton.cdiv(2 * sms, rows)))
+
+
+@triton.jit
+def _chunk_span(n, pos, t, chunk, RATIO: tl.constexpr):
+    """Token t's chunk of the program: [start, end) within its visible scores."""
+    if RATIO > 0:
+        n = tl.minimum(n, (tl.load(pos + t) + 1) // RATIO)
+    start = tl.program_id(1) * chunk
+    return start, tl.minimum(start + chunk, n)
+
+
+@triton.jit
+def _topk_radix_kernel(scores, hist, state, n, scores_t, pos, chunk, RATIO: tl.constexpr, TOPK: tl.constexpr,
+                       PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass PASS of program (token t, chunk s): the histogram of byte PASS of the chunk's finite keys that share the
+    bytes found so far (`radix`'s layout; chunk 0 stores those bytes for the later passes)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    row = scores + t * scores_t
+    prefix = tl.zeros([], tl.int64)
+    if PASS > 1:
+        prefix, need = radix_state(hist, state, t, chunks, tl.full([], TOPK, tl.int32), PASS - 1, CHUNKS_PAD)
+        if s == 0:
+            store_state(state, t, prefix, need, PASS - 1)
+    shift: tl.constexpr = 32 - 8 * PASS
+    start, end = _chunk_span(n, pos, t, chunk, RATIO)
+    h = tl.zeros([256], tl.int32)
+    for j0 in range(start, end, BLOCK):
+        key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
+        if PASS > 1:
+            valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
+        h += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
+    tl.store(hist + ((t * 4 + PASS - 1) * chunks + s) * 256 + tl.arange(0, 256), h)
+
+
+@triton.jit
+def _topk_count_kernel(scores, hist, state, counts, n, scores_t, pos, chunk, RATIO: tl.constexpr,
+                       TOPK: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token t, chunk s): T and the ties to take (chunk 0 stores them as state 4: 0 and 0 where the row has
+    at most TOPK finite scores, every one a pick), then the chunk's keys above T and equal to T (counts int32
+    [N, S, 2])."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    row = scores + t * scores_t
+    prefix, need = radix_state(hist, state, t, chunks, tl.full([], TOPK, tl.int32), 4, CHUNKS_PAD)
+    c = tl.arange(0, CHUNKS_PAD)
+    finite = tl.sum(tl.sum(tl.load(hist + (t * 4 * chunks + c)[:, None] * 256 + tl.arange(0, 256)[None, :],
+                                   mask=(c < chunks)[:, None], other=0), axis=1), axis=0)
+    if finite <= TOPK:
+        prefix = tl.zeros([], tl.int64)
+        need = tl.zeros([], tl.int64)
+    if s == 0:
+        store_state(state, t, prefix, need, 4)
+    start, end = _chunk_span(n, pos, t, chunk, RATIO)
+    above = tl.zeros([BLOCK], tl.int32)
+    ties = tl.zeros([BLOCK], tl.int32)
+    for j0 in range(start, end, BLOCK):
+        key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
+        above += (valid & (key > prefix)).to(tl.int32)
+        ties += (valid & (key == prefix)).to(tl.int32)
+    tl.store(counts + (t * chunks + s) * 2, tl.sum(above, axis=0))
+    tl.store(counts + (t * chunks + s) * 2 + 1, tl.sum(ties, axis=0))
+
+
+@triton.jit
+def _topk_write_kernel(scores, out, state, counts, n, scores_t, out_t, pos, chunk, RATIO: tl.constexpr,
+                       TOPK: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (token t, chunk s): the chunk's picks in ascending id order after those of the chunks before it (every
+    key above T, and keys equal to T while the row's ties taken stay within the count); chunk 0 also writes -1 after
+    the row's last pick."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    row = scores + t * scores_t
+    prefix = tl.load(state + (t * 4 + 3) * 2)
+    need = tl.load(state + (t * 4 + 3) * 2 + 1).to(tl.int32)
+    c = tl.arange(0, CHUNKS_PAD)
+    above_c = tl.load(counts + (t * chunks + c) * 2, mask=c < chunks, other=0)
+    ties_c = tl.load(counts + (t * chunks + c) * 2 + 1, mask=c < chunks, other=0)
+    ties = tl.sum(tl.where(c < s, ties_c, 0), axis=0)
+    written = tl.sum(tl.where(c < s, above_c, 0), axis=0) + tl.minimum(ties, need)
+    start, end = _chunk_span(n, pos, t, chunk, RATIO)
+    _write_picks(row, out + t * out_t, start, end, prefix, need, written, ties, BLOCK)
+    if s == 0:
+        _fill_after(out + t * out_t, tl.sum(above_c, axis=0) + tl.minimum(tl.sum(ties_c, axis=0), need), TOPK)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, steps: StepTokens, ratio: int,
@@ -163,16 +280,35 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
 
 
 def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tensor | None = None,
-                          ratio: int = 0) -> torch.Tensor:
+                          ratio: int = 0, chunks: int | None = None) -> torch.Tensor:
     """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
     order (ties to the lower id), then -1 (`_topk_kernel`, module docstring). positions int32 [N] and ratio: row t
     reads only its first (positions[t] + 1) // ratio scores, every later one being -inf (`index_scores`' rows),
-    so the select costs the token's context, not the row width."""
+    so the select costs the token's context, not the row width. chunks: programs a row's select runs over (by
+    default `topk_chunks`')."""
     N, n = scores.shape
     picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
-    if N:
-        pos = positions if positions is not None else picks
-        _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos,
-                           ratio if positions is not None else 0, topk, min(TOPK_BLOCK, max(16, next_pow2(n))),
-                           num_warps=4)
+    if not N:
+        return picks
+    pos = positions if positions is not None else picks
+    ratio = ratio if positions is not None else 0
+    block = min(TOPK_BLOCK, max(16, next_pow2(n)))
+    if chunks is None:
+        chunks = topk_chunks(N, n, num_sms(scores.device))
+    if chunks <= 1:
+        _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, block, num_warps=4)
+        return picks
+    chunk = block * triton.cdiv(triton.cdiv(n, block), chunks)      # whole blocks; the last chunk may be shorter
+    chunks = triton.cdiv(n, chunk)
+    hist = torch.empty(N, 4, chunks, 256, dtype=torch.int32, device=scores.device)
+    state = torch.empty(N, 4, 2, dtype=torch.int64, device=scores.device)
+    counts = torch.empty(N, chunks, 2, dtype=torch.int32, device=scores.device)
+    pad = next_pow2(chunks)
+    for p in (1, 2, 3, 4):
+        _topk_radix_kernel[(N, chunks)](scores, hist, state, n, scores.stride(0), pos, chunk, ratio, topk, p, pad,
+                                        block, num_warps=4)
+    _topk_count_kernel[(N, chunks)](scores, hist, state, counts, n, scores.stride(0), pos, chunk, ratio, topk, pad,
+                                    block, num_warps=4)
+    _topk_write_kernel[(N, chunks)](scores, picks, state, counts, n, scores.stride(0), picks.stride(0), pos, chunk,
+                                    ratio, topk, pad, block, num_warps=4)
     return picks

@@ -14,7 +14,7 @@ Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums an
    the Gumbel winner over every token, the first candidate; a top-k row also histograms the top byte of the ordered
    keys of x. `_sample_kernel` (one program per row) combines the chunks; a greedy row stops here.
 2. A top-k row: three more passes over chunks (`_radix_kernel`) finish the radix select of the top_k-th largest key
-   (the indexer's top-k way), each program redoing the bytes so far from the summed histograms.
+   (`radix.radix_state`: each program redoes the bytes so far from the summed histograms).
 3. Rejection (FlashInfer's sampling design): a candidate in the kept set is the answer, because the winner over a
    set that holds the kept set is, when it lies in the kept set, the winner over the kept set. A rejected candidate
    takes every token with an x at most its own out (the kept set is an upper set), and the next candidate is the
@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .host import num_sms
+from .radix import radix_state, store_state
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
@@ -149,26 +150,6 @@ def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.conste
 
 
 @triton.jit
-def _radix_state(hist, state, b, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Row b's radix select after DIGITS bytes of the top_k-th largest key: (those bytes in place, how many of the
-    keys that share them are still to be counted). The state after DIGITS - 1 bytes is state [B, 3, 2]'s (the
-    initial (0, k) for the first byte); byte DIGITS comes from the chunks' histograms of pass DIGITS, summed."""
-    prefix = tl.zeros([], tl.int64)
-    need = k.to(tl.int64)
-    if DIGITS > 1:
-        prefix = tl.load(state + (b * 3 + DIGITS - 2) * 2)
-        need = tl.load(state + (b * 3 + DIGITS - 2) * 2 + 1)
-    c = tl.arange(0, CHUNKS_PAD)
-    bins = tl.arange(0, 256)
-    h = tl.sum(tl.load(hist + ((b * 4 + DIGITS - 1) * chunks + c)[:, None] * 256 + bins[None, :],
-                       mask=(c < chunks)[:, None], other=0), axis=0).to(tl.int64)
-    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)                 # keys with a larger byte here
-    d = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1), axis=0), 0)
-    need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
-    return prefix | (d.to(tl.int64) << (32 - 8 * DIGITS)), need
-
-
-@triton.jit
 def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.constexpr, SLOTS: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
@@ -225,10 +206,9 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
     chunks = tl.num_programs(1)
     k = tl.minimum(tl.load(P.top_k + b), V).to(tl.int32)
     if (tl.load(P.greedy + b) == 0) & (k < V):
-        prefix, need = _radix_state(hist, state, b, chunks, k, PASS - 1, CHUNKS_PAD)
+        prefix, need = radix_state(hist, state, b, chunks, k, PASS - 1, CHUNKS_PAD)
         if s == 0:
-            tl.store(state + (b * 3 + PASS - 2) * 2, prefix)
-            tl.store(state + (b * 3 + PASS - 2) * 2 + 1, need)
+            store_state(state, b, prefix, need, PASS - 1)
         shift: tl.constexpr = 32 - 8 * PASS
         row = logits + b * stride
         r = tl.load(P.inv_temperature + b)
@@ -332,7 +312,7 @@ def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor
     kth = tl.zeros([], tl.int64)                        # keys >= kth pass top-k
     if HAS_TOP_K:
         if k < V:
-            kth, need = _radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
+            kth, need = radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
     c_key, c_ok, done, lo, hi = _start(row, c, r, m_x, kth, floor_e, drop, G_SPAN)
     return c, m_x, kth, c_key, c_ok, done, lo, hi
 
@@ -446,7 +426,7 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     stat_x = torch.empty(B, chunks, 2 + rounds, dtype=torch.float32, device=dev)
     stat_i = torch.empty(B, chunks, 2 + rounds, dtype=torch.int32, device=dev)
     hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if top_k is not None else stat_i
-    state = torch.empty(B, 3, 2, dtype=torch.int64, device=dev) if top_k is not None else out
+    state = torch.empty(B, 4, 2, dtype=torch.int64, device=dev) if top_k is not None else out
     mass = torch.empty(B, rounds, chunks, 5, dtype=torch.int64, device=dev) if rounds else out
     dummy = inv_temperature
     P = Rows(inv_temperature, greedy, dummy if min_p is None else min_p, dummy if top_k is None else top_k,

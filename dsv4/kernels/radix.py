@@ -1,0 +1,42 @@
+"""The radix select of the k-th largest key of each row, over chunks of the row (`sampling`, `indexer`): keys are
+integers in [0, 2^32) ordered as the values they stand for; pass p (1..4) histograms byte p (from the top) of the
+keys that share the bytes found so far, each chunk of a row in its own program, and every program of the next pass
+finds the next byte from the summed histograms.
+
+    hist   int32 [rows, 4, chunks, 256]   pass p's histogram of chunk s at [row, p - 1, s]
+    state  int64 [rows, 4, 2]             after d bytes, at [row, d - 1]: (those bytes in place, how many keys that
+                                          share them are still to be counted); chunk 0 of the pass that reads state
+                                          d - 1 stores state d (no program writes what another reads)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def radix_state(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Row `row`'s select of the k-th largest key after DIGITS bytes: (the bytes in place, how many keys sharing them
+    are still to be counted) from state DIGITS - 1 (the initial (0, k) for the first byte) and pass DIGITS's
+    histograms, summed over the row's chunks."""
+    prefix = tl.zeros([], tl.int64)
+    need = k.to(tl.int64)
+    if DIGITS > 1:
+        prefix = tl.load(state + (row * 4 + DIGITS - 2) * 2)
+        need = tl.load(state + (row * 4 + DIGITS - 2) * 2 + 1)
+    c = tl.arange(0, CHUNKS_PAD)
+    bins = tl.arange(0, 256)
+    h = tl.sum(tl.load(hist + ((row * 4 + DIGITS - 1) * chunks + c)[:, None] * 256 + bins[None, :],
+                       mask=(c < chunks)[:, None], other=0), axis=0).to(tl.int64)
+    above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)                 # keys with a larger byte here
+    d = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1), axis=0), 0)
+    need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
+    return prefix | (d.to(tl.int64) << (32 - 8 * DIGITS)), need
+
+
+@triton.jit
+def store_state(state, row, prefix, need, DIGITS: tl.constexpr):
+    """State DIGITS of the row (`radix_state`'s result after DIGITS bytes)."""
+    tl.store(state + (row * 4 + DIGITS - 1) * 2, prefix)
+    tl.store(state + (row * 4 + DIGITS - 1) * 2 + 1, need)
