@@ -35,7 +35,7 @@ import triton.language as tl
 
 from .host import num_sms
 from .policy import next_pow2
-from .radix import radix_state, store_state
+from .radix import byte_of, next_byte, pass_prefix, radix_state, shares_prefix, store_hist, store_state
 from .steps import StepTokens
 
 TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes (docs/tuning.md#indexer-topk)
@@ -97,27 +97,18 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
                  BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = scores + t * scores_t
-    if RATIO > 0:                           # past the token's visible entries the scores are -inf: not read
-        n = tl.minimum(n, (tl.load(pos + t) + 1) // RATIO)
-    bins = tl.arange(0, 256)
+    n = _visible(n, pos, t, RATIO)
     prefix = tl.zeros([], tl.int64)        # the bytes of T found so far
     need = tl.zeros([], tl.int32) + TOPK   # keys equal to the prefix still to take
     finite = tl.zeros([], tl.int32)
-    for p in tl.static_range(4):
-        shift = 24 - 8 * p
+    for p in tl.static_range(1, 5):
         hist = tl.zeros([256], tl.int32)
         for j0 in range(0, n, BLOCK):
             key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
-            if p > 0:
-                valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            hist += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
-        total = tl.sum(hist, axis=0)
-        if p == 0:
-            finite = total
-        above = total - tl.cumsum(hist, axis=0)              # keys with a larger byte here
-        d = tl.maximum(tl.max(tl.where(above + hist >= need, bins, -1), axis=0), 0)
-        need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
-        prefix = prefix | (d.to(tl.int64) << shift)
+            hist += tl.histogram(byte_of(key, p), 256, mask=valid & shares_prefix(key, prefix, p))
+        if p == 1:
+            finite = tl.sum(hist, axis=0)
+        prefix, need = next_byte(hist, prefix, need, p)
     if finite <= TOPK:                      # every finite score is a pick
         prefix = tl.zeros([], tl.int64)
         need = tl.zeros([], tl.int32)
@@ -160,12 +151,18 @@ def topk_chunks(rows: int, width: int, sms: int) -> int:
 
 
 @triton.jit
-def _chunk_span(n, pos, t, chunk, RATIO: tl.constexpr):
-    """Token t's chunk of the program: [start, end) within its visible scores."""
+def _visible(n, pos, t, RATIO: tl.constexpr):
+    """Token t's visible scores of a row of n: past them the scores are -inf, and not read."""
     if RATIO > 0:
         n = tl.minimum(n, (tl.load(pos + t) + 1) // RATIO)
+    return n
+
+
+@triton.jit
+def _chunk_span(n, pos, t, chunk, RATIO: tl.constexpr):
+    """Token t's chunk of the program: [start, end) within its visible scores."""
     start = tl.program_id(1) * chunk
-    return start, tl.minimum(start + chunk, n)
+    return start, tl.minimum(start + chunk, _visible(n, pos, t, RATIO))
 
 
 @triton.jit
@@ -174,23 +171,17 @@ def _topk_radix_kernel(scores, hist, state, n, scores_t, pos, chunk, RATIO: tl.c
     """Pass PASS of program (token t, chunk s): the histogram of byte PASS of the chunk's finite keys that share the
     bytes found so far (`radix`'s layout; chunk 0 stores those bytes for the later passes)."""
     t = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
     chunks = tl.num_programs(1)
     row = scores + t * scores_t
     prefix = tl.zeros([], tl.int64)
     if PASS > 1:
-        prefix, need = radix_state(hist, state, t, chunks, tl.full([], TOPK, tl.int32), PASS - 1, CHUNKS_PAD)
-        if s == 0:
-            store_state(state, t, prefix, need, PASS - 1)
-    shift: tl.constexpr = 32 - 8 * PASS
+        prefix = pass_prefix(hist, state, t, chunks, tl.full([], TOPK, tl.int32), PASS, CHUNKS_PAD)
     start, end = _chunk_span(n, pos, t, chunk, RATIO)
     h = tl.zeros([256], tl.int32)
     for j0 in range(start, end, BLOCK):
         key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
-        if PASS > 1:
-            valid = valid & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-        h += tl.histogram(((key >> shift) & 255).to(tl.int32), 256, mask=valid)
-    tl.store(hist + ((t * 4 + PASS - 1) * chunks + s) * 256 + tl.arange(0, 256), h)
+        h += tl.histogram(byte_of(key, PASS), 256, mask=valid & shares_prefix(key, prefix, PASS))
+    store_hist(hist, t, h, PASS)
 
 
 @triton.jit

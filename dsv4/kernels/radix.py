@@ -1,7 +1,7 @@
-"""The radix select of the k-th largest key of each row, over chunks of the row (`sampling`, `indexer`): keys are
-integers in [0, 2^32) ordered as the values they stand for; pass p (1..4) histograms byte p (from the top) of the
-keys that share the bytes found so far, each chunk of a row in its own program, and every program of the next pass
-finds the next byte from the summed histograms.
+"""The radix select of the k-th largest key of each row, over chunks of the row (`sampling`, `indexer`; its byte step,
+`next_byte`, also serves the indexer's one-program select): keys are integers in [0, 2^32) ordered as the values they
+stand for; pass p (1..4) histograms byte p (from the top) of the keys that share the bytes found so far, each chunk
+of a row in its own program, and every program of the next pass finds the next byte from the summed histograms.
 
     hist   int32 [rows, 4, chunks, 256]   pass p's histogram of chunk s at [row, p - 1, s]
     state  int64 [rows, 4, 2]             after d bytes, at [row, d - 1]: (those bytes in place, how many keys that
@@ -26,9 +26,17 @@ def radix_state(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: t
         prefix = tl.load(state + (row * 4 + DIGITS - 2) * 2)
         need = tl.load(state + (row * 4 + DIGITS - 2) * 2 + 1)
     c = tl.arange(0, CHUNKS_PAD)
-    bins = tl.arange(0, 256)
-    h = tl.sum(tl.load(hist + ((row * 4 + DIGITS - 1) * chunks + c)[:, None] * 256 + bins[None, :],
+    h = tl.sum(tl.load(hist + ((row * 4 + DIGITS - 1) * chunks + c)[:, None] * 256 + tl.arange(0, 256)[None, :],
                        mask=(c < chunks)[:, None], other=0), axis=0).to(tl.int64)
+    return next_byte(h, prefix, need, DIGITS)
+
+
+@triton.jit
+def next_byte(h, prefix, need, DIGITS: tl.constexpr):
+    """From the histogram h [256] of byte DIGITS of the keys that share `prefix` (the bytes before it), where the
+    k-th largest key is the need-th largest among them: (prefix with byte DIGITS, the need among the keys sharing
+    that)."""
+    bins = tl.arange(0, 256)
     above = tl.sum(h, axis=0) - tl.cumsum(h, axis=0)                 # keys with a larger byte here
     d = tl.maximum(tl.max(tl.where(above + h >= need, bins, -1), axis=0), 0)
     need -= tl.sum(tl.where(bins == d, above, 0), axis=0)
@@ -36,7 +44,37 @@ def radix_state(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: t
 
 
 @triton.jit
+def byte_of(key, DIGITS: tl.constexpr):
+    """Byte DIGITS (1: the top one) of keys, as int32 histogram bins."""
+    return ((key >> (32 - 8 * DIGITS)) & 255).to(tl.int32)
+
+
+@triton.jit
+def shares_prefix(key, prefix, DIGITS: tl.constexpr):
+    """Whether keys share the prefix's bytes before byte DIGITS (always, for the top byte)."""
+    if DIGITS > 1:
+        return (key >> (40 - 8 * DIGITS)) == (prefix >> (40 - 8 * DIGITS))
+    return key >= 0
+
+
+@triton.jit
 def store_state(state, row, prefix, need, DIGITS: tl.constexpr):
     """State DIGITS of the row (`radix_state`'s result after DIGITS bytes)."""
     tl.store(state + (row * 4 + DIGITS - 1) * 2, prefix)
     tl.store(state + (row * 4 + DIGITS - 1) * 2 + 1, need)
+
+
+@triton.jit
+def pass_prefix(hist, state, row, chunks, k, PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """The bytes before byte PASS (2..4) that pass PASS's programs histogram under: from the earlier passes, chunk 0
+    of the row storing them as state PASS - 1 for the passes after."""
+    prefix, need = radix_state(hist, state, row, chunks, k, PASS - 1, CHUNKS_PAD)
+    if tl.program_id(1) == 0:
+        store_state(state, row, prefix, need, PASS - 1)
+    return prefix
+
+
+@triton.jit
+def store_hist(hist, row, h, PASS: tl.constexpr):
+    """Pass PASS's histogram h [256] of the program's chunk (program (row, chunk): axis 1 numbers the chunks)."""
+    tl.store(hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256 + tl.arange(0, 256), h)

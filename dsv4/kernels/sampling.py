@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .host import num_sms
-from .radix import radix_state, store_state
+from .radix import byte_of, pass_prefix, radix_state, shares_prefix, store_hist
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
@@ -183,7 +183,7 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.const
             win_j = tl.where(up, j, win_j)
             win_s = tl.where(up, score, win_s)
             if radix:
-                h += tl.histogram(((_key(x) >> 24) & 255).to(tl.int32), 256, mask=valid)
+                h += tl.histogram(byte_of(_key(x), 1), 256, mask=valid)
     m = tl.max(top_l, axis=0)
     w = tl.max(win_s, axis=0)
     at = (b * tl.num_programs(1) + s) * SLOTS
@@ -192,7 +192,7 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.const
     tl.store(stat_i + at, tl.min(tl.where(top_l == m, top_j, V), axis=0))
     tl.store(stat_i + at + 1, tl.min(tl.where(win_s == w, win_j, V), axis=0))
     if F.TOP_K:
-        tl.store(hist + (b * 4 * tl.num_programs(1) + s) * 256 + tl.arange(0, 256), h)
+        store_hist(hist, b, h, 1)
 
 
 @triton.jit
@@ -206,10 +206,7 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
     chunks = tl.num_programs(1)
     k = tl.minimum(tl.load(P.top_k + b), V).to(tl.int32)
     if (tl.load(P.greedy + b) == 0) & (k < V):
-        prefix, need = radix_state(hist, state, b, chunks, k, PASS - 1, CHUNKS_PAD)
-        if s == 0:
-            store_state(state, b, prefix, need, PASS - 1)
-        shift: tl.constexpr = 32 - 8 * PASS
+        prefix = pass_prefix(hist, state, b, chunks, k, PASS, CHUNKS_PAD)
         row = logits + b * stride
         r = tl.load(P.inv_temperature + b)
         offs = tl.arange(0, BLOCK)
@@ -219,9 +216,8 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
         for j0 in range(start, end, BLOCK):
             j = j0 + offs
             key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
-            h += tl.histogram(((key >> shift) & 255).to(tl.int32), 256,
-                              mask=(j < end) & ((key >> (shift + 8)) == (prefix >> (shift + 8))))
-        tl.store(hist + ((b * 4 + PASS - 1) * chunks + s) * 256 + tl.arange(0, 256), h)
+            h += tl.histogram(byte_of(key, PASS), 256, mask=(j < end) & shares_prefix(key, prefix, PASS))
+        store_hist(hist, b, h, PASS)
 
 
 @triton.jit
