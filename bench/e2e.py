@@ -70,11 +70,6 @@ class AbsentPeers:
     the local partial and `gather_last` repeats the local logits over the absent ranks' vocabulary shares, so rank 0's
     part runs its kernels at their real shapes on one GPU, without communication. Its sums are not the model's."""
 
-    path = "absent (one rank alone)"
-
-    def __init__(self, size: int):
-        self.size, self.rank = size, 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
@@ -389,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.one_rank_of > 1:              # rank 0's part of the layout, its peers absent
                     layout = Layout(args.one_rank_of, 1, args.enable_expert_parallel)
                     model = dummy_model(cfg, fmt, device, dtype, ops_for(device), shard=layout.shard(cfg, 0),
-                                        comm=AbsentPeers(args.one_rank_of))
+                                        comm=AbsentPeers())
                 else:
                     model = dummy_model(cfg, fmt, device, dtype, ops_for(device))
             except Exception:           # (a layout the model cannot be split into is refused, naming the tensor)
