@@ -86,15 +86,17 @@ class MoE(nn.Module):
         return out.view(x.shape)
 
     def _held_experts(self, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Expert parallel: the (token, pick) pairs routed to the experts held run as a batch of one pick each; their
-        weighted outputs are added to the shared expert's part of each token (zero for tokens routed elsewhere)."""
+        """Expert parallel in fixed shapes (no host sync: a CUDA graph captures it): every (token, pick) pair runs,
+        a pick of an expert held elsewhere with routing weight 0 and, in place of its id, the token's first pick held
+        here (local expert 0 where none is), so it adds exactly zero and streams no expert the step does not read
+        anyway. The shared expert's part of every token is added after the routed sum (`ref.moe`'s order).
+        The zero-weight pairs cost routed compute (all T * k pairs run on every rank, not the ~T * k / tp held)."""
         ex, sh = self.experts, self.shared_experts
         local = ids - self.held.start
-        tok, pick = torch.nonzero((local >= 0) & (local < len(self.held)), as_tuple=True)
-        out = self.ops.mlp(flat, sh.w13.qweight(), sh.w2.qweight(), self.limit) if sh is not None \
-            else torch.zeros_like(flat)
-        if tok.numel():
-            routed = self.ops.moe(flat[tok], local[tok, pick, None], weights[tok, pick, None], ex.w13.qweight(),
-                                  ex.w2.qweight(), self.limit)
-            out.index_add_(0, tok, routed)
-        return out
+        mine = (local >= 0) & (local < len(self.held))
+        first = local.gather(1, mine.int().argmax(1, keepdim=True))       # the token's first held pick, if any
+        stand_in = torch.where(mine.any(1, keepdim=True), first, torch.zeros_like(first))
+        local = torch.where(mine, local, stand_in)
+        weights = torch.where(mine, weights, torch.zeros_like(weights))
+        return self.ops.moe(flat, local, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
+                            shared=None if sh is None else (sh.w13.qweight(), sh.w2.qweight()))
