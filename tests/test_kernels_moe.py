@@ -76,6 +76,47 @@ def test_route_extreme_logits_match_softplus(ops):
     torch.testing.assert_close(w.gather(1, ids.argsort(1)), rw.gather(1, rids.argsort(1)), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("hashed", [False, True])
+def test_route_held_experts_of_expert_parallel(ops, hashed):
+    """Routing of one expert-parallel rank (experts 8..15 of 24): the kernel gives the reference's local ids and
+    weights; picks held elsewhere weigh 0 and name the token's first held pick (local 0 where none is held)."""
+    T, E, k, vocab, held = 9, 24, 4, 13, range(8, 16)
+    logits = torch.randn(T, E) * 3
+    tid2eid = torch.stack([torch.randperm(E)[:k] for _ in range(vocab)]) if hashed else None
+    input_ids = torch.randint(0, vocab, (T,)) if hashed else None
+    bias = None if hashed else torch.randn(E) * 0.5
+    if not hashed:
+        logits[0, :] = -5.0
+        logits[0, :4] = 5.0                      # token 0 picks experts 0-3: none held here
+    gw, gids = ref.route(logits, bias, k, 1.5, tid2eid, input_ids)
+    w, ids = ops.route(logits, bias, k, 1.5, tid2eid, input_ids, held)
+    rw, rids = ref.route(logits, bias, k, 1.5, tid2eid, input_ids, held)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-5, atol=1e-6)
+    for t in range(T):                           # the rule, from the global routing
+        mine = [j for j in range(k) if int(gids[t, j]) in held]
+        stand_in = int(gids[t, mine[0]]) - held.start if mine else 0
+        for j in range(k):
+            on = j in mine
+            assert int(rids[t, j]) == (int(gids[t, j]) - held.start if on else stand_in)
+            assert float(rw[t, j]) == (float(gw[t, j]) if on else 0.0)
+    assert hashed or (rw[0] == 0).all() and (rids[0] == 0).all()
+
+
+def test_moe_of_held_experts_is_the_routed_sum_of_those_experts(ops):
+    """An expert-parallel rank's MoE (its experts' stack, `held_picks` routing) equals the whole stack's reference
+    MoE with the picks held elsewhere dropped (weight 0): the stand-in picks add nothing."""
+    E, k, D, I, T, held = 8, 3, 64, 32, 5, range(4, 8)
+    w13, w2 = stacked("nvfp4", (E, 2), I, D), stacked("nvfp4", (E,), D, I)
+    x = torch.randn(T, D)
+    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    lw, lids = ref.held_picks(w, ids, held)
+    part13, part2 = w13.index(slice(4, 8)), w2.index(slice(4, 8))
+    whole = ref.moe(x, ids, torch.where((ids >= 4), w, 0.0), w13, w2, LIMIT)
+    assert rel_err(ref.moe(x, lids, lw, part13, part2, LIMIT), whole) < 1e-6   # GEMMs of other row counts
+    assert rel_err(ops.moe(x, lids, lw, part13, part2, LIMIT), whole) < 1e-6
+
+
 def test_align_groups_pairs_by_expert():
     T, k, E, BM = 13, 3, 8, 4
     ids = torch.randint(0, E, (T, k))

@@ -25,7 +25,7 @@ class Ops:
     linear: Callable          # (x [..., K], QWeight) -> [..., N]
     linear_w4a4: Callable     # NVFP4 W4A4 emulation of one product, same signature
     mlp: Callable             # shared expert (x [T, K], w13 (2,), w2, limit) -> [T, D]
-    route: Callable           # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids) -> (weights, ids)
+    route: Callable           # (logits [T, E], bias, top_k, scaling, tid2eid, input_ids, held) -> (weights, ids)
     moe: Callable             # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
     grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
     # cached attention of a ragged step: (q [N, H, D], kv [N, D], ring, entries, picks, StepTokens, ratio, sinks,

@@ -27,9 +27,9 @@ def _softplus(x):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling,
+def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling, held_start, held_count,
                   stride_l, stride_tid, TOPK: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                  HASH: tl.constexpr, PDL: tl.constexpr):
+                  HASH: tl.constexpr, HELD: tl.constexpr, PDL: tl.constexpr):
     if PDL:   # the gate/up launch after it may start now and stream the shared expert (`moe(after_route=True)`)
         gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -53,13 +53,20 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_p
     lg = tl.load(logits_ptr + t * stride_l + ids, mask=kmask, other=0.0).to(tl.float32)
     picked = tl.where(kmask, tl.sqrt_rn(_softplus(lg)), 0.0)
     w = picked / (tl.sum(picked) + 1e-20) * scaling
+    if HELD:   # expert parallel (`ref.held_picks`): local ids; picks held elsewhere weigh 0 on the first held pick
+        local = ids - held_start
+        mine = (local >= 0) & (local < held_count) & kmask
+        first = tl.min(tl.where(mine, offs_j, K_PAD), 0)
+        stand_in = tl.sum(tl.where(offs_j == first, local, 0), 0)     # 0 where no pick is held
+        ids = tl.where(mine, local, stand_in)
+        w = tl.where(mine, w, 0.0)
     tl.store(w_ptr + t * TOPK + offs_j, w, mask=kmask)
     tl.store(ids_ptr + t * TOPK + offs_j, ids.to(tl.int64), mask=kmask)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,
-          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, *, fallback=None,
-          warps: int = ROUTE_WARPS):
+          tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, held: range | None = None, *,
+          fallback=None, warps: int = ROUTE_WARPS):
     """Same contract as `ref.route`: (weights fp32 [T, k], ids int64 [T, k]); ids in selection order. `warps`: of
     each token's program (the same results with any)."""
     T, E = logits.shape
@@ -71,7 +78,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
     if not hashed and bias is None:
         raise ValueError("biased top-k routing needs the gate bias (or tid2eid for a hash layer)")
     if logits.stride(-1) != 1 or (hashed and tid2eid.stride(-1) != 1):
-        return fallback(logits, bias, top_k, scaling, tid2eid, input_ids)
+        return fallback(logits, bias, top_k, scaling, tid2eid, input_ids, held)
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T == 0:
@@ -80,9 +87,10 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
     _route_kernel[(T,)](
         logits, bias if bias is not None else dummy, tid2eid if hashed else dummy,
         input_ids.reshape(-1) if hashed else dummy, w, ids, E, float(scaling),
+        held.start if held is not None else 0, len(held) if held is not None else E,
         logits.stride(0), tid2eid.stride(0) if hashed else 0,
         TOPK=top_k, E_PAD=triton.next_power_of_2(E), K_PAD=triton.next_power_of_2(top_k), HASH=hashed,
-        PDL=has_pdl(logits.device), num_warps=warps)
+        HELD=held is not None, PDL=has_pdl(logits.device), num_warps=warps)
     return w, ids
 
 

@@ -76,12 +76,15 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float) -> torch.Tenso
 
 def route(
     logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,
-    tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, held: range | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: logits [T, E] -> (weights fp32 [T, k], expert ids int64 [T, k]).
 
     scores = sqrt(softplus(logits)); ids = topk(scores + bias) (bias selects only) or tid2eid[input_ids] on
     hash layers; weights = scores[ids] normalised to sum 1, times the routed scaling factor.
+
+    `held` (expert parallel): the ids local to that range of experts, the picks outside it with weight 0
+    (`held_picks`).
 
     Biased top-k ids come in selection order: descending score, and on exactly equal scores the lower expert id
     first (a stable sort). `torch.topk`, which transformers uses, leaves ties unspecified (all-equal scores over 24
@@ -93,7 +96,20 @@ def route(
     else:
         ids = torch.sort(scores + bias.float(), dim=-1, descending=True, stable=True).indices[:, :top_k].contiguous()
     w = scores.gather(1, ids)
-    return w / (w.sum(-1, keepdim=True) + 1e-20) * scaling, ids
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * scaling
+    return (w, ids) if held is None else held_picks(w, ids, held)
+
+
+def held_picks(weights: torch.Tensor, ids: torch.Tensor, held: range) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert parallel's routing in fixed shapes: the experts `held` (a contiguous range of global ids) numbered
+    from 0, and every pick of an expert held elsewhere given routing weight 0 and, as its id, the token's first
+    held pick (local expert 0 where the token has none): it adds exactly zero and names an expert the step reads
+    anyway. -> (weights fp32 [T, k], local ids int64 [T, k])."""
+    local = ids - held.start
+    mine = (local >= 0) & (local < len(held))
+    first = local.gather(1, mine.int().argmax(1, keepdim=True))      # the first held pick (pick 0 if none is)
+    stand_in = torch.where(mine.any(1, keepdim=True), first, torch.zeros_like(first))
+    return torch.where(mine, weights, torch.zeros_like(weights)), torch.where(mine, local, stand_in)
 
 
 def moe(

@@ -73,30 +73,16 @@ class MoE(nn.Module):
         self.shared_experts = Experts((), d, shared_inter, b.sub("shared_experts")) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [B, S, d] (the ffn_norm'ed block input), input_ids [B, S] (hash routing) -> [B, S, d]."""
+        """x [B, S, d] (the ffn_norm'ed block input), input_ids [B, S] (hash routing) -> [B, S, d].
+
+        Expert parallel (`held`): routing numbers the experts held from 0 and gives each pick of an expert held
+        elsewhere weight 0 on a held one (`ref.held_picks`), so the shapes stay fixed (a CUDA graph captures the
+        step) and the pick adds exactly zero; every rank then runs all T * k pairs, not the ~T * k / tp it holds."""
         flat = x.reshape(-1, x.shape[-1])
         g = self.gate
         weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
-                                      g.tid2eid if g.hash else None, input_ids if g.hash else None)
+                                      g.tid2eid if g.hash else None, input_ids if g.hash else None, self.held)
         ex, sh = self.experts, self.shared_experts
-        if self.held is not None:
-            return self._held_experts(flat, ids, weights).view(x.shape)
         out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
                            shared=None if sh is None else (sh.w13.qweight(), sh.w2.qweight()), after_route=True)
         return out.view(x.shape)
-
-    def _held_experts(self, flat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Expert parallel in fixed shapes (no host sync: a CUDA graph captures it): every (token, pick) pair runs,
-        a pick of an expert held elsewhere with routing weight 0 and, in place of its id, the token's first pick held
-        here (local expert 0 where none is), so it adds exactly zero and streams no expert the step does not read
-        anyway. The shared expert's part of every token is added after the routed sum (`ref.moe`'s order).
-        The zero-weight pairs cost routed compute (all T * k pairs run on every rank, not the ~T * k / tp held)."""
-        ex, sh = self.experts, self.shared_experts
-        local = ids - self.held.start
-        mine = (local >= 0) & (local < len(self.held))
-        first = local.gather(1, mine.int().argmax(1, keepdim=True))       # the token's first held pick, if any
-        stand_in = torch.where(mine.any(1, keepdim=True), first, torch.zeros_like(first))
-        local = torch.where(mine, local, stand_in)
-        weights = torch.where(mine, weights, torch.zeros_like(weights))
-        return self.ops.moe(flat, local, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
-                            shared=None if sh is None else (sh.w13.qweight(), sh.w2.qweight()))
