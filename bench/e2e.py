@@ -15,7 +15,8 @@ that format's storage), then
   from torch.profiler (on CPU: ATen ops per step); each case in the engine's default mode (`--modes graphs`: CUDA
   graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
-* us per layer: the difference of two layer counts' decode step times, divided by the layer difference;
+* us per layer: the difference of two layer counts' decode step times, divided by the layer difference, and the
+  same of their profiled steps' kernel time (steadier: the wall times of two engines drift apart with the clocks);
 * `--repeats R` (one GPU): each decode case on R fresh engines (new pools, new graphs), whose step times differ;
   the case is the median engine's record (the lower one for even R), every engine's step kept (`step_ms_runs`);
 * `--kv-cache-dtype fp8` / `fp8-indexer`: the attention's entries (584-byte packed rows) and the indexer's keys, or
@@ -320,6 +321,23 @@ def hf_decode_ms(cfg: ModelConfig, device, dtype, steps: int, prompt: int) -> di
 
 
 # ------------------------------------------------------------------------------------------------ driver
+def per_layer(fmt: str, cases: dict[tuple[int, int, int, str], dict], counts: list[int]) -> list[dict]:
+    """us per layer of each (batch, context, mode) timed at the fewest and the most layers in `counts`: the step
+    times' difference over the layer difference, and (where both steps were profiled) the same of their kernel time,
+    which is steadier: the wall times of two engines drift apart with the GPU's clocks."""
+    rows = []
+    for (layers, batch, context, mode), case in cases.items():
+        fewest = cases.get((counts[0], batch, context, mode))
+        if layers != counts[-1] or fewest is None or counts[0] >= layers:
+            continue
+        row = dict(format=fmt, batch=batch, context=context, mode=mode,
+                   us_per_layer=1e3 * (case["step_ms"] - fewest["step_ms"]) / (layers - counts[0]))
+        if "gpu_us" in case and "gpu_us" in fewest:
+            row["kernel_us_per_layer"] = (case["gpu_us"] - fewest["gpu_us"]) / (layers - counts[0])
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="v4-flash", help="preset (v4-flash, v4-pro, tiny) or a config.json path")
@@ -368,7 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.one_rank_of > 1 and args.tensor_parallel_size > 1:
         raise SystemExit("--one-rank-of runs one rank of a layout on one GPU: not with --tensor-parallel-size")
     for fmt in args.format.split(","):
-        step_by_layers: dict[tuple[int, int, int], float] = {}
+        step_by_layers: dict[tuple[int, int, int, str], dict] = {}     # (layers, batch, context, mode) -> case
         for layers in ints(args.layers) if args.tensor_parallel_size > 1 else ():
             for mode in args.modes.split(","):
                 try:
@@ -376,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
                 except Exception:
                     res["errors"].append(f"parallel {fmt} {layers} {mode}: {traceback.format_exc()[-1500:]}")
                     continue
-                step_by_layers.update({(layers, b, c, mode): ms for (b, c), ms in steps_ms.items()})
+                step_by_layers.update({(layers, b, c, mode): dict(step_ms=ms) for (b, c), ms in steps_ms.items()})
         for layers in ints(args.layers) if args.tensor_parallel_size == 1 else ():
             cfg = base.with_layers(layers)
             t = time.perf_counter()
@@ -414,7 +432,7 @@ def main(argv: list[str] | None = None) -> dict:
                                             args.kv_cache_dtype)
                         case.update(tokens_per_s=batch / case["step_ms"] * 1e3, step_bytes=nbytes,
                                     floor_ms=nbytes / args.bandwidth * 1e3)
-                        step_by_layers[(layers, batch, context, mode)] = case["step_ms"]
+                        step_by_layers[(layers, batch, context, mode)] = case
                     res["decode"].append(case)
                     print(json.dumps(case), flush=True)
             for length in ints(args.prefill):
@@ -426,12 +444,7 @@ def main(argv: list[str] | None = None) -> dict:
                 except Exception:
                     res["errors"].append(f"prefill {fmt} {layers} {length}: {traceback.format_exc()[-1500:]}")
             del model
-        counts = sorted(ints(args.layers))
-        for (layers, batch, context, mode), ms in step_by_layers.items():
-            base_key = (counts[0], batch, context, mode)
-            if layers == counts[-1] and base_key in step_by_layers and counts[0] < layers:
-                res["per_layer"].append(dict(format=fmt, batch=batch, context=context, mode=mode,
-                                             us_per_layer=1e3 * (ms - step_by_layers[base_key]) / (layers - counts[0])))
+        res["per_layer"] += per_layer(fmt, step_by_layers, sorted(ints(args.layers)))
     if args.hf == "on":
         try:
             res["hf"] = hf_decode_ms(base.with_layers(min(ints(args.layers))), device, dtype, args.steps,
@@ -471,8 +484,9 @@ def table(res: dict) -> str:
                          f"{c['batch']}, context {c['context']} (GPU busy {c['gpu_us']:.0f} us):")
             lines += [f"    {k['us']:9.1f} us {k['count']:5d}x  {k['name']}" for k in c["kernels"]]
     for p in res["per_layer"]:
+        kernels = f" (kernels {p['kernel_us_per_layer']:.0f})" if "kernel_us_per_layer" in p else ""
         lines.append(f"us per layer: {p['format']} {p.get('mode', '')} batch {p['batch']} context {p['context']}: "
-                     f"{p['us_per_layer']:.0f}")
+                     f"{p['us_per_layer']:.0f}{kernels}")
     for p in res["prefill"]:
         lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: "
                      f"{p['tokens_per_s']:.1f} tok/s")

@@ -87,3 +87,14 @@ def test_absent_peers_keep_the_partial_and_fill_the_vocabulary():
     assert comm.all_reduce(x) is x
     out = comm.gather_last(x[:, :4], [4, 4, 3])
     assert out.shape == (2, 11) and torch.equal(out[:, :4], x[:, :4])
+
+
+def test_per_layer_figures_from_the_fewest_and_most_layers():
+    cases = {(4, 1, 8192, "graphs"): dict(step_ms=1.0, gpu_us=800.0), (8, 1, 8192, "graphs"): dict(step_ms=2.0,
+                                                                                                  gpu_us=1600.0),
+             (4, 64, 8192, "graphs"): dict(step_ms=3.0), (8, 64, 8192, "graphs"): dict(step_ms=5.0, gpu_us=1.0),
+             (8, 256, 8192, "graphs"): dict(step_ms=9.0)}                  # no 4-layer case: no figure
+    rows = e2e.per_layer("nvfp4-experts", cases, [4, 8])
+    assert rows == [dict(format="nvfp4-experts", batch=1, context=8192, mode="graphs", us_per_layer=250.0,
+                         kernel_us_per_layer=200.0),
+                    dict(format="nvfp4-experts", batch=64, context=8192, mode="graphs", us_per_layer=500.0)]
