@@ -79,6 +79,35 @@ def test_compress_matches_the_reference_step_after_step(ratio, hd):
     assert int((theirs.entries.abs().sum(-1) > 0).sum()) == emitted > 0
 
 
+def test_decode_step_is_one_launch_and_a_longer_step_two(monkeypatch):
+    """A step where no sequence can close two windows (tokens <= ratio) pools and keeps the state in one launch; the
+    state of both kinds of step is the reference's (the step-after-step test above runs both kinds too)."""
+    grids = []
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(compressor, "_compress_kernel", Counting(compressor._compress_kernel))
+    g = torch.Generator().manual_seed(7)
+    ratio, hd = 4, 32
+    tables = {0: (3, 1), 1: (0, 2)}
+    mine = fresh_state(2, 4, ratio, hd, g)
+    theirs = clone(mine)
+    weight, ape = torch.rand(hd, generator=g) + 0.5, torch.randn(ratio, 2 * hd, generator=g)
+    done = {0: 0, 1: 0}
+    runs = [(0, (3, 1, 1)), (1, (9, 1, 1))]            # prefill, then two decode steps (slot 0 closes a window)
+    for step, live in compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
+        assert len(grids) == (2 if step == 0 else step + 2), grids
+        for name in ("entries", "prev_kv", "prev_score"):
+            assert torch.allclose(getattr(mine, name), getattr(theirs, name), atol=2e-5, rtol=1e-5), (step, name)
+    assert grids[2:] == [(2, 1), (2, 1)]
+
+
 def test_index_picks_match_the_reference():
     g = torch.Generator().manual_seed(5)
     H, hd, E, topk = 3, 32, 8, 5

@@ -1,4 +1,5 @@
-"""A compressor's step for every sequence of a ragged step in two launches (`ref.compress`'s contract).
+"""A compressor's step for every sequence of a ragged step in one launch, or two where a sequence may close several
+windows (`ref.compress`'s contract).
 
 Inputs (N tokens of B sequences; m = ratio, hd = head_dim, width = 2 hd for CSA's overlapping windows, else hd):
     kv, score        [N, width]             the step's projected rows (score: the gate logits, ape not added)
@@ -9,13 +10,14 @@ Inputs (N tokens of B sequences; m = ratio, hd = head_dim, width = 2 hd for CSA'
     steps            `StepTokens`: per sequence its slot, start, first token and page table
 
 Scores are fp32 from their load on: the step's rows become score + ape[p mod m] as they are read, as the open state
-holds them. `_emit_kernel`, program (sequence b, window w): window j = start // m + w closes in this step iff
+holds them. `_emit`, program (sequence b, window w): window j = start // m + w closes in this step iff
 (j + 1) m <= start + n (a condition on the device: the grid is the host's bound on windows per sequence). It pools
 the window's rows (those before `start` from the open state, the rest from the step) and, for CSA, the Ca half of
 window j - 1 (from prev when that window closed before the step) with one online softmax per channel in fp32, then
 RMSNorm and the rope at j m on the trailing channels, and writes entry j to row j mod E of page pages[j // E].
-`_state_kernel`, program b, then keeps the Ca half of the last window that closed and the rows of the window left
-open; it runs after every entry is pooled, since both read the rows it overwrites.
+`_keep`, program b, then keeps the Ca half of the last window that closed and the rows of the window left open; it
+runs after every entry is pooled, since both read the rows it overwrites: in a second launch, or in the same program
+after a barrier where the grid has one window a sequence (`_compress_kernel`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Shape(NamedTuple):
     E: int                     # entries per page
     HALF_ROPE: int             # rotated pairs (trailing channels)
     RB: int                    # rows per block
-    WB: int                    # channels per block of `_state_kernel`
+    WB: int                    # channels per block of `_keep`
     FP8: bool                  # entries are fp8 e4m3 codes of entry / scale, the scale in entry_scales
     PACKED_NOPE: int           # entries are packed fp8 K = V rows (`ref.fp8_kv_pack`) with this many fp8 channels
 
@@ -109,15 +111,29 @@ def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L:
 
 
 @triton.jit
-def _emit_kernel(T, steps, S, N, eps, L: tl.constexpr):
+def _compress_kernel(T, steps, S, N, eps, L: tl.constexpr, EMIT: tl.constexpr, KEEP: tl.constexpr):
+    """EMIT: program (b, w) pools window start // M + w of sequence b if it closes in the step (`_emit`). KEEP:
+    program b keeps the state (`_keep`). Both in one launch where no sequence closes more than one window (grid
+    (B, 1)): program b alone reads and writes sequence b's state, and the barrier orders its pooling's reads of the
+    open rows before their overwrite."""
+    b = tl.program_id(0)
+    if EMIT:
+        _emit(T, steps, S, N, eps, b, tl.program_id(1), L)
+    if EMIT and KEEP:
+        tl.debug_barrier()
+    if KEEP:
+        _keep(T, steps, S, N, b, L)
+
+
+@triton.jit
+def _emit(T, steps, S, N, eps, b, w, L: tl.constexpr):
     M: tl.constexpr = L.M
     HD: tl.constexpr = L.HD
     RB: tl.constexpr = L.RB
     E: tl.constexpr = L.E
     HALF_ROPE: tl.constexpr = L.HALF_ROPE
-    b = tl.program_id(0)
     slot, start, first, n = sequence_tokens(steps, N, tl.num_programs(0), b)
-    j = start // M + tl.program_id(1)
+    j = start // M + w
     if (j + 1) * M <= start + n:
         d = tl.arange(0, HD)
         acc = tl.zeros([HD], tl.float32)
@@ -177,13 +193,12 @@ def _store_packed(row, x, d, NOPE: tl.constexpr, HD: tl.constexpr, ROW):
 
 
 @triton.jit
-def _state_kernel(T, steps, S, N, L: tl.constexpr):
+def _keep(T, steps, S, N, b, L: tl.constexpr):
     M: tl.constexpr = L.M
     HD: tl.constexpr = L.HD
     WIDTH: tl.constexpr = L.WIDTH
     RB: tl.constexpr = L.RB
     WB: tl.constexpr = L.WB
-    b = tl.program_id(0)
     slot, start, first, n = sequence_tokens(steps, N, tl.num_programs(0), b)
     end = start + n
     if L.OVERLAP:       # the Ca half of the last window that closed feeds the next entry
@@ -220,7 +235,7 @@ def _state_kernel(T, steps, S, N, L: tl.constexpr):
 def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: StepTokens, state, ratio: int,
              cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, eps: float,
              max_windows: int | None = None) -> None:
-    """`ref.compress` in two launches (module docstring). max_windows: a bound on the windows any sequence closes
+    """`ref.compress` in one launch, or two when max_windows > 1 (module docstring). max_windows: a bound on the windows any sequence closes
     in the step (the emit grid's second axis); by default the step's token count bounds it."""
     N = kv.shape[0]
     B = steps.slot.shape[0]
@@ -251,5 +266,8 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
                       steps.pages.stride(0), row)
     rb = min(m, 16 if hd <= 256 else 8)
     shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8, state.packed_nope)
-    _emit_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, num_warps=4)
-    _state_kernel[(B,)](tensors, steps, strides, N, shape, num_warps=4)
+    if max_windows == 1:        # decode: one launch
+        _compress_kernel[(B, 1)](tensors, steps, strides, N, eps, shape, True, True, num_warps=4)
+        return
+    _compress_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, True, False, num_warps=4)
+    _compress_kernel[(B,)](tensors, steps, strides, N, eps, shape, False, True, num_warps=4)
