@@ -6,7 +6,7 @@ import torch
 from dsv4.formats import QWeight
 from dsv4.kernels import dispatch, gemm, ops_for, policy, ref
 from dsv4.kernels import moe as tmoe
-from dsv4.kernels.host import Scratch
+from dsv4.kernels.host import Scratch, device_info
 from dsv4.kernels.policy import TileConfig
 from kernel_util import refuse, rel_err, stacked_weight, strict_ops
 
@@ -103,18 +103,47 @@ def test_route_held_experts_of_expert_parallel(ops, hashed):
     assert hashed or (rw[0] == 0).all() and (rids[0] == 0).all()
 
 
-def test_moe_of_held_experts_is_the_routed_sum_of_those_experts(ops):
+@pytest.mark.parametrize("path", ["pair", "tiles", "sorted"])
+def test_moe_of_held_experts_is_the_routed_sum_of_those_experts(path):
     """An expert-parallel rank's MoE (its experts' stack, `held_picks` routing) equals the whole stack's reference
-    MoE with the picks held elsewhere dropped (weight 0): the stand-in picks add nothing."""
-    E, k, D, I, T, held = 8, 3, 64, 32, 5, range(4, 8)
+    MoE with the picks held elsewhere dropped (weight 0) on every path: the stand-in picks add nothing (the sorted
+    path computes no row for them)."""
+    E, k, D, I, held = 8, 3, 128, 128, range(4, 8)      # K multiples of 128: the GEMV pair takes them
+    T = 11 if path == "sorted" else 5
     w13, w2 = stacked("nvfp4", (E, 2), I, D), stacked("nvfp4", (E,), D, I)
     x = torch.randn(T, D)
-    w, ids = ref.route(torch.randn(T, E), torch.zeros(E), k, 1.5)
+    logits = torch.randn(T, E)
+    logits[0, :3] = 9.0                                   # token 0 routes to experts 0-2: none held
+    w, ids = ref.route(logits, torch.zeros(E), k, 1.5)
     lw, lids = ref.held_picks(w, ids, held)
+    assert (lw[0] == 0).all()
     part13, part2 = w13.index(slice(4, 8)), w2.index(slice(4, 8))
     whole = ref.moe(x, ids, torch.where((ids >= 4), w, 0.0), w13, w2, LIMIT)
     assert rel_err(ref.moe(x, lids, lw, part13, part2, LIMIT), whole) < 1e-6   # GEMMs of other row counts
-    assert rel_err(ops.moe(x, lids, lw, part13, part2, LIMIT), whole) < 1e-6
+    options = dict(pair=dict(decode="gemv"), tiles=dict(decode="tiles"),
+                   sorted=dict(decode_tokens=0, block_tokens=None))[path]
+    plan = policy.plan_moe(T, 4, k, dispatch._experts(part13, part2, x), None, device_info(x.device), **options)
+    assert plan.routed.name == path.upper()
+    got = dispatch.moe(x, lids, lw, part13, part2, LIMIT, fallback=refuse, **options)
+    assert rel_err(got, whole) < 1e-6 and (got[0] == 0).all()
+
+
+def test_align_leaves_pairs_of_weight_zero_out():
+    T, k, E, BM = 13, 3, 8, 4
+    ids = torch.randint(0, E, (T, k))
+    w = torch.rand(T, k) + 0.1
+    w[torch.rand(T, k) < 0.4] = 0.0
+    w[2] = 0.0
+    rows, blk_e, nblk, nb_max = tmoe.align(ids, E, BM, w)
+    P, kept = T * k, (w.flatten() != 0)
+    counts = torch.bincount(ids.flatten()[kept], minlength=E)
+    assert int(nblk) == int(((counts + BM - 1) // BM).sum())
+    used = rows[: int(nblk) * BM]
+    assert sorted(used[used < P].tolist()) == kept.nonzero().flatten().tolist()   # each kept pair once, no other
+    assert (rows[int(nblk) * BM:] == P).all()
+    for b in range(int(nblk)):
+        block = used[b * BM:(b + 1) * BM]
+        assert (ids.flatten()[block[block < P].long()] == blk_e[b]).all() and (block < P).any()
 
 
 def test_align_groups_pairs_by_expert():

@@ -225,7 +225,7 @@ def _routed(plan: MoePlan, x, ids, weights, w13: QWeight, w2: QWeight, limit: fl
             _routed_down(h, w2, out, plan.down, weights, k, scratch, rows=ROWS_PAIR, num_m=P, ids=ids)
         case Routed.SORTED:
             h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-            rows, blk_e, nblk, nb_max = align(ids, E, plan.up.BM)
+            rows, blk_e, nblk, nb_max = align(ids, E, plan.up.BM, weights)     # pairs of weight 0 in no block
             gemm.launch(x, w13, h, plan.up, M=P, rows=ROWS_SORTED, gated=True, x_div=k, num_m=nb_max, limit=limit,
                         ids=blk_e, rows_idx=rows, nblk=nblk, scratch=scratch)
             _routed_down(h, w2, out, plan.down, weights, k, scratch, rows=ROWS_SORTED, num_m=nb_max, ids=blk_e,
@@ -235,9 +235,10 @@ def _routed(plan: MoePlan, x, ids, weights, w13: QWeight, w2: QWeight, limit: fl
 
 def _routed_down(h, w2: QWeight, out, cfg: TileConfig, weights, k: int, scratch, **row_mode):
     """The fused tiles' down projection over the (token, slot) pairs of h into routing-weighted fp32 rows, then each
-    token's k rows summed in slot order into out. `row_mode`: the launch's row mode and its indices."""
+    token's k rows summed in slot order into out, those of routing weight 0 left out (the sorted path computes no
+    row for them). `row_mode`: the launch's row mode and its indices."""
     T, D = out.shape
     y = torch.empty(T * k, D, dtype=torch.float32, device=h.device)
     gemm.launch(h, w2, y, cfg, M=T * k, epi=EPI_ROUTED, x_div=1, rw=weights.reshape(-1), scratch=scratch,
                 **row_mode)
-    gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0))
+    gemm.sum_rows(y, out, T, D, k, y.stride(0), k * y.stride(0), weights)

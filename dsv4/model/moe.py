@@ -77,7 +77,8 @@ class MoE(nn.Module):
 
         Expert parallel (`held`): routing numbers the experts held from 0 and gives each pick of an expert held
         elsewhere weight 0 on a held one (`ref.held_picks`), so the shapes stay fixed (a CUDA graph captures the
-        step) and the pick adds exactly zero; every rank then runs all T * k pairs, not the ~T * k / tp it holds."""
+        step) and the pick adds exactly zero. The sorted path (prefill; decode past the expert blocks' token range)
+        leaves such pairs out; the GEMV pair and the decode tiles run them, all T * k pairs on every rank."""
         flat = x.reshape(-1, x.shape[-1])
         g = self.gate
         weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
