@@ -235,8 +235,9 @@ def _keep(T, steps, S, N, b, L: tl.constexpr):
 def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: StepTokens, state, ratio: int,
              cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, eps: float,
              max_windows: int | None = None) -> None:
-    """`ref.compress` in one launch, or two when max_windows > 1 (module docstring). max_windows: a bound on the windows any sequence closes
-    in the step (the emit grid's second axis); by default the step's token count bounds it."""
+    """`ref.compress` in one launch, or two when max_windows > 1 (module docstring). max_windows: a bound on the
+    windows any sequence closes in the step (the emit grid's second axis); by default the step's token count bounds
+    it."""
     N = kv.shape[0]
     B = steps.slot.shape[0]
     if N == 0:

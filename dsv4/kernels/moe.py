@@ -27,8 +27,8 @@ def _softplus(x):
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling, held_start, held_count,
-                  stride_l, stride_tid, TOPK: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_ptr, E, scaling, held_start,
+                  held_count, stride_l, stride_tid, TOPK: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                   HASH: tl.constexpr, HELD: tl.constexpr, PDL: tl.constexpr):
     if PDL:   # the gate/up launch after it may start now and stream the shared expert (`moe(after_route=True)`)
         gdc_launch_dependents()
