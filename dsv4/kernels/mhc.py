@@ -40,6 +40,7 @@ MIX_TOKENS = 16       # tokens per `_mix_kernel` program: the rows of its fp32 p
 MIX_PROGRAMS = 256    # chunks halve (down to MIX_BK columns) until a launch has this many programs: a decode step's
                       # few tokens then read fn (1.5 MB for V4-Flash) over the whole GPU, not 32 SMs
 COLLAPSE_BD = 512     # hidden columns per step of the collapse and of `hc_post`
+MIX_PRECISION = "ieee"  # the mixing product's tl.dot: fp32 FMAs (bench/lab/mhc.py times "tf32x3" against it)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,13 @@ class HcPlan:
     rows_p2: int          # R rounded up to a power of two, at least 16 (the products' N)
     chunk: int            # columns of n d per `_mix_kernel` program
     chunks: int           # programs per token block
-    token_blocks: int
+    block_tokens: int = MIX_TOKENS       # tokens per mixing program
+    precision: str = MIX_PRECISION       # the mixing product's tl.dot input precision
+    warps: int = 4                       # of a mixing program
+
+    @property
+    def token_blocks(self) -> int:
+        return cdiv(self.tokens, self.block_tokens)
 
     @property
     def chunks_p2(self) -> int:
@@ -79,15 +86,15 @@ def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
     blocks = cdiv(tokens, MIX_TOKENS)
     while chunk > MIX_BK and blocks * (width // chunk) < MIX_PROGRAMS:
         chunk //= 2
-    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk, blocks)
+    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk)
 
 
 @triton.jit
-def _mix_block(acc, ss, x, fn_ptr, r, rmask, k, K):
-    """One block of the flattened streams x fp32 [BT, BK] (columns k) into the partial products acc [BT, RP] (an
-    fp32 product: ieee, no tf32) and the sums of squares ss [BT]."""
+def _mix_block(acc, ss, x, fn_ptr, r, rmask, k, K, PRECISION: tl.constexpr):
+    """One block of the flattened streams x fp32 [BT, BK] (columns k) into the partial products acc [BT, RP] and the
+    sums of squares ss [BT], in PRECISION (`MIX_PRECISION`)."""
     w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
-    return tl.dot(x, tl.trans(w), acc, input_precision="ieee"), ss + tl.sum(x * x, axis=1)
+    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION), ss + tl.sum(x * x, axis=1)
 
 
 @triton.jit
@@ -100,7 +107,7 @@ def _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP:
 
 @triton.jit
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_pt,
-                RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr):
+                RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     """Partial products of chunk c: part[c, t, r] = sum_{k in chunk} fn[r, k] x[t, k] for r < R, and
     part[c, t, RP] = sum_{k in chunk} x[t, k]^2 (x = the flattened streams, fp32)."""
     tb, c = tl.program_id(0), tl.program_id(1)
@@ -112,14 +119,14 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_p
     for k0 in range(c * CHUNK, (c + 1) * CHUNK, BK):
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=tmask[:, None], other=0.0)
-        acc, ss = _mix_block(acc, ss, x.to(tl.float32), fn_ptr, r, rmask, k, K)
+        acc, ss = _mix_block(acc, ss, x.to(tl.float32), fn_ptr, r, rmask, k, K, PRECISION)
     _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP)
 
 
 @triton.jit
 def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, K, R, D, stride_ot, stride_xt,
                      stride_yt, stride_pc, stride_pt, N: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
-                     CHUNK: tl.constexpr, BK: tl.constexpr):
+                     CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
     """`_mix_kernel` of the updated streams y = X' (stored in y's dtype as they are made, `_post_kernel`'s sum order):
     column k of the flattened y is stream s = k // D, y[s, col] = post[s] out[col] + sum_j comb[j, s] X[j, col]
     (D a multiple of BK: a BK block lies in one stream)."""
@@ -142,7 +149,7 @@ def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr
         k = k0 + tl.arange(0, BK)
         y = y.to(dtype)
         tl.store(y_ptr + t64[:, None] * stride_yt + k[None, :], y, mask=tmask[:, None])
-        acc, ss = _mix_block(acc, ss, y.to(tl.float32), fn_ptr, r, rmask, k, K)
+        acc, ss = _mix_block(acc, ss, y.to(tl.float32), fn_ptr, r, rmask, k, K, PRECISION)
     _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP)
 
 
@@ -221,16 +228,18 @@ def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, D, stride_ot, stride
 
 
 def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-              norm_eps: float, head: bool, weight: torch.Tensor | None, weight_eps: float, update=None):
+              norm_eps: float, head: bool, weight: torch.Tensor | None, weight_eps: float, update=None,
+              plan: HcPlan | None = None):
     """The collapse of streams x; with `update` = (out, post, comb), of the streams hc_post(out, x, post, comb),
-    which the mixing launch makes and stores (returned fourth)."""
+    which the mixing launch makes and stores (returned fourth). `plan`: the mixing launch's geometry (default
+    `plan_hc`'s; bench/lab/mhc.py times others)."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     xt = x.reshape(-1, n * d).contiguous()
     src = xt
     if update is not None:
         xt = torch.empty_like(src)
     T, R = xt.shape[0], fn.shape[0]
-    plan = plan_hc(T, n, d, R)
+    plan = plan or plan_hc(T, n, d, R)
     dev = x.device
     part = torch.empty(plan.chunks, T, plan.rows_p2 + 1, dtype=torch.float32, device=dev)
     u = torch.empty(T, d, dtype=x.dtype, device=dev)
@@ -244,11 +253,13 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
         _post_mix_kernel[(plan.token_blocks, plan.chunks)](
             o, src, post_in.reshape(T, n).float().contiguous(), comb_in.reshape(T, n, n).float().contiguous(), xt,
             fn.float().contiguous(), part, T, n * d, R, d, o.stride(0), src.stride(0), xt.stride(0), part.stride(0),
-            part.stride(1), N=n, RP=plan.rows_p2, BT=MIX_TOKENS, CHUNK=plan.chunk, BK=MIX_BK)
+            part.stride(1), N=n, RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=plan.chunk, BK=MIX_BK,
+            PRECISION=plan.precision, num_warps=plan.warps)
     elif T:
         _mix_kernel[(plan.token_blocks, plan.chunks)](
             xt, fn.float().contiguous(), part, T, n * d, R, xt.stride(0), part.stride(0), part.stride(1),
-            RP=plan.rows_p2, BT=MIX_TOKENS, CHUNK=plan.chunk, BK=MIX_BK)
+            RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=plan.chunk, BK=MIX_BK, PRECISION=plan.precision,
+            num_warps=plan.warps)
     if T:
         _finish_kernel[(T,)](
             xt, part, base.float().contiguous(), scale.float().contiguous(), u, post, comb,
