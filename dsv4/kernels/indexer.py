@@ -39,6 +39,7 @@ from .radix import byte_of, next_byte, pass_prefix, radix_state, shares_prefix, 
 from .steps import StepTokens
 
 TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes (docs/tuning.md#indexer-topk)
+TOPK_WARPS = 4                          # of a top-k program
 TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
                                         # outlast six launches over its chunks (32K tokens of context and up)
 
@@ -271,23 +272,26 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
 
 
 def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tensor | None = None,
-                          ratio: int = 0, chunks: int | None = None) -> torch.Tensor:
+                          ratio: int = 0, chunks: int | None = None, block: int = TOPK_BLOCK,
+                          warps: int = TOPK_WARPS) -> torch.Tensor:
     """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
     order (ties to the lower id), then -1 (`_topk_kernel`, module docstring). positions int32 [N] and ratio: row t
     reads only its first (positions[t] + 1) // ratio scores, every later one being -inf (`index_scores`' rows),
     so the select costs the token's context, not the row width. chunks: programs a row's select runs over (by
-    default `topk_chunks`')."""
+    default `topk_chunks`'); block, warps: scores per pass iteration (at most) and warps of a program
+    (bench/lab/topk.py times others)."""
     N, n = scores.shape
     picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
     if not N:
         return picks
     pos = positions if positions is not None else picks
     ratio = ratio if positions is not None else 0
-    block = min(TOPK_BLOCK, max(16, next_pow2(n)))
+    block = min(block, max(16, next_pow2(n)))
     if chunks is None:
         chunks = topk_chunks(N, n, num_sms(scores.device))
     if chunks <= 1:
-        _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, block, num_warps=4)
+        _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, block,
+                           num_warps=warps)
         return picks
     chunk = block * triton.cdiv(triton.cdiv(n, block), chunks)      # whole blocks; the last chunk may be shorter
     chunks = triton.cdiv(n, chunk)
@@ -297,9 +301,9 @@ def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tens
     pad = next_pow2(chunks)
     for p in (1, 2, 3, 4):
         _topk_radix_kernel[(N, chunks)](scores, hist, state, n, scores.stride(0), pos, chunk, ratio, topk, p, pad,
-                                        block, num_warps=4)
+                                        block, num_warps=warps)
     _topk_count_kernel[(N, chunks)](scores, hist, state, counts, n, scores.stride(0), pos, chunk, ratio, topk, pad,
-                                    block, num_warps=4)
+                                    block, num_warps=warps)
     _topk_write_kernel[(N, chunks)](scores, picks, state, counts, n, scores.stride(0), picks.stride(0), pos, chunk,
-                                    ratio, topk, pad, block, num_warps=4)
+                                    ratio, topk, pad, block, num_warps=warps)
     return picks
