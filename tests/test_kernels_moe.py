@@ -24,6 +24,25 @@ def ops():
     return strict_ops()
 
 
+@pytest.mark.parametrize("T", [1, 3, 16, 17])            # 17: past ROUTER_TOKENS, the reference's GEMM
+@pytest.mark.parametrize("K", [256, 200])
+def test_router_logits_match_the_fp32_product(ops, T, K):
+    """The router's logits from bf16 x and a bf16-valued fp32 weight (exact products, fp32 sums) against
+    F.linear in fp64; an expert count no program size divides; x's dtype read as it is."""
+    E = 25
+    g = torch.Generator().manual_seed(T * K)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(E, K, generator=g) * 0.05).to(torch.bfloat16).float()
+    got = ops.router_logits(x, w)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    assert got.dtype == torch.float32 and got.shape == (T, E)
+    assert rel_err(got, want) < 1e-6
+    assert torch.equal(ops.router_logits(x[None], w)[0], got)          # leading dims kept
+    assert torch.equal(ops.router_logits(x, w.bfloat16()), got)         # a bf16 weight: the same products
+    if T > tmoe.ROUTER_TOKENS:
+        assert torch.equal(got, ref.router_logits(x, w))
+
+
 def test_route_biased_topk(ops):
     T, E, k = 7, 24, 4
     logits = torch.randn(T, E) * 3

@@ -44,6 +44,8 @@ class Ops:
     # normed), post, comb); (out, streams, post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps[,
     # norm weight, its eps]) -> the HyperHead's collapse; (out, streams, post, comb, then hc_pre's arguments after the
     # streams) -> (new streams, collapsed, post, comb): one sub-block's update and the next one's collapse
+    # the router's dense projection: (x [..., d], fp32 weight [E, d]) -> fp32 logits [..., E]
+    router_logits: Callable = ref.router_logits
     hc_pre: Callable = ref.hc_pre
     hc_post: Callable = ref.hc_post
     hc_head: Callable = ref.hc_head
@@ -77,6 +79,7 @@ class Ops:
                   sparse_attention=partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)),
                   write_ring=attention.write_ring,
                   compress=compressor.compress, index_picks=indexer.index_picks, norm_rope=norm_rope.norm_rope,
+                  router_logits=partial(moe.router_logits, fallback=fallback(ref.router_logits)),
                   hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
                   hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
                   hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)),

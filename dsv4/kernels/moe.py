@@ -1,4 +1,4 @@
-"""The MoE's small kernels: routing (`route`), each distinct expert's pairs in blocks (`expert_blocks`, for the GEMV
+"""The MoE's small kernels: the router's logits (`router_logits`), routing (`route`), each distinct expert's pairs in blocks (`expert_blocks`, for the GEMV
 pair over expert blocks) and the pairs sorted into blocks of one expert (`align`, for the sorted grouped tiles).
 
 Which of the MoE's paths runs, and how its stages are launched, is `dispatch.moe`'s (its plan: `policy.plan_moe`).
@@ -11,10 +11,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import ref
 from .host import has_pdl
 from .policy import ROUTE_WARPS, mma_n, next_pow2
 
 EXPERT_BLOCKS_CHUNK = 64     # pairs a program of the expert-block table places (its rank is a CHUNK x CHUNK compare)
+ROUTER_TOKENS = 16           # the router's logits in one launch up to this many tokens (`router_logits`)
+ROUTER_EXPERTS = 2           # experts a router program (V4-Flash: 128 programs of 32 KB of fp32 weight)
+ROUTER_PRODUCTS = 16384      # products a router program's K step holds (64 registers a thread on 8 warps)
 
 # --------------------------------------------------------------------------------------------- routing
 
@@ -62,6 +66,49 @@ def _route_kernel(logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, w_ptr, ids_p
         w = tl.where(mine, w, 0.0)
     tl.store(w_ptr + t * TOPK + offs_j, w, mask=kmask)
     tl.store(ids_ptr + t * TOPK + offs_j, ids.to(tl.int64), mask=kmask)
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, out_ptr, T, E, K, stride_xt, stride_we, stride_ot, TP: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr):
+    """Program n: logits[t, e] = sum_k x[t, k] w[e, k] in fp32 for experts e of [n BN, (n + 1) BN) and every token
+    (TP >= T), K in BK steps, each step's products summed in registers."""
+    t = tl.arange(0, TP)
+    e = tl.program_id(0) * BN + tl.arange(0, BN)
+    tmask, emask = t < T, e < E
+    acc = tl.zeros([TP, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = k0 + tl.arange(0, BK)
+        kmask = k < K
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=tmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None].to(tl.int64) * stride_we + k[None, :], mask=emask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(out_ptr + t[:, None] * stride_ot + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor, *, fallback=None) -> torch.Tensor:
+    """Same contract as `ref.router_logits`. Up to ROUTER_TOKENS tokens one launch (`_router_kernel`, ROUTER_EXPERTS
+    experts a program) reads x and the weight (fp32 or bf16) in their own dtypes: no fp32 copy of x, no cuBLAS fp32
+    GEMV; more tokens take `ref.router_logits`' product (a GEMM, where the kernel would read the weight once per token
+    block)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    E = weight.shape[0]
+    rows = x.reshape(-1, K)
+    T = rows.shape[0]
+    if T > ROUTER_TOKENS:
+        return ref.router_logits(x, weight)
+    if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] != K or weight.stride(-1) != 1 \
+            or rows.stride(-1) != 1:
+        return fallback(x, weight)
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        tp = next_pow2(T)      # K in one step up to 16K products a program (one round of loads at batch 1 and 2)
+        bk = min(next_pow2(K), max(64, ROUTER_PRODUCTS // (tp * ROUTER_EXPERTS)))
+        _router_kernel[(triton.cdiv(E, ROUTER_EXPERTS),)](rows, weight, out, T, E, K, rows.stride(0), weight.stride(0),
+                                                         out.stride(0), tp, ROUTER_EXPERTS, bk, num_warps=8)
+    return out.view(*lead, E)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,

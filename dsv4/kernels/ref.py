@@ -74,6 +74,12 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float) -> torch.Tenso
     return linear(swiglu(gate, up, limit).to(x.dtype), w2)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's dense projection: x [..., d] and weight [E, d] in fp32 -> fp32 logits [..., E] (DeepSeek's
+    reference computes them so; bf16 x and weight values give exact products and fp32 sums)."""
+    return F.linear(x.float(), weight.float())
+
+
 def route(
     logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: float,
     tid2eid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None, held: range | None = None,

@@ -11,7 +11,6 @@ Module layout (the two places where module paths are not canonical names):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -30,11 +29,11 @@ class Gate(QLinear):
             self.register_buffer("bias", torch.empty(cfg.n_routed_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., d] -> fp32 logits [..., E]: a dense weight multiplies x in fp32 (exact products of bf16 values,
-        fp32 sums; `widen_` stores the weight in fp32 once so that no call converts it); a quantized one runs its
-        kernel and the logits are widened."""
+        """x [..., d] -> fp32 logits [..., E]: a dense weight multiplies x in fp32 (`ops.router_logits`: exact
+        products of bf16 values, fp32 sums; `widen_` stores the weight in fp32 once so that no call converts it); a
+        quantized one runs its kernel and the logits are widened."""
         if self.format.fmt == "dense":
-            return F.linear(x.float(), self.weight.float())
+            return self.ops.router_logits(x, self.weight)
         return self.ops.linear(x, self.qweight()).float()
 
     def widen_(self) -> bool:
