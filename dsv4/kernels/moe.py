@@ -1,5 +1,6 @@
-"""The MoE's small kernels: the router's logits (`router_logits`), routing (`route`), each distinct expert's pairs in blocks (`expert_blocks`, for the GEMV
-pair over expert blocks) and the pairs sorted into blocks of one expert (`align`, for the sorted grouped tiles).
+"""The MoE's small kernels: the router's logits (`router_logits`), routing (`route`), each distinct expert's pairs
+in blocks (`expert_blocks`, for the GEMV pair over expert blocks) and the pairs sorted into blocks of one expert
+(`align`, for the sorted grouped tiles).
 
 Which of the MoE's paths runs, and how its stages are launched, is `dispatch.moe`'s (its plan: `policy.plan_moe`).
 """
