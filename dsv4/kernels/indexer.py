@@ -35,7 +35,8 @@ import triton.language as tl
 
 from .host import num_sms
 from .policy import next_pow2
-from .radix import byte_of, next_byte, pass_prefix, radix_state, shares_prefix, store_hist, store_state
+from .radix import (byte_of, chunks_for, load_state, next_byte, pass_prefix, radix_state, shares_prefix, store_hist,
+                    store_state, summed_hist)
 from .steps import StepTokens
 
 TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes (docs/tuning.md#indexer-topk)
@@ -146,9 +147,7 @@ def _fill_after(out_row, written, TOPK: tl.constexpr):
 def topk_chunks(rows: int, width: int, sms: int) -> int:
     """Programs a row's select runs over: one for rows up to TOPK_CHUNKED_KEYS wide, else chunks of whole blocks,
     enough for two programs an SM."""
-    if width <= TOPK_CHUNKED_KEYS:
-        return 1
-    return max(1, min(triton.cdiv(width, TOPK_BLOCK), triton.cdiv(2 * sms, rows)))
+    return 1 if width <= TOPK_CHUNKED_KEYS else chunks_for(rows, width, TOPK_BLOCK, sms)
 
 
 @triton.jit
@@ -196,9 +195,7 @@ def _topk_count_kernel(scores, hist, state, counts, n, scores_t, pos, chunk, RAT
     chunks = tl.num_programs(1)
     row = scores + t * scores_t
     prefix, need = radix_state(hist, state, t, chunks, tl.full([], TOPK, tl.int32), 4, CHUNKS_PAD)
-    c = tl.arange(0, CHUNKS_PAD)
-    finite = tl.sum(tl.sum(tl.load(hist + (t * 4 * chunks + c)[:, None] * 256 + tl.arange(0, 256)[None, :],
-                                   mask=(c < chunks)[:, None], other=0), axis=1), axis=0)
+    finite = tl.sum(summed_hist(hist, t, chunks, 1, CHUNKS_PAD), axis=0)
     if finite <= TOPK:
         prefix = tl.zeros([], tl.int64)
         need = tl.zeros([], tl.int64)
@@ -225,8 +222,8 @@ def _topk_write_kernel(scores, out, state, counts, n, scores_t, out_t, pos, chun
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
     row = scores + t * scores_t
-    prefix = tl.load(state + (t * 4 + 3) * 2)
-    need = tl.load(state + (t * 4 + 3) * 2 + 1).to(tl.int32)
+    prefix, need = load_state(state, t, 4)
+    need = need.to(tl.int32)
     c = tl.arange(0, CHUNKS_PAD)
     above_c = tl.load(counts + (t * chunks + c) * 2, mask=c < chunks, other=0)
     ties_c = tl.load(counts + (t * chunks + c) * 2 + 1, mask=c < chunks, other=0)

@@ -15,6 +15,27 @@ import triton
 import triton.language as tl
 
 
+def chunks_for(rows: int, width: int, block: int, sms: int) -> int:
+    """Chunks each row's passes split into: enough (row, chunk) programs for two a streaming multiprocessor, each
+    chunk at least one block of the row."""
+    return max(1, min(triton.cdiv(width, block), triton.cdiv(2 * sms, rows)))
+
+
+@triton.jit
+def summed_hist(hist, row, chunks, PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Pass PASS's histogram of the whole row [256]: its chunks' histograms summed."""
+    c = tl.arange(0, CHUNKS_PAD)
+    return tl.sum(tl.load(hist + ((row * 4 + PASS - 1) * chunks + c)[:, None] * 256 + tl.arange(0, 256)[None, :],
+                          mask=(c < chunks)[:, None], other=0), axis=0)
+
+
+@triton.jit
+def load_state(state, row, DIGITS: tl.constexpr):
+    """State DIGITS of the row (`store_state`'s): (the bytes in place, how many keys sharing them are still to be
+    counted)."""
+    return tl.load(state + (row * 4 + DIGITS - 1) * 2), tl.load(state + (row * 4 + DIGITS - 1) * 2 + 1)
+
+
 @triton.jit
 def radix_state(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
     """Row `row`'s select of the k-th largest key after DIGITS bytes: (the bytes in place, how many keys sharing them
@@ -23,12 +44,8 @@ def radix_state(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: t
     prefix = tl.zeros([], tl.int64)
     need = k.to(tl.int64)
     if DIGITS > 1:
-        prefix = tl.load(state + (row * 4 + DIGITS - 2) * 2)
-        need = tl.load(state + (row * 4 + DIGITS - 2) * 2 + 1)
-    c = tl.arange(0, CHUNKS_PAD)
-    h = tl.sum(tl.load(hist + ((row * 4 + DIGITS - 1) * chunks + c)[:, None] * 256 + tl.arange(0, 256)[None, :],
-                       mask=(c < chunks)[:, None], other=0), axis=0).to(tl.int64)
-    return next_byte(h, prefix, need, DIGITS)
+        prefix, need = load_state(state, row, DIGITS - 1)
+    return next_byte(summed_hist(hist, row, chunks, DIGITS, CHUNKS_PAD).to(tl.int64), prefix, need, DIGITS)
 
 
 @triton.jit

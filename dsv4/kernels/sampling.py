@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .host import num_sms
-from .radix import byte_of, pass_prefix, radix_state, shares_prefix, store_hist
+from .radix import byte_of, chunks_for, pass_prefix, radix_state, shares_prefix, store_hist
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
@@ -114,9 +114,8 @@ class Filters(NamedTuple):
 
 
 def plan_chunks(rows: int, vocab: int, sms: int) -> int:
-    """Chunks each row's chunked passes split into: enough (row, chunk) programs for two a streaming multiprocessor,
-    each chunk at least one BLOCK of logits."""
-    return max(1, min(triton.cdiv(vocab, BLOCK), triton.cdiv(2 * sms, rows)))
+    """Chunks each row's chunked passes split into (`radix.chunks_for`: chunks of at least one BLOCK of logits)."""
+    return chunks_for(rows, vocab, BLOCK, sms)
 
 
 @triton.jit
