@@ -169,7 +169,7 @@ def test_align_groups_pairs_by_expert():
     T, k, E, BM = 13, 3, 8, 4
     ids = torch.randint(0, E, (T, k))
     ids[0] = torch.tensor([5, 5, 5])  # an expert over several blocks
-    rows, blk_e, nblk, nb_max = tmoe.align(ids, E, BM)
+    rows, blk_e, nblk, nb_max = tmoe.align(ids, E, BM, torch.rand(T, k) + 0.1)     # no weight 0: every pair
     P = T * k
     counts = torch.bincount(ids.flatten(), minlength=E)
     assert int(nblk) == int(((counts + BM - 1) // BM).sum()) <= nb_max

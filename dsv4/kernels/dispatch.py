@@ -225,7 +225,7 @@ def _routed(plan: MoePlan, x, ids, weights, w13: QWeight, w2: QWeight, limit: fl
             _routed_down(h, w2, out, plan.down, weights, k, scratch, rows=ROWS_PAIR, num_m=P, ids=ids)
         case Routed.SORTED:
             h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-            rows, blk_e, nblk, nb_max = align(ids, E, plan.up.BM, weights)     # pairs of weight 0 in no block
+            rows, blk_e, nblk, nb_max = align(ids, E, plan.up.BM, weights)
             gemm.launch(x, w13, h, plan.up, M=P, rows=ROWS_SORTED, gated=True, x_div=k, num_m=nb_max, limit=limit,
                         ids=blk_e, rows_idx=rows, nblk=nblk, scratch=scratch)
             _routed_down(h, w2, out, plan.down, weights, k, scratch, rows=ROWS_SORTED, num_m=nb_max, ids=blk_e,

@@ -234,18 +234,15 @@ def _tile_store(acc, acc_u, io, grid, w, e64, yrow, rmask, offs_n, nmask, tile, 
 
 
 @triton.jit(do_not_specialize=["R"])
-def _sum_kernel(src_ptr, w_ptr, dst_ptr, R, N, S, stride_ss, stride_sr, stride_dr, BLOCK: tl.constexpr,
-                SKIP: tl.constexpr):
-    """dst[r, :] = sum_{s < S} src[s * stride_ss + r * stride_sr + :] in fp32, in s order (deterministic); SKIP:
-    without the rows s whose weight w[r * S + s] is 0 (rows that may be unwritten)."""
+def _sum_kernel(src_ptr, w_ptr, dst_ptr, R, N, S, stride_ss, stride_sr, stride_dr, BLOCK: tl.constexpr):
+    """dst[r, :] = sum_{s < S} src[s * stride_ss + r * stride_sr + :] in fp32, in s order (deterministic), without
+    the rows s whose weight w[r * S + s] is 0 (rows that may be unwritten)."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(S):
-        read = mask
-        if SKIP:      # the row's weight, loaded into every lane
-            read = mask & (tl.load(w_ptr + r * S + s + offs * 0) != 0.0)
+        read = mask & (tl.load(w_ptr + r * S + s + offs * 0) != 0.0)     # the row's weight, in every lane
         acc += tl.load(src_ptr + s * stride_ss + r * stride_sr + offs, mask=read, other=0.0).to(tl.float32)
     tl.store(dst_ptr + r * stride_dr + offs, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
@@ -302,13 +299,12 @@ def launch(x, w: QWeight, y, cfg: TileConfig, *, M: int, rows: int = ROWS_DENSE,
 
 
 def sum_rows(src: torch.Tensor, dst: torch.Tensor, R: int, N: int, S: int, stride_ss: int, stride_sr: int,
-             weights: torch.Tensor | None = None):
-    """dst [R, N] = each row r's S rows of src summed (`_sum_kernel`); `weights` (contiguous [R, S]): rows of
-    weight 0 left out."""
+             weights: torch.Tensor):
+    """dst [R, N] = each row r's S rows of src summed (`_sum_kernel`), those whose weight (weights contiguous
+    [R, S]) is 0 left out."""
     BLOCK = min(1024, triton.next_power_of_2(N))
-    skip = weights is not None
-    _sum_kernel[(R, triton.cdiv(N, BLOCK))](src, weights if skip else src, dst, R, N, S, stride_ss, stride_sr,
-                                            dst.stride(0), BLOCK=BLOCK, SKIP=skip)
+    _sum_kernel[(R, triton.cdiv(N, BLOCK))](src, weights, dst, R, N, S, stride_ss, stride_sr, dst.stride(0),
+                                            BLOCK=BLOCK)
 
 
 @triton.jit

@@ -145,21 +145,19 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scaling: 
 # ---------------------------------------------------------------------------- sorting pairs by expert
 
 @triton.jit
-def _pair_experts(ids_ptr, w_ptr, offs, pairs, E, SKIP: tl.constexpr):
-    """The experts of pairs offs (int32), E for padding and, with SKIP, for pairs of routing weight 0."""
+def _pair_experts(ids_ptr, w_ptr, offs, pairs, E):
+    """The experts of pairs offs (int32), E for padding and for pairs of routing weight 0."""
     e = tl.load(ids_ptr + offs, mask=offs < pairs, other=E).to(tl.int32)
-    if SKIP:
-        e = tl.where(tl.load(w_ptr + offs, mask=offs < pairs, other=1.0) == 0.0, E, e)
-    return e
+    return tl.where(tl.load(w_ptr + offs, mask=offs < pairs, other=1.0) == 0.0, E, e)
 
 
 @triton.jit
-def _expert_counts(ids_ptr, w_ptr, pairs, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SKIP: tl.constexpr):
+def _expert_counts(ids_ptr, w_ptr, pairs, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Pairs per expert [E_PAD] of the pairs expert ids at ids_ptr (one program, CHUNK at a time; 0 from E on,
-    where padding and skipped pairs count)."""
+    where padding and pairs of weight 0 count)."""
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for c in range(0, pairs, CHUNK):
-        counts += tl.histogram(_pair_experts(ids_ptr, w_ptr, c + tl.arange(0, CHUNK), pairs, E, SKIP), E_PAD)
+        counts += tl.histogram(_pair_experts(ids_ptr, w_ptr, c + tl.arange(0, CHUNK), pairs, E), E_PAD)
     return tl.where(tl.arange(0, E_PAD) < E, counts, 0)
 
 
@@ -243,17 +241,16 @@ def expert_blocks(ids: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["pairs"])
 def _align_kernel(ids_ptr, w_ptr, rows_ptr, blk_e_ptr, nblk_ptr, cursor_ptr, pairs, E, NUM_BLOCKS,
-                  BM: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr,
-                  SKIP: tl.constexpr):
-    """Lay out the T*k (token, slot) pairs in blocks of BM rows of a single expert (SKIP: those of routing weight
-    0 in none).
+                  BM: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
+    """Lay out the T*k (token, slot) pairs in blocks of BM rows of a single expert (those of routing weight 0 in
+    none).
 
     rows[b*BM + i] = pair index (or `pairs` for padding), blk_e[b] = expert of block b, nblk = blocks used.
     Single program: histogram, exclusive scan of padded block counts, then a scatter whose positions come
     from atomics on a per-expert cursor (order inside an expert's blocks does not change any row's result).
     """
     offs_e = tl.arange(0, E_PAD)
-    counts = _expert_counts(ids_ptr, w_ptr, pairs, E, E_PAD, CHUNK, SKIP)
+    counts = _expert_counts(ids_ptr, w_ptr, pairs, E, E_PAD, CHUNK)
     nb = (counts + BM - 1) // BM
     ends = tl.cumsum(nb, 0)
     starts = ends - nb
@@ -270,17 +267,17 @@ def _align_kernel(ids_ptr, w_ptr, rows_ptr, blk_e_ptr, nblk_ptr, cursor_ptr, pai
     tl.debug_barrier()
     for c in range(0, pairs, CHUNK):
         offs = c + tl.arange(0, CHUNK)
-        e = _pair_experts(ids_ptr, w_ptr, offs, pairs, E, SKIP)
+        e = _pair_experts(ids_ptr, w_ptr, offs, pairs, E)
         valid = e < E
         pos = tl.atomic_add(cursor_ptr + e, 1, mask=valid)
         tl.store(rows_ptr + pos, offs, mask=valid)
 
 
-def align(ids: torch.Tensor, n_experts: int, BM: int, weights: torch.Tensor | None = None):
+def align(ids: torch.Tensor, n_experts: int, BM: int, weights: torch.Tensor):
     """(rows int32 [n*BM], block experts int32 [n], number of used blocks int32 [1], n); n is the static bound
-    pairs / BM + min(pairs, experts), so that CUDA graphs can capture the whole MoE. `weights` (fp32, the pairs'
-    routing weights): the pairs of weight 0 are in no block (they add nothing: expert parallel's picks of other
-    ranks' experts, `ref.held_picks`)."""
+    pairs / BM + min(pairs, experts), so that CUDA graphs can capture the whole MoE. The pairs whose routing weight
+    (`weights` fp32 [T, k]) is 0 are in no block (they add nothing: expert parallel's picks of other ranks' experts,
+    `ref.held_picks`)."""
     pairs = ids.numel()
     nb_max = triton.cdiv(pairs, BM) + min(pairs, n_experts)
     dev = ids.device
@@ -289,8 +286,6 @@ def align(ids: torch.Tensor, n_experts: int, BM: int, weights: torch.Tensor | No
     nblk = torch.empty(1, dtype=torch.int32, device=dev)
     E_PAD = triton.next_power_of_2(n_experts + 1)
     cursor = torch.empty(E_PAD, dtype=torch.int32, device=dev)
-    skip = weights is not None
-    _align_kernel[(1,)](ids.reshape(-1), weights.reshape(-1) if skip else ids, rows, blk_e, nblk, cursor, pairs,
-                        n_experts, nb_max, BM=BM, E_PAD=E_PAD, CHUNK=256, BCHUNK=max(16, 8192 // E_PAD), SKIP=skip,
-                        num_warps=8)
+    _align_kernel[(1,)](ids.reshape(-1), weights.reshape(-1), rows, blk_e, nblk, cursor, pairs, n_experts, nb_max,
+                        BM=BM, E_PAD=E_PAD, CHUNK=256, BCHUNK=max(16, 8192 // E_PAD), num_warps=8)
     return rows, blk_e, nblk, nb_max
