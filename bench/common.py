@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -185,6 +187,22 @@ class Timer:
     def rotated_us(self, fn, *args) -> float:
         """Median us per call of fn over rotated arguments: fn(args[0][i], args[1][i], ...) for each i."""
         return self.per_call_ms([functools.partial(fn, *a) for a in zip(*args)]) * 1e3
+
+
+def lab_parser(toy_help: str) -> argparse.ArgumentParser:
+    """A lab's parser with the arguments every variant-timing lab takes: --device, --rounds (timings per case, the
+    median printed), --out, --toy (a CPU dry run that checks the script)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rounds", type=int, default=3, help="timings per case (the median is printed)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
+    ap.add_argument("--toy", action="store_true", help=toy_help)
+    return ap
+
+
+def median_us(timer: "Timer", calls, rounds: int) -> float:
+    """The median over `rounds` timings of the calls' per-call time, in us."""
+    return statistics.median(timer.per_call_ms(calls) * 1e3 for _ in range(rounds))
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:

@@ -16,11 +16,8 @@ relative error of u, post, comb and the streams; writes mhc.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer  # noqa: E402
+from common import Timer, lab_parser, median_us, rel_err  # noqa: E402
 
 from dsv4.kernels import mhc, ref  # noqa: E402
 
@@ -53,11 +50,6 @@ def variant_plan(plan: mhc.HcPlan, change) -> mhc.HcPlan | None:
             return None
         return dataclasses.replace(plan, chunk=plan.chunk // 2, chunks=plan.chunks * 2)
     return dataclasses.replace(plan, **change)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def case(T: int, shape: dict, dev, gen):
@@ -91,12 +83,8 @@ def reference(args_of_case, iters: int):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
+    ap = lab_parser("CPU dry run at a small hidden size (checks the script)")
     ap.add_argument("--tokens", default="1,64,256")
-    ap.add_argument("--rounds", type=int, default=3, help="timings per case (the median is printed)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
-    ap.add_argument("--toy", action="store_true", help="CPU dry run at a small hidden size (checks the script)")
     args = ap.parse_args()
     shape = FLASH
     if args.toy:
@@ -112,7 +100,7 @@ def main():
         cases = [case(T, shape, dev, gen) for _ in range(4 if dev.type == "cuda" else 1)]
         default = mhc.plan_hc(T, n, d, (2 + n) * n)
         base_out = run(cases[0], iters, default)
-        oracle = [rel(a, b) for a, b in zip(base_out, reference(cases[0], iters))]
+        oracle = [rel_err(a, b) for a, b in zip(base_out, reference(cases[0], iters))]
         print(f"{label:5s} {T:6d} {'default vs ref':20s} | u / post / comb / streams: "
               + " / ".join(f"{e:.1e}" for e in oracle), flush=True)
         rows.append(dict(tokens=T, variant="default against ref.hc_post_pre", rel_to_reference=oracle))
@@ -124,10 +112,8 @@ def main():
             row = dict(tokens=T, variant=name, plan=dataclasses.asdict(plan))
             try:
                 got = run(cases[0], iters, plan)
-                row["rel_to_default"] = [rel(a, b) for a, b in zip(got, base_out)]
-                us = [timer.per_call_ms([lambda c=c, p=plan: run(c, iters, p) for c in cases]) * 1e3
-                      for _ in range(args.rounds)]
-                row["us"] = statistics.median(us)
+                row["rel_to_default"] = [rel_err(a, b) for a, b in zip(got, base_out)]
+                row["us"] = median_us(timer, [lambda c=c, p=plan: run(c, iters, p) for c in cases], args.rounds)
             except Exception as e:                    # a variant that does not compile or run: say so, go on
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 print(f"{label:5s} {T:6d} {name:20s} | failed: {row['error']}", flush=True)

@@ -19,9 +19,7 @@ greedy and filtered, built with all_filters=True: the batch a CUDA graph of the 
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer  # noqa: E402
+from common import Timer, lab_parser  # noqa: E402
 
 from dsv4.runtime.params import SamplingParams  # noqa: E402
 from dsv4.runtime.sampler import SamplingBatch, sample, sample_reference  # noqa: E402
@@ -52,13 +50,9 @@ def mixes(batch: int) -> dict[str, tuple[list[SamplingParams], bool]]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
+    ap = lab_parser("CPU dry run at a small vocabulary (checks the script)")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
-    ap.add_argument("--toy", action="store_true", help="CPU dry run at a small vocabulary (checks the script)")
     args = ap.parse_args()
     if args.toy:
         args.device, args.batches, args.vocab, args.rounds = "cpu", "1,8", 1000, 1

@@ -16,10 +16,7 @@ picks agree; writes topk.json.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -28,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer  # noqa: E402
+from common import Timer, lab_parser, median_us  # noqa: E402
 
 from dsv4.kernels import indexer  # noqa: E402
 
@@ -53,13 +50,9 @@ def oracle_picks(row: torch.Tensor, topk: int) -> list[int]:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda")
+    ap = lab_parser("CPU dry run at small rows (checks the script)")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--contexts", default="8192,65536,131072")
-    ap.add_argument("--rounds", type=int, default=3, help="timings per case (the median is printed)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
-    ap.add_argument("--toy", action="store_true", help="CPU dry run at small rows (checks the script)")
     args = ap.parse_args()
     topk = TOPK
     if args.toy:
@@ -86,7 +79,7 @@ def main():
                     row["same_picks"] = bool(torch.equal(got, default))
                     calls = [lambda s=s, o=options: indexer.index_picks_of_scores(s, topk, positions, RATIO, **o)
                              for s in scores]
-                    row["us"] = statistics.median(timer.per_call_ms(calls) * 1e3 for _ in range(args.rounds))
+                    row["us"] = median_us(timer, calls, args.rounds)
                 except Exception as e:                    # a variant that does not compile or run: say so, go on
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     print(f"{label:5s} {B:4d} {context:8d} {name:22s} | failed: {row['error']}", flush=True)
