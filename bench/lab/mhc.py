@@ -1,17 +1,17 @@
 """Question: What makes mHC's mixing launch slow at many tokens, and which launch geometry fixes it?
 
-At batch 256 on an H100 (round 36), `_post_mix_kernel` took 81 us per launch, two launches a layer, for about 20 MB
-of traffic (6 us at copy speed); at batch 1 it took 7 us. This times `kernels.mhc`'s `hc_post_pre` (the post-update
-fused into the next collapse: `_post_mix_kernel` then `_finish_kernel`) at V4-Flash's shape for each variant of the
-mixing launch's plan (`HcPlan`: tokens a program, tl.dot precision, warps, columns a program), and checks every
-variant's outputs against the default plan's (the same kernels: the difference is the product's rounding) and the
-default's against `ref.hc_post_pre` (the oracle).
+At many tokens `_post_mix_kernel` runs far above the time its traffic takes at copy speed (bench/results/round-36.md,
+docs/tuning.md#mhc-mixing). This times `kernels.mhc`'s `hc_post_pre` (the post-update fused into the next collapse:
+`_post_mix_kernel` then `_finish_kernel`) at V4-Flash's shape for each variant of the mixing launch's plan (`HcPlan`:
+tokens a program, tl.dot precision, warps, columns a program), and checks every variant's outputs against the default
+plan's (the same kernels: the difference is the product's rounding) and the default's against `ref.hc_post_pre` (the
+oracle).
 
     python bench/lab/mhc.py [--tokens 1,64,256] [--out DIR]     # on the GPU
     python bench/lab/mhc.py --toy                              # CPU dry run (interpreter)
 
-Prints one line per (tokens, variant): microseconds per call (CUDA graph of rotated inputs) and the largest
-relative error of u, post, comb and the streams; writes mhc.json.
+Prints one line per (tokens, variant): microseconds per call (CUDA graph of rotated inputs) and the relative error
+(`common.rel_err`) of u, post, comb and the streams; writes mhc.json.
 """
 
 from __future__ import annotations

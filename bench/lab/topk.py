@@ -1,8 +1,8 @@
 """Question: What does the indexer's top-k cost a launch by batch and context, and which program shape (scores per
 pass iteration, warps, programs a row) makes it fastest?
 
-At batch 1 and 8K context the select took 22 us a CSA layer on the H200 (round 35): more than issue 38's 20 us for the
-whole CSA attention part. `kernels.indexer.index_picks_of_scores` is timed here on score rows of V4-Flash's shape
+At batch 1 and 8K context the select alone takes more than issue 38's 20 us for the whole CSA attention part
+(bench/results/round-35.md). `kernels.indexer.index_picks_of_scores` is timed here on score rows of V4-Flash's shape
 (one compressed entry per 4 tokens, top-512) for each variant of its launch (`block`, `warps`, `chunks`). Every
 variant's picks must equal the default's (the select is exact and deterministic), and the default's a stable sort's
 (score descending, then id; the oracle).
