@@ -90,11 +90,11 @@ def test_plans_for_v4_flash_decode_steps():
     from dsv4.kernels.attention import AttentionPlan, plan_attention
     assert plan_attention(1, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # batch 1, CSA: split
     assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 1)     # 128 programs: split 1
-    assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(32, 32, 8, 0)    # a full wave and more
+    assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(32, 64, 8, 0)    # a full wave and more
     assert plan_attention(256, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 0)     # packed fp8 entries
     assert plan_attention(1, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 4)       # packed, batch 1: split
-    assert plan_attention(256, 64, 512, 0, False, 132) == AttentionPlan(32, 32, 8, 0)      # sliding only
-    assert plan_attention(1, 64, 512, 512, False, 132, split=0) == AttentionPlan(32, 32, 8, 0)   # split as given
+    assert plan_attention(256, 64, 512, 0, False, 132) == AttentionPlan(32, 64, 8, 0)      # sliding only
+    assert plan_attention(1, 64, 512, 512, False, 132, split=0) == AttentionPlan(32, 64, 8, 0)   # split as given
     assert plan_attention(5, 3, 32, 8, False, 132) == AttentionPlan(16, 32, 4, 1)          # toy: 16 heads at least
 
 

@@ -9,7 +9,8 @@ from dsv4.kernels import mhc
 from dsv4.kernels import ref
 
 EPS = 1e-6
-SHAPES = [(1, 4, 64), (6, 4, 128), (3, 4, 1024)]      # (tokens, hc_mult, hidden)
+SHAPES = [(1, 4, 64), (6, 4, 128), (3, 4, 1024), (9, 4, 64)]      # (tokens, hc_mult, hidden); 2 x 9 tokens: 32 a
+                                                                   # mixing program, 14 of them masked
 
 
 def params(n: int, d: int, rows: int, seed: int):
@@ -68,10 +69,12 @@ def test_bf16_streams_within_one_bf16_step():
 
 def test_plans_and_refusals():
     flash, pro = mhc.plan_hc(1, 4, 4096, 24), mhc.plan_hc(256, 4, 7168, 24)
-    # a decode token's fn read spreads over 256 programs of 64 columns; 256 tokens keep 512-column chunks
+    # a decode token's fn read spreads over 256 programs of 64 columns; 256 tokens keep 512-column chunks, 32 tokens
+    # a program above 16 tokens
     assert (flash.chunk, flash.chunks, flash.rows_p2, flash.token_blocks, flash.chunks_p2) == (64, 256, 32, 1, 256)
-    assert (pro.chunk, pro.chunks, pro.token_blocks, pro.chunks_p2) == (512, 56, 16, 64)
-    assert mhc.plan_hc(64, 4, 4096, 24).chunk == 256 and mhc.plan_hc(3, 4, 64, 4).chunk == 64
+    assert (pro.chunk, pro.chunks, pro.token_blocks, pro.chunks_p2) == (512, 56, 8, 64)
+    assert [mhc.plan_hc(t, 4, 4096, 24).block_tokens for t in (16, 17, 256)] == [16, 32, 32]
+    assert mhc.plan_hc(64, 4, 4096, 24).chunk == 128 and mhc.plan_hc(3, 4, 64, 4).chunk == 64
     assert mhc.plan_hc(3, 4, 64, 4).rows_p2 == 16                    # the head's 4 rows: tl.dot's least N
     with pytest.raises(ValueError, match="power-of-two hc_mult"):
         mhc.plan_hc(1, 3, 4096, 15)
@@ -104,7 +107,7 @@ def test_collapse_with_the_blocks_norm(T, n, d, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T, n, d", [(5, 4, 256), (1, 4, 1024)])
+@pytest.mark.parametrize("T, n, d", [(5, 4, 256), (1, 4, 1024), (9, 4, 64)])
 def test_post_then_pre_in_two_launches(T, n, d, dtype):
     """hc_post_pre (the residual update made inside the next collapse's mixing launch) gives the streams of hc_post
     bit for bit and the collapse of hc_pre on them, and equals the reference's hc_post then hc_pre."""

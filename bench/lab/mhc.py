@@ -37,18 +37,24 @@ VARIANTS = {                        # name -> HcPlan fields replaced in the defa
     "tf32x3": dict(precision="tf32x3"),
     "8 warps": dict(warps=8),
     "8 warps, tf32x3": dict(warps=8, precision="tf32x3"),
-    "32 tokens": dict(block_tokens=32),
+    "16 tokens": dict(block_tokens=16),
     "64 tokens, 8 warps": dict(block_tokens=64, warps=8),
     "chunk / 2": "half",
+    "chunk x 2": "double",
 }
 
 
 def variant_plan(plan: mhc.HcPlan, change) -> mhc.HcPlan | None:
-    """The default plan with `change`; None where the variant does not exist (a chunk is at least MIX_BK)."""
+    """The default plan with `change`; None where the variant does not exist (a chunk is at least MIX_BK and at most
+    MIX_CHUNK columns)."""
     if change == "half":            # twice the programs, each over half the columns
         if plan.chunk // 2 < mhc.MIX_BK:
             return None
         return dataclasses.replace(plan, chunk=plan.chunk // 2, chunks=plan.chunks * 2)
+    if change == "double":          # half the programs, each over twice the columns
+        if plan.chunk * 2 > mhc.MIX_CHUNK:
+            return None
+        return dataclasses.replace(plan, chunk=plan.chunk * 2, chunks=plan.chunks // 2)
     return dataclasses.replace(plan, **change)
 
 

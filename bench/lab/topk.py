@@ -32,11 +32,11 @@ from dsv4.kernels import indexer  # noqa: E402
 RATIO, TOPK = 4, 512                # V4-Flash's CSA: an entry per 4 tokens, index_topk 512
 VARIANTS = {                        # name -> index_picks_of_scores options
     "default": {},
-    "8 warps": dict(warps=8),
+    "block 1024, 4 warps": dict(block=1024, warps=4),
+    "4 warps": dict(warps=4),
     "16 warps": dict(warps=16),
-    "block 512": dict(block=512),
-    "block 2048": dict(block=2048),
-    "block 2048, 8 warps": dict(block=2048, warps=8),
+    "block 1024": dict(block=1024),
+    "block 4096": dict(block=4096),
     "2 chunks": dict(chunks=2),
     "4 chunks": dict(chunks=4),
     "16 chunks": dict(chunks=16),

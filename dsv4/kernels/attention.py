@@ -117,6 +117,22 @@ def _entry_keys(T, S, rows, valid, d, L: tl.constexpr):
 
 
 @triton.jit
+def _entry_block(T, steps, S, t, b, e0, e_hi, d, L: tl.constexpr):
+    """Block [e0, e0 + BK) of token t's entries below e_hi -> (keys [BK, D], valid [BK]): HCA's entries in order,
+    CSA's picks (-1: none); nothing is read past e_hi."""
+    E: tl.constexpr = L.E
+    i = e0 + tl.arange(0, L.BK)
+    if L.RATIO == 4:
+        j = tl.load(T.picks + t.to(tl.int64) * L.K + i, mask=i < e_hi, other=-1)
+        valid = j >= 0
+    else:
+        j = i
+        valid = i < e_hi
+    page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
+    return _entry_keys(T, S, page * E + j % E, valid, d, L), valid
+
+
+@triton.jit
 def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     W: tl.constexpr = L.W
     D: tl.constexpr = L.D
@@ -160,23 +176,10 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
             row = (first + j - start).to(tl.int64)
             k = tl.load(T.kv + row[:, None] * S.kv_t + d[None, :], mask=valid[:, None], other=0.0)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
-    if RATIO == 128:                               # HCA: every entry j with (j + 1) * 128 <= p + 1
-        n_vis = (p + 1) // RATIO
-        e_lo, e_hi = _share(n_vis, part, SPLIT)
+    if RATIO > 0:                                  # HCA: every entry j with (j + 1) * 128 <= p + 1; CSA: the picks
+        e_lo, e_hi = _share((p + 1) // RATIO if RATIO == 128 else K, part, SPLIT)
         for e0 in range(e_lo, e_hi, BK):
-            j = e0 + tl.arange(0, BK)
-            valid = j < e_hi
-            page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
-            k = _entry_keys(T, S, page * E + j % E, valid, d, L)
-            acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
-    if RATIO == 4:                                 # CSA: the indexer's picks
-        i_lo, i_hi = _share(K, part, SPLIT)
-        for i0 in range(i_lo, i_hi, BK):
-            i = i0 + tl.arange(0, BK)
-            j = tl.load(T.picks + t.to(tl.int64) * K + i, mask=i < i_hi, other=-1)
-            valid = j >= 0
-            page = tl.load(steps.pages + b * S.pages_seq + j // E, mask=valid, other=0).to(tl.int64)
-            k = _entry_keys(T, S, page * E + j % E, valid, d, L)
+            k, valid = _entry_block(T, steps, S, t, b, e0, e_hi, d, L)
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if SPLIT == 0:
         sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
@@ -239,11 +242,11 @@ class AttentionPlan(NamedTuple):
 @lru_cache(maxsize=None)
 def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
                    split: int | None = None) -> AttentionPlan:
-    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached), 32 keys a block.
-    A launch that fills the GPU: 32 heads a program on 8 warps (the fp32 accumulator [32, 512] at 64 values a
-    thread). One that does not takes a key split (`attention_split`, or `split` as given) and 16 heads on 4 warps:
-    more, smaller programs. Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs the
-    registers). docs/tuning.md#attention-plan has the measurements."""
+    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached). A launch that
+    fills the GPU: 32 heads a program on 8 warps (the fp32 accumulator [32, 512] at 64 values a thread), 64 keys a
+    block. One that does not takes a key split (`attention_split`, or `split` as given) and 16 heads on 4 warps, 32
+    keys a block: more, smaller programs. Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs
+    the registers). docs/tuning.md#attention-plan has the measurements."""
     bh = max(16, min(64, next_pow2(heads), 16384 // head_dim))
     if split is None:
         split = attention_split(tokens * -(-heads // bh), entries, sms)
@@ -251,7 +254,7 @@ def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed:
         return AttentionPlan(16, 16 if head_dim > 256 else 32, 8, split)
     if split:
         return AttentionPlan(16, 32, 4, split)
-    return AttentionPlan(bh, 32, 8 if bh * head_dim >= 16384 else 4, 0)
+    return AttentionPlan(bh, 64, 8 if bh * head_dim >= 16384 else 4, 0)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,

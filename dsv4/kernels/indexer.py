@@ -19,8 +19,9 @@ pass writes every id with a key above T and the lowest ids with key T (ties go t
 them unspecified). No sort: the attention reading the picks is a sum over them. A row is read only up to the token's
 visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds).
 
-Rows wider than TOPK_CHUNKED_KEYS take the same select over (token, chunk) programs (`topk_chunks`), six launches:
-the four byte passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
+A row's program reads TOPK_ROW_BLOCK scores an iteration on TOPK_ROW_WARPS warps. Rows wider than
+TOPK_CHUNKED_KEYS take the same select over (token, chunk) programs (`topk_chunks`), six launches: the four byte
+passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
 (`_topk_count_kernel`), and the write (`_topk_write_kernel`), where a chunk's picks start after those of the chunks
 before it and its ties after theirs.
 """
@@ -39,8 +40,10 @@ from .radix import (byte_of, chunks_for, load_state, next_byte, pass_prefix, rad
                     store_state, summed_hist)
 from .steps import StepTokens
 
-TOPK_BLOCK = 1024                       # scores per iteration of the top-k's passes (docs/tuning.md#indexer-topk)
-TOPK_WARPS = 4                          # of a top-k program
+TOPK_BLOCK = 1024                       # scores per iteration of the chunked select's passes
+TOPK_WARPS = 4                          # of a chunked select's program (docs/tuning.md#indexer-topk)
+TOPK_ROW_BLOCK = 2048                   # scores per iteration of the one-program select's passes
+TOPK_ROW_WARPS = 8                      # of a one-program select
 TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
                                         # outlast six launches over its chunks (32K tokens of context and up)
 
@@ -269,23 +272,28 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
 
 
 def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tensor | None = None,
-                          ratio: int = 0, chunks: int | None = None, block: int = TOPK_BLOCK,
-                          warps: int = TOPK_WARPS) -> torch.Tensor:
+                          ratio: int = 0, chunks: int | None = None, block: int | None = None,
+                          warps: int | None = None) -> torch.Tensor:
     """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
     order (ties to the lower id), then -1 (`_topk_kernel`, module docstring). positions int32 [N] and ratio: row t
     reads only its first (positions[t] + 1) // ratio scores, every later one being -inf (`index_scores`' rows),
     so the select costs the token's context, not the row width. chunks: programs a row's select runs over (by
-    default `topk_chunks`'); block, warps: scores per pass iteration (at most) and warps of a program
-    (bench/lab/topk.py times others)."""
+    default `topk_chunks`'); block, warps: scores per pass iteration (at most) and warps of a program (by default
+    TOPK_ROW_BLOCK / TOPK_ROW_WARPS for one program a row, TOPK_BLOCK / TOPK_WARPS for chunks; bench/lab/topk.py
+    times others)."""
     N, n = scores.shape
     picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
     if not N:
         return picks
     pos = positions if positions is not None else picks
     ratio = ratio if positions is not None else 0
-    block = min(block, max(16, next_pow2(n)))
     if chunks is None:
         chunks = topk_chunks(N, n, num_sms(scores.device))
+    if block is None:
+        block = TOPK_ROW_BLOCK if chunks <= 1 else TOPK_BLOCK
+    if warps is None:
+        warps = TOPK_ROW_WARPS if chunks <= 1 else TOPK_WARPS
+    block = min(block, max(16, next_pow2(n)))
     if chunks <= 1:
         _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, block,
                            num_warps=warps)

@@ -36,7 +36,9 @@ from .policy import cdiv, next_pow2
 
 MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most)
 MIX_BK = 64           # columns per inner step of a chunk (and the fewest a chunk has)
-MIX_TOKENS = 16       # tokens per `_mix_kernel` program: the rows of its fp32 products (tl.dot's least M)
+MIX_TOKENS = 16       # tokens per `_mix_kernel` program up to this many tokens: the rows of its fp32 products
+                      # (tl.dot's least M)
+MIX_TOKENS_MANY = 32  # tokens per program above MIX_TOKENS tokens (docs/tuning.md#mhc-mixing)
 MIX_PROGRAMS = 256    # chunks halve (down to MIX_BK columns) until a launch has this many programs: a decode step's
                       # few tokens then read fn (1.5 MB for V4-Flash) over the whole GPU, not 32 SMs
 COLLAPSE_BD = 512     # hidden columns per step of the collapse and of `hc_post`
@@ -53,7 +55,7 @@ class HcPlan:
     rows_p2: int          # R rounded up to a power of two, at least 16 (the products' N)
     chunk: int            # columns of n d per `_mix_kernel` program
     chunks: int           # programs per token block
-    block_tokens: int = MIX_TOKENS       # tokens per mixing program
+    block_tokens: int = MIX_TOKENS       # tokens per mixing program (MIX_TOKENS or MIX_TOKENS_MANY)
     precision: str = MIX_PRECISION       # the mixing product's tl.dot input precision
     warps: int = 4                       # of a mixing program
 
@@ -75,18 +77,20 @@ def takes_shape(streams: int, hidden: int) -> bool:
 
 @lru_cache(maxsize=None)
 def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
-    """The geometry of one shape (pure, cached): the mixing product's chunks are MIX_CHUNK columns, or the largest
-    divisor of n d below it that is a multiple of MIX_BK (a power of two), halved while the launch has fewer than
-    MIX_PROGRAMS programs and a chunk more than MIX_BK columns."""
+    """The geometry of one shape (pure, cached): MIX_TOKENS tokens a mixing program, MIX_TOKENS_MANY above that many
+    tokens; the mixing product's chunks are MIX_CHUNK columns, or the largest divisor of n d below it that is a
+    multiple of MIX_BK (a power of two), halved while the launch has fewer than MIX_PROGRAMS programs and a chunk
+    more than MIX_BK columns."""
     width = streams * hidden
     chunk = math.gcd(width, MIX_CHUNK)
     if not takes_shape(streams, hidden):
         raise ValueError(f"hc kernels need a power-of-two hc_mult and hc_mult * hidden divisible by {MIX_BK}, "
                          f"got {streams} x {hidden}")
-    blocks = cdiv(tokens, MIX_TOKENS)
+    block_tokens = MIX_TOKENS if tokens <= MIX_TOKENS else MIX_TOKENS_MANY
+    blocks = cdiv(tokens, block_tokens)
     while chunk > MIX_BK and blocks * (width // chunk) < MIX_PROGRAMS:
         chunk //= 2
-    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk)
+    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk, block_tokens)
 
 
 @triton.jit
