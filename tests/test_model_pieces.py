@@ -333,29 +333,31 @@ def test_presets_instantiate_on_meta_with_published_parameter_counts(preset, tot
     assert math.isclose(model.num_parameters() / 1e9, {"flash": 284.3, "pro": 1573.0}[preset], rel_tol=1e-3)
 
 
+def cached_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of ids [1, >= 140] run as cached steps of 100, 30, 1 and 9 tokens (one sequence, pages 3 and 2)."""
+    from dsv4.model.state import SeqBatch
+    from dsv4.runtime.cache import KVCache
+
+    cache, start, out = KVCache(model.config, 2, 4, torch.float32), 0, []
+    with torch.inference_mode():
+        for n in (100, 30, 1, 9):
+            batch = SeqBatch((1,), (start,), (n,), ((3, 2),))
+            out.append(model.head_logits(model(ids[:, start:start + n], batch.positions()[None], cache.layers,
+                                               batch))[0])
+            start += n
+    return torch.cat(out)
+
+
 def test_fused_projections_give_the_separate_products_logits():
     """`prepare_for_kernels_`'s fusion of each attention's dense projections of x (compressor and indexer
     compressor wkv / wgate, weights_proj) into one weight: the decode steps' logits stay those of the separate
     products (to fp32 rounding), the weights become views of the fused buffer and the state dict is unchanged."""
     import dsv4
     import runtime_fixtures as rf
-    from dsv4.model.state import SeqBatch
-    from dsv4.runtime.cache import KVCache
 
     model = dsv4.load(rf.variant("wide"))
     ids = torch.tensor([rf.prompt_ids(140, seed=3)])
-
-    def decode_logits():
-        cache, start, out = KVCache(model.config, 2, 4, torch.float32), 0, []
-        with torch.inference_mode():
-            for n in (100, 30, 1, 9):
-                batch = SeqBatch((1,), (start,), (n,), ((3, 2),))
-                out.append(model.head_logits(model(ids[:, start:start + n], batch.positions()[None], cache.layers,
-                                                   batch))[0])
-                start += n
-        return torch.cat(out)
-
-    want, keys = decode_logits(), set(model.state_dict())
+    want, keys = cached_logits(model, ids), set(model.state_dict())
     fused = model.fuse_projections_()
     assert fused == sum(1 for r in model.config.compress_ratios[:model.config.num_hidden_layers] if r)
     assert model.fuse_projections_() == fused                      # idempotent
@@ -366,16 +368,22 @@ def test_fused_projections_give_the_separate_products_logits():
         a = block.attn
         assert a.x_query_kv is not None and a.wq_a.weight.data_ptr() == a.x_query_kv.weight.data_ptr()
         assert a.wkv.weight.data_ptr() == a.x_query_kv.weight[a.wq_a.out_features:].data_ptr()
+        if a.indexer is None:                                      # and on CSA layers wq_b and the indexer's
+            assert a.qr_queries is None
+        else:
+            assert a.wq_b.weight.data_ptr() == a.qr_queries.weight.data_ptr()
+            assert a.indexer.wq_b.weight.data_ptr() == a.qr_queries.weight[a.wq_b.out_features:].data_ptr()
     assert set(model.state_dict()) == keys
-    got = decode_logits()
+    got = cached_logits(model, ids)
     assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("q_lora_rank, fused", [(128, True), (96, False)])
 def test_fp8_query_and_kv_projections_fuse_on_whole_scale_blocks(tmp_path, q_lora_rank, fused):
-    """`fuse_query_kv_` on FP8-block weights (DeepSeek's release format): wq_a's rows and 128-row scale blocks
-    first, then wkv's, in one weight, when wq_a's rows fill whole scale blocks (else the layers stay apart); a
-    prefill's logits equal the unfused model's, and the state dict keeps its keys and values."""
+    """`fuse_query_kv_` and `fuse_queries_` on FP8-block weights (DeepSeek's release format): wq_a's rows and
+    128-row scale blocks first, then wkv's, in one weight, when wq_a's rows fill whole scale blocks (else the layers
+    stay apart); on CSA layers wq_b's then the indexer's; a prefill's and cached steps' logits equal the unfused
+    model's, and the state dict keeps its keys and values."""
     import dsv4
     from dsv4.checkpoint.tiny import make_tiny
     from dsv4.config import ModelConfig
@@ -383,18 +391,25 @@ def test_fp8_query_and_kv_projections_fuse_on_whole_scale_blocks(tmp_path, q_lor
     make_tiny(tmp_path, seed=0, fmt="official", cfg=ModelConfig.tiny(q_lora_rank=q_lora_rank))
     model = dsv4.load(tmp_path)
     attn = model.layers[0].attn
-    assert attn.wq_a.format.fmt == attn.wkv.format.fmt == "fp8"
-    ids = torch.tensor([list(range(2, 40))])
+    csa = next(b.attn for b in model.layers if b.attn.indexer is not None)
+    assert attn.wq_a.format.fmt == attn.wkv.format.fmt == csa.wq_b.format.fmt == csa.indexer.wq_b.format.fmt == "fp8"
+    ids = torch.tensor([list(range(2, 40)) * 4])
     with torch.inference_mode():
-        want, state = model(ids), {k: v.clone() for k, v in model.state_dict().items()}
+        want, state = model(ids[:, :38]), {k: v.clone() for k, v in model.state_dict().items()}
+        want_cached = cached_logits(model, ids)
         assert all(bool(a.fuse_query_kv_()) == fused for a in (b.attn for b in model.layers))
-        got = model(ids)
+        assert all(a.fuse_queries_() == (a.indexer is not None) for a in (b.attn for b in model.layers))
+        got, got_cached = model(ids[:, :38]), cached_logits(model, ids)
     if fused:
         w = attn.x_query_kv
         assert w.fmt == "fp8" and w.weight.shape[0] == q_lora_rank + attn.wkv.out_features
         assert attn.wkv.scale.data_ptr() == w.scale[q_lora_rank // 128:].data_ptr()
+    w = csa.qr_queries
+    assert w.fmt == "fp8" and w.weight.shape[0] == csa.wq_b.out_features + csa.indexer.wq_b.out_features
+    assert csa.indexer.wq_b.scale.data_ptr() == w.scale[csa.wq_b.out_features // 128:].data_ptr()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (got_cached - want_cached).abs().max() <= 1e-5 * want_cached.abs().max()
 
 
 def test_router_logits_are_fp32_products_of_the_bf16_values():

@@ -67,6 +67,7 @@ class Attention(nn.Module):
         self.x_dense: torch.Tensor | None = None
         self.x_dense_widths: tuple[int, ...] = ()
         self.x_query_kv: QWeight | None = None      # `fuse_query_kv_`: wq_a and wkv as one weight (rows stacked)
+        self.qr_queries: QWeight | None = None      # `fuse_queries_`: wq_b and the indexer's wq_b (CSA layers)
 
     def dense_projections(self) -> list[QLinear]:
         """The dense-capable projections of x a cached step runs besides wq_a / wkv, in the order of their rows in
@@ -94,25 +95,19 @@ class Attention(nn.Module):
 
     def fuse_query_kv_(self) -> bool:
         """Run wq_a and wkv (both products of x) as one: their weights and scales move into one buffer, wq_a's
-        rows first, each layer's becoming a view of its rows (no memory added). Only where the rows stack
-        unchanged: one format of dense, fp8 (wq_a's rows a whole number of 128-row scale blocks) or mxfp4 (scales
-        per row), one scale dtype, both stored tiled or neither (tiles are row blocks, so stacked tiled weights
-        are the tiled stack). The device placement calls this; rounding may differ from separate products in the
-        last bit, so the CPU's reference model keeps them apart. Returns whether they are fused."""
-        a, b = self.wq_a, self.wkv
-        fmt = a.format.fmt
-        if self.x_query_kv is None and a.format == b.format and fmt in ("dense", "fp8", "mxfp4") \
-                and not a.leading and not b.leading and a.tiled == b.tiled and a.weight.dtype == b.weight.dtype \
-                and (fmt != "fp8" or a.out_features % FP8_BLOCK == 0):
-            widths = (a.out_features, b.out_features)
-            weight = torch.cat((a.weight, b.weight))
-            a.weight, b.weight = weight.split(widths)
-            scale = None
-            if fmt != "dense":
-                scale = torch.cat((a.scale, b.scale))
-                a.scale, b.scale = scale.split((a.scale.shape[0], b.scale.shape[0]))
-            self.x_query_kv = QWeight(fmt, weight, scale, None, None, tiled=a.tiled)
+        rows first, each layer's becoming a view of its rows (no memory added; `stack_rows_`). The device
+        placement calls this; rounding may differ from separate products in the last bit, so the CPU's reference
+        model keeps them apart. Returns whether they are fused."""
+        if self.x_query_kv is None:
+            self.x_query_kv = stack_rows_(self.wq_a, self.wkv)
         return self.x_query_kv is not None
+
+    def fuse_queries_(self) -> bool:
+        """On CSA layers, run wq_b and the indexer's wq_b (both products of qr) as one, wq_b's rows first, as
+        `fuse_query_kv_` does. Returns whether they are fused."""
+        if self.qr_queries is None and self.indexer is not None:
+            self.qr_queries = stack_rows_(self.wq_b, self.indexer.wq_b)
+        return self.qr_queries is not None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState | None = None,
                 batch: SeqBatch | None = None, ropes: StepRope | None = None) -> torch.Tensor:
@@ -131,7 +126,13 @@ class Attention(nn.Module):
         else:
             xq, xkv = self.wq_a(x), self.wkv(x)
         qr = ops.norm_rope(xq, None, None, self.q_norm.weight, self.q_norm.eps)
-        q = ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
+        index_q = None                                                   # the indexer's wq_b(qr), where fused
+        if self.qr_queries is not None and state is not None:            # wq_b and the indexer's in one product
+            q, index_q = ops.linear(qr, self.qr_queries).split((self.wq_b.out_features,
+                                                                self.indexer.wq_b.out_features), -1)
+        else:
+            q = self.wq_b(qr)
+        q = ops.norm_rope(q.view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
         fp8_nope = state.fp8_nope if state is not None else 0                # the fp8 cache's values
         kv = ops.norm_rope(xkv, cos, sin, self.kv_norm.weight, self.kv_norm.eps, fp8_nope=fp8_nope)  # [B, S, D]
 
@@ -142,7 +143,7 @@ class Attention(nn.Module):
                 got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
                 raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
                                  f"{tuple(x.shape)} and {got}")
-            o = self._cached(x, qr, q, kv, positions, ropes, state, batch)
+            o = self._cached(x, qr, q, kv, ropes, state, batch, index_q)
         o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
@@ -158,10 +159,11 @@ class Attention(nn.Module):
             kv, bias = torch.cat((kv, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
-    def _cached(self, x, qr, q, kv, positions, ropes: StepRope, state: LayerState, batch: SeqBatch) -> torch.Tensor:
+    def _cached(self, x, qr, q, kv, ropes: StepRope, state: LayerState, batch: SeqBatch,
+                index_q: torch.Tensor | None = None) -> torch.Tensor:
         """The compressors and the indexer's picks for every sequence at once (`ops.compress`, `ops.index_picks`),
         then attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows
-        and the paged entries; then the rings."""
+        and the paged entries; then the rings. index_q: the indexer's wq_b(qr) where the caller computed it."""
         batch = batch.on(x.device)
         steps = batch.tokens
         entries = picks = None
@@ -176,7 +178,7 @@ class Attention(nn.Module):
             if self.indexer is not None:
                 ix = self.indexer
                 self._compress(ix.compressor, state.indexer, rows[2], rows[3], window, batch)
-                iq = ix.rotated_queries(qr, *ropes.at(self.rope))
+                iq = ix.rotated_queries(qr, *ropes.at(self.rope), product=index_q)
                 picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4), ix.head_scale, state.indexer.entry_scales)
         decode = batch.max_length == 1        # one token per sequence: the attention launch updates the rings
@@ -193,3 +195,23 @@ class Attention(nn.Module):
         cos, sin = window
         self.ops.compress(kv, score, compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
                           compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio))
+
+
+def stack_rows_(a: QLinear, b: QLinear) -> QWeight | None:
+    """a's and b's weights (and scales) moved into one buffer, a's rows first, each becoming a view of its rows (no
+    memory added), as the weight of one product for two linears of the same input; None where the rows do not
+    stack unchanged. They stack for one format of dense, fp8 (a's rows a whole number of 128-row scale blocks) or
+    mxfp4 (scales per row), one scale dtype, both stored tiled or neither (tiles are row blocks, so stacked tiled
+    weights are the tiled stack)."""
+    fmt = a.format.fmt
+    if not (a.format == b.format and fmt in ("dense", "fp8", "mxfp4") and not a.leading and not b.leading
+            and a.tiled == b.tiled and a.weight.dtype == b.weight.dtype
+            and (fmt != "fp8" or a.out_features % FP8_BLOCK == 0)):
+        return None
+    weight = torch.cat((a.weight, b.weight))
+    a.weight, b.weight = weight.split((a.out_features, b.out_features))
+    scale = None
+    if fmt != "dense":
+        scale = torch.cat((a.scale, b.scale))
+        a.scale, b.scale = scale.split((a.scale.shape[0], b.scale.shape[0]))
+    return QWeight(fmt, weight, scale, None, None, tiled=a.tiled)

@@ -33,11 +33,14 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, 4, self.head_dim, b.sub("compressor"))
         self.ops = b.ops
 
-    def rotated_queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotated_queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        product: torch.Tensor | None = None) -> torch.Tensor:
         """Queries [B, S, H, hd] of the q_norm'ed latents qr [B, S, q_lora_rank] whose positions' rope is cos / sin
-        [B, S, rope / 2] (the layer's, which attention computed)."""
+        [B, S, rope / 2] (the layer's, which attention computed). product: wq_b(qr) [B, S, H hd] where the caller
+        computed it (attention's product of qr with its own wq_b, `Attention.fuse_queries_`)."""
         B, S, _ = qr.shape
-        return self.ops.norm_rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        product = self.wq_b(qr) if product is None else product
+        return self.ops.norm_rope(product.view(B, S, self.n_heads, self.head_dim), cos, sin)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, rope: Rope) -> torch.Tensor:
         """Picks [B, S, k] of a fresh prefill (keys from this chunk only) for queries at `positions`."""

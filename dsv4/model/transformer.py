@@ -204,12 +204,14 @@ class Transformer(nn.Module):
         return sum(m.tile_() for m in self.modules() if isinstance(m, QLinear))
 
     def fuse_projections_(self) -> int:
-        """Each attention's projections of x in fewer products: the compressors' dense ones as one
-        (`Attention.fuse_projections_`) and wq_a with wkv (`Attention.fuse_query_kv_`); returns how many layers run
-        the former fused. Logits may change in the last bit (one GEMM's rounding instead of several)."""
+        """Each attention's projections in fewer products: the compressors' dense ones of x as one
+        (`Attention.fuse_projections_`), wq_a with wkv (`Attention.fuse_query_kv_`) and, on CSA layers, wq_b with the
+        indexer's (`Attention.fuse_queries_`); returns how many layers run the first fused. Logits may change in the
+        last bit (one GEMM's rounding instead of several)."""
         attentions = [m for m in self.modules() if isinstance(m, Attention)]
         for m in attentions:
             m.fuse_query_kv_()
+            m.fuse_queries_()
         return sum(m.fuse_projections_() for m in attentions)
 
     def prepare_for_kernels_(self) -> None:
