@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4.kernels import ref
-from dsv4.kernels.attention import sparse_attention
+from dsv4.kernels.attention import AttentionPlan, sparse_attention
 from dsv4.kernels.ref import attend, causal_entry_bias, picked_entry_bias, ring_positions, window_bias, write_ring
 from dsv4.kernels.steps import StepTokens
 
@@ -74,6 +74,18 @@ def test_matches_the_models_attention(ratio, starts, lengths, split):
     assert got.shape == want.shape == twin.shape
     assert (got - want).abs().max() / want.abs().max() < 1e-5
     assert (twin - want).abs().max() / want.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("ratio, starts, lengths", CASES)
+@pytest.mark.parametrize("split", [1, 3, 6])
+def test_a_split_that_shares_the_window_matches_the_models_attention(ratio, starts, lengths, split):
+    """`share_window`: each of the 1 + split programs takes an equal share of the ring rows then the entries (shares
+    that start inside the ring, straddle its end, lie past it or hold nothing), program 0 also the step's rows."""
+    args = make_step(ratio + 5, ratio, starts, lengths)
+    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5,
+                           plan=AttentionPlan(16, 16, 4, split, share_window=True))
+    want = reference(*args, ratio, starts, lengths)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 
 def test_the_key_split_takes_the_gpu_only_a_small_launch_leaves_idle():
@@ -146,25 +158,25 @@ def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeyp
 
 
 @pytest.mark.parametrize("ratio", [0, 4, 128])
-@pytest.mark.parametrize("split", [0, 2])
-def test_a_decode_step_updates_the_rings_in_the_attention_launch(ratio, split):
+@pytest.mark.parametrize("split, share_window", [(0, False), (2, False), (2, True)])
+def test_a_decode_step_updates_the_rings_in_the_attention_launch(ratio, split, share_window):
     """update_ring on a decode step (one token per sequence; rings full, part full, empty): the same output as
-    without it, and the rings `write_ring` leaves; the reference twin does the same."""
+    without it, and the rings `write_ring` leaves; the reference twin does the same. With `share_window` the
+    programs that read ring rows include those besides the one writing them."""
     starts, lengths = (150, 5, 0), (1, 1, 1)          # CSA: 37 of the 48 entries the pages hold
     q, kv, ring, entries, picks, steps, pages, sinks = make_step(40 + ratio, ratio, starts, lengths)
-    want = sparse_attention(q, kv, ring.clone(), entries, picks, steps, ratio, sinks, D ** -0.5, split=split)
+    how = dict(plan=AttentionPlan(16, 32, 4, split, True)) if share_window else dict(split=split)
+    want = sparse_attention(q, kv, ring.clone(), entries, picks, steps, ratio, sinks, D ** -0.5, **how)
     want_ring = ring.clone()
     write_ring(want_ring, kv, steps)
     mine, theirs = ring.clone(), ring.clone()
-    got = sparse_attention(q, kv, mine, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True,
-                           split=split)
+    got = sparse_attention(q, kv, mine, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True, **how)
     twin = ref.sparse_attention(q, kv, theirs, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True)
     assert torch.equal(got, want) and torch.equal(mine, want_ring) and torch.equal(theirs, want_ring)
     assert (twin - want).abs().max() / want.abs().max() < 1e-5
     spaced = torch.randn(ring.shape[0], W + 3, D)[:, :W]                # slots further apart: written in place
     spaced.copy_(ring)
-    got = sparse_attention(q, kv, spaced, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True,
-                           split=split)
+    got = sparse_attention(q, kv, spaced, entries, picks, steps, ratio, sinks, D ** -0.5, update_ring=True, **how)
     assert torch.equal(got, want) and torch.equal(spaced, want_ring)
     with pytest.raises(ValueError, match="rows must be contiguous"):
         sparse_attention(q, kv, torch.randn(ring.shape[0], W, 2 * D)[..., :D], entries, picks, steps, ratio, sinks,
