@@ -56,3 +56,32 @@ def test_rows_of_a_wider_product_are_read_in_place():
     assert torch.equal(got, norm_rope(kv.contiguous(), angle.cos(), angle.sin(), weight, 1e-6))
     want = ref.norm_rope(kv, angle.cos(), angle.sin(), weight, 1e-6)          # bf16 roundings may differ
     assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < 2 ** -6
+
+
+@pytest.mark.parametrize("normalised", [True, False])
+def test_heads_of_a_wider_product_are_read_in_place(normalised, monkeypatch):
+    """x the per-head view of a column slice (wq_b's and the indexer's wq_b's columns of their fused output, [T, H,
+    D] with a token stride wider than H D): the launch reads each head through the token and head strides from x
+    itself (no copy), with the same result as a contiguous copy."""
+    from dsv4.kernels import norm_rope as module
+
+    read = []
+
+    class Spy:                                      # records the memory the launch reads x from
+        def __getitem__(self, grid):
+            def launch(x, *args, **kwargs):
+                read.append(x.data_ptr())
+                return kernel[grid](x, *args, **kwargs)
+            return launch
+
+    kernel = module._norm_rope_kernel
+    monkeypatch.setattr(module, "_norm_rope_kernel", Spy())
+    g = torch.Generator().manual_seed(6)
+    wide = torch.randn(2, 5, 4 * 64 + 3 * 32, generator=g).bfloat16()
+    q, iq = wide[..., :256].view(2, 5, 4, 64), wide[..., 256:].view(2, 5, 3, 32)
+    angle = torch.rand(2, 5, 8, generator=g)
+    eps = 1e-6 if normalised else None
+    for x in (q, iq):
+        got = norm_rope(x, angle.cos(), angle.sin(), None, eps)
+        assert read[-1] == x.data_ptr()
+        assert torch.equal(got, norm_rope(x.contiguous(), angle.cos(), angle.sin(), None, eps))

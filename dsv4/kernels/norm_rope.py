@@ -1,7 +1,8 @@
 """A row's RMS normalisation and rope in one launch (`ref.norm_rope`'s contract): the norms and rotations around
 attention's projections, each of which is otherwise 6-12 small PyTorch kernels.
 
-    x        [..., D] rows (the last axis normalised and rotated), tokens first: x viewed [T, HEADS, D]
+    x        [..., D] rows (the last axis normalised and rotated), tokens first: x viewed [T, HEADS, D], any token
+             and head strides (a slice of a wider product's rows is read in place)
     cos, sin [T, R]   the rope of each token (None: no rotation); the trailing 2R channels rotate as pairs (2i, 2i+1)
     weight   [D] fp32 (a weighted RMSNorm) or None (the unweighted per-head RMS); eps None: no normalisation
 
@@ -99,7 +100,7 @@ def norm_rope_row(v, d, dmask, weight, cos, sin, eps, dtype, D: tl.constexpr, BD
 
 
 @triton.jit
-def _norm_rope_kernel(x, out, weight, cos, sin, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
+def _norm_rope_kernel(x, out, weight, cos, sin, x_t, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
     D: tl.constexpr = L.D
     BD: tl.constexpr = L.BD
     if L.PDL:
@@ -108,8 +109,8 @@ def _norm_rope_kernel(x, out, weight, cos, sin, x_r, out_r, rope_r, heads, eps, 
     d = tl.arange(0, BD)
     dmask = d < D
     dtype = out.dtype.element_ty
-    v = tl.load(x + r * x_r + d, mask=dmask, other=0.0).to(tl.float32)
     t = r // heads
+    v = tl.load(x + t * x_t + (r - t * heads) * x_r + d, mask=dmask, other=0.0).to(tl.float32)
     v = norm_rope_row(v, d, dmask, weight, cos + t * rope_r, sin + t * rope_r, eps, dtype, D, BD, L.NORM,
                       L.HALF_ROPE, L.INVERSE)
     if L.FP8_NOPE > 0:
@@ -131,23 +132,24 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     if fp8_nope and (D % 64 or D & (D - 1) or not 0 < fp8_nope <= D):
         raise ValueError(f"norm_rope: fp8 rounding needs a power-of-two last axis of at least 64 channels and "
                          f"0 < fp8_nope <= it; got {tuple(x.shape)}, fp8_nope={fp8_nope}")
-    rows = x.reshape(-1, D)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
-    if rows.shape[0] == 0:
+    n = x.numel() // D
+    out = torch.empty(n, D, dtype=x.dtype, device=x.device)
+    if n == 0:
         return out.view(x.shape)
     half = 0 if cos is None else cos.shape[-1]
     tokens = 1 if cos is None else cos.reshape(-1, half).shape[0]
-    heads = rows.shape[0] // tokens
-    if cos is not None and heads * tokens != rows.shape[0]:
+    heads = n // tokens
+    if cos is not None and heads * tokens != n:
         raise ValueError(f"norm_rope: cos {tuple(cos.shape)} does not match x {tuple(x.shape)}")
+    rows = x.reshape(tokens, heads, D)          # a view where x's strides allow (a token's heads one slice of a row)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     cos_r = rows if cos is None else cos.reshape(-1, half).contiguous()
     sin_r = rows if sin is None else sin.reshape(-1, half).contiguous()
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
     shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device))
-    _norm_rope_kernel[(rows.shape[0],)](rows, out, weight if weight is not None else rows, cos_r, sin_r,
-                                        rows.stride(0), out.stride(0), cos_r.stride(0), heads,
-                                        eps if eps is not None else 0.0, shape, num_warps=8 if bd >= 4096 else 4)
+    _norm_rope_kernel[(n,)](rows, out, weight if weight is not None else rows, cos_r, sin_r, rows.stride(0),
+                            rows.stride(1), out.stride(0), cos_r.stride(0), heads, eps if eps is not None else 0.0,
+                            shape, num_warps=8 if bd >= 4096 else 4)
     return out.view(x.shape)
