@@ -16,7 +16,8 @@ that format's storage), then
   graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference, and the
-  same of their profiled steps' kernel time (steadier: the wall times of two engines drift apart with the clocks);
+  same of their profiled steps' kernel time (steadier: the wall times of two engines drift apart with the clocks),
+  in all and by kernel name (`kernels_per_layer`);
 * `--repeats R` (one GPU): each decode case on R fresh engines (new pools, new graphs), whose step times differ;
   the case is the median engine's record (the lower one for even R), every engine's step kept (`step_ms_runs`);
 * `--kv-cache-dtype fp8` / `fp8-indexer`: the attention's entries (584-byte packed rows) and the indexer's keys, or
@@ -177,7 +178,8 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
         t[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
-            "gpu_us": busy, "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top]}
+            "gpu_us": busy, "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
+            "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()}}
 
 
 def failed(seqs) -> None:
@@ -334,8 +336,22 @@ def per_layer(fmt: str, cases: dict[tuple[int, int, int, str], dict], counts: li
                    us_per_layer=1e3 * (case["step_ms"] - fewest["step_ms"]) / (layers - counts[0]))
         if "gpu_us" in case and "gpu_us" in fewest:
             row["kernel_us_per_layer"] = (case["gpu_us"] - fewest["gpu_us"]) / (layers - counts[0])
+        if "kernels_all" in case and "kernels_all" in fewest:
+            row["kernels_per_layer"] = kernels_per_layer(case["kernels_all"], fewest["kernels_all"],
+                                                         layers - counts[0])
         rows.append(row)
     return rows
+
+
+def kernels_per_layer(most: dict[str, list], fewest: dict[str, list], layers: int) -> list[dict]:
+    """Each kernel's share of a layer: its time and launches in the step of more layers less those in the step of
+    fewer (`profile_step`'s `kernels_all`: name -> [us, count]), over the layer difference; the TOP_KERNELS largest
+    by time. Under programmatic dependent launch a kernel's time includes its wait for the one before."""
+    rows = []
+    for name in most.keys() | fewest.keys():
+        (us, n), (us0, n0) = most.get(name, [0.0, 0]), fewest.get(name, [0.0, 0])
+        rows.append(dict(name=name, us=round((us - us0) / layers, 1), count=(n - n0) / layers))
+    return sorted(rows, key=lambda r: -r["us"])[:TOP_KERNELS]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -487,6 +503,7 @@ def table(res: dict) -> str:
         kernels = f" (kernels {p['kernel_us_per_layer']:.0f})" if "kernel_us_per_layer" in p else ""
         lines.append(f"us per layer: {p['format']} {p.get('mode', '')} batch {p['batch']} context {p['context']}: "
                      f"{p['us_per_layer']:.0f}{kernels}")
+        lines += [f"    {k['us']:9.1f} us {k['count']:5.2f}x  {k['name']}" for k in p.get("kernels_per_layer", [])]
     for p in res["prefill"]:
         lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: "
                      f"{p['tokens_per_s']:.1f} tok/s")
