@@ -156,8 +156,9 @@ def _fill_after(out_row, written, TOPK: tl.constexpr):
 def _topk_sort_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK: tl.constexpr,
                       WIDTH: tl.constexpr, K2: tl.constexpr):
     """`_topk_kernel`'s picks by bitonic networks in registers: the row's WIDTH scores (its visible ones, -inf
-    beyond) as int64 keys (the score's ordered bits, then WIDTH - 1 - id, so that ties rank the lower id higher; -1
-    past the finite scores: _NO_KEY), `tl.topk` of the K2 largest (K2: TOPK to a power of two), then their ids sorted."""
+    beyond) as int64 keys (the score's ordered bits, then WIDTH - 1 - id, so that ties rank the lower id higher;
+    _NO_KEY past the finite scores), `tl.topk` of the K2 largest (K2: TOPK to a power of two), then their ids
+    sorted."""
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, WIDTH)
     s = tl.load(scores + t * scores_t + j, mask=j < _visible(n, pos, t, RATIO), other=float("-inf"))
