@@ -23,7 +23,7 @@ score -inf. The sink joins only the denominator. `update_ring` (decode steps: on
 each token's row into its ring at row p mod W, from the program of head block 0 and share 0 before it reads any key:
 the row it replaces holds position p - W, which no query of the step sees, so every program's read of that row is
 masked whatever it finds there. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16
-on the GPU; fp32 in the interpreter, whose bf16 dot is wrong).
+on the GPU, fp32 for fp32 queries; fp32 in the interpreter, whose bf16 dot is wrong), fp32 ones as fp32 (`dot_in`).
 """
 
 from __future__ import annotations
@@ -82,16 +82,26 @@ class Shape(NamedTuple):
 
 
 @triton.jit
+def dot_in(a, b, DOT: tl.constexpr):
+    """a @ b with both operands in DOT, accumulated in fp32. fp32 operands multiply as fp32 (input precision
+    "ieee"), not as the tf32 that Triton's dot defaults to on the GPU: an fp32 model computes in fp32."""
+    if DOT == tl.float32:
+        return tl.dot(a.to(DOT), b.to(DOT), out_dtype=tl.float32, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT), b.to(DOT), out_dtype=tl.float32)
+
+
+@triton.jit
 def _online(acc, m_i, l_i, q, k, valid, scale, DOT: tl.constexpr):
     """One block of keys k [BK, D] (masked by valid [BK]) into the running softmax of q [BH, D]."""
-    s = tl.dot(q.to(DOT), tl.trans(k.to(DOT)), out_dtype=tl.float32) * scale
+    s = dot_in(q, tl.trans(k), DOT) * scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)    # no key yet: keep exp() away from -inf - -inf
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), k.to(DOT), out_dtype=tl.float32)
+    acc = acc * alpha[:, None] + dot_in(p, k, DOT)
     return acc, m_new, l_i
 
 

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import dot_in
 from .host import num_sms
 from .policy import next_pow2
 from .radix import (byte_of, chunks_for, load_state, next_byte, pass_prefix, radix_state, shares_prefix, store_hist,
@@ -84,7 +85,7 @@ def _scores_kernel(q, w, entries, scales, out, steps, H, q_t, w_t, out_t, pages_
         qt = tl.load(q + t.to(tl.int64) * q_t + h[:, None] * HD + d[None, :], mask=(h < H)[:, None], other=0.0)
         page = tl.load(steps.pages + b * pages_seq + j // E, mask=valid, other=0).to(tl.int64)
         k = tl.load(entries + (page * E + j % E)[:, None] * HD + d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(qt.to(DOT), tl.trans(k.to(DOT)), out_dtype=tl.float32)                 # [H, BT]
+        s = dot_in(qt, tl.trans(k), DOT)                                                   # [H, BT]
         s = tl.maximum(s, 0.0)
         if L.FP8:           # relu(q . code) * its power-of-two scale = relu(q . key)
             s = s * tl.load(scales + page * E + j % E, mask=valid, other=0.0)[None, :]
