@@ -1,5 +1,6 @@
-"""The MoE benchmark scripts, the fused-tile sweep, the W4A4 table, the sampler's, mHC's and top-k's timings and the
-engine's host time run end to end at toy shapes on the CPU (`--toy`, Triton's interpreter).
+"""The MoE benchmark scripts, the fused-tile sweep, the W4A4 table, the sampler's, mHC's and top-k's timings, the
+engine's host time and a CSA layer's attention part run end to end at toy shapes on the CPU (`--toy`, Triton's
+interpreter).
 
 They run on the GPU only a few times a session, so an API change in `dsv4.kernels` could otherwise break one unseen
 until a device run fails and costs device time. Toy token counts cover both the GEMV pair over (token, slot) pairs
@@ -29,6 +30,7 @@ SCRIPTS = {
     "engine_host_time": ["bench/lab/engine_host_time.py"],
     "mhc": ["bench/lab/mhc.py"],
     "topk": ["bench/lab/topk.py"],
+    "csa_part": ["bench/lab/csa_part.py"],
 }
 
 # `python SCRIPT ARGS` with the interpreter speed-up the suite has (tests/interpreter_speedup.py)
