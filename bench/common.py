@@ -205,6 +205,13 @@ def median_us(timer: "Timer", calls, rounds: int) -> float:
     return statistics.median(timer.per_call_ms(calls) * 1e3 for _ in range(rounds))
 
 
+def record_failure(row: dict, error: Exception, head: str) -> None:
+    """A lab case or variant that does not compile or run: its error into `row` (300 characters at most) and
+    printed after the case's `head`, so that the lab goes on to the next."""
+    row["error"] = f"{type(error).__name__}: {error}"[:300]
+    print(f"{head} | failed: {row['error']}", flush=True)
+
+
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
     """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
     n = int(gib * 2**30) // 4

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us  # noqa: E402
+from common import Timer, lab_parser, median_us, record_failure  # noqa: E402
 
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import attention, compressor, indexer, norm_rope  # noqa: E402
@@ -127,8 +127,7 @@ def main():
                     row["calls_us"][n] = median_us(timer, [lambda x=x, p=p, i=i: part(x, p, i)
                                                            for x, p in zip(sets, picked)], args.rounds)
             except Exception as e:                    # a case that does not fit or run: say so, go on
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"{label:5s} {B:4d} {context:8d} | failed: {row['error']}", flush=True)
+                record_failure(row, e, f"{label:5s} {B:4d} {context:8d}")
                 rows.append(row)
                 continue
             target = TARGETS.get((B, context))

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us, rel_err  # noqa: E402
+from common import Timer, lab_parser, median_us, record_failure, rel_err  # noqa: E402
 
 from dsv4.kernels import mhc, ref  # noqa: E402
 
@@ -121,8 +121,7 @@ def main():
                 row["rel_to_default"] = [rel_err(a, b) for a, b in zip(got, base_out)]
                 row["us"] = median_us(timer, [lambda c=c, p=plan: run(c, iters, p) for c in cases], args.rounds)
             except Exception as e:                    # a variant that does not compile or run: say so, go on
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-                print(f"{label:5s} {T:6d} {name:20s} | failed: {row['error']}", flush=True)
+                record_failure(row, e, f"{label:5s} {T:6d} {name:20s}")
                 rows.append(row)
                 continue
             base_us = base_us or row["us"]

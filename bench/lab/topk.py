@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us  # noqa: E402
+from common import Timer, lab_parser, median_us, record_failure  # noqa: E402
 
 from dsv4.kernels import indexer  # noqa: E402
 
@@ -84,8 +84,7 @@ def main():
                              for s in scores]
                     row["us"] = median_us(timer, calls, args.rounds)
                 except Exception as e:                    # a variant that does not compile or run: say so, go on
-                    row["error"] = f"{type(e).__name__}: {e}"[:300]
-                    print(f"{label:5s} {B:4d} {context:8d} {name:22s} | failed: {row['error']}", flush=True)
+                    record_failure(row, e, f"{label:5s} {B:4d} {context:8d} {name:22s}")
                     rows.append(row)
                     continue
                 base_us = base_us or row["us"]

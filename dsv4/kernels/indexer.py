@@ -48,7 +48,7 @@ TOPK_WARPS = 4                          # of a chunked select's program (docs/tu
 TOPK_ROW_BLOCK = 2048                   # scores per iteration of the one-program select's passes
 TOPK_ROW_WARPS = 8                      # of a one-program select
 _NO_KEY = tl.constexpr(-(2**63))        # below every packed key of the bitonic select
-TOPK_BITONIC_KEYS = 0                   # rows up to this wide take the bitonic select (0: none; not measured yet)
+TOPK_BITONIC_KEYS = 0                   # rows up to this wide take the bitonic select (0: none; docs/tuning.md)
 TOPK_BITONIC_MAX = 4096                 # the widest row the bitonic select takes (its networks unroll in the code)
 TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
                                         # outlast six launches over its chunks (32K tokens of context and up)
