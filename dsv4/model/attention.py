@@ -86,26 +86,23 @@ class Attention(nn.Module):
         parts = self.dense_projections()
         if self.x_dense is None and parts and all(p.format.fmt == "dense" for p in parts) \
                 and len({p.weight.dtype for p in parts}) == 1:
-            self.x_dense = torch.cat([p.weight for p in parts])
-            rows = self.x_dense.split([p.out_features for p in parts])
-            for p, w in zip(parts, rows):
-                p.weight = w
+            self.x_dense = stack_rows_(*parts).weight
             self.x_dense_widths = tuple(p.out_features for p in parts)
         return self.x_dense is not None
 
     def fuse_query_kv_(self) -> bool:
         """Run wq_a and wkv (both products of x) as one: their weights and scales move into one buffer, wq_a's
-        rows first, each layer's becoming a view of its rows (no memory added; `stack_rows_`). The device
-        placement calls this; rounding may differ from separate products in the last bit, so the CPU's reference
-        model keeps them apart. Returns whether they are fused."""
-        if self.x_query_kv is None:
+        rows first, each layer's becoming a view of its rows (no memory added; `stackable`, `stack_rows_`). The
+        device placement calls this; rounding may differ from separate products in the last bit, so the CPU's
+        reference model keeps them apart. Returns whether they are fused."""
+        if self.x_query_kv is None and stackable(self.wq_a, self.wkv):
             self.x_query_kv = stack_rows_(self.wq_a, self.wkv)
         return self.x_query_kv is not None
 
     def fuse_queries_(self) -> bool:
         """On CSA layers, run wq_b and the indexer's wq_b (both products of qr) as one, wq_b's rows first, as
         `fuse_query_kv_` does. Returns whether they are fused."""
-        if self.qr_queries is None and self.indexer is not None:
+        if self.qr_queries is None and self.indexer is not None and stackable(self.wq_b, self.indexer.wq_b):
             self.qr_queries = stack_rows_(self.wq_b, self.indexer.wq_b)
         return self.qr_queries is not None
 
@@ -197,21 +194,27 @@ class Attention(nn.Module):
                           compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio))
 
 
-def stack_rows_(a: QLinear, b: QLinear) -> QWeight | None:
-    """a's and b's weights (and scales) moved into one buffer, a's rows first, each becoming a view of its rows (no
-    memory added), as the weight of one product for two linears of the same input; None where the rows do not
-    stack unchanged. They stack for one format of dense, fp8 (a's rows a whole number of 128-row scale blocks) or
-    mxfp4 (scales per row), one scale dtype, both stored tiled or neither (tiles are row blocks, so stacked tiled
-    weights are the tiled stack)."""
+def stackable(a: QLinear, b: QLinear) -> bool:
+    """Whether b's rows stack under a's unchanged (`stack_rows_`), as one product's weight: one format of dense, fp8
+    (a's rows a whole number of 128-row scale blocks) or mxfp4 (scales per row), one scale dtype, both stored tiled or
+    neither (tiles are row blocks, so stacked tiled weights are the tiled stack)."""
     fmt = a.format.fmt
-    if not (a.format == b.format and fmt in ("dense", "fp8", "mxfp4") and not a.leading and not b.leading
+    return (a.format == b.format and fmt in ("dense", "fp8", "mxfp4") and not a.leading and not b.leading
             and a.tiled == b.tiled and a.weight.dtype == b.weight.dtype
-            and (fmt != "fp8" or a.out_features % FP8_BLOCK == 0)):
-        return None
-    weight = torch.cat((a.weight, b.weight))
-    a.weight, b.weight = weight.split((a.out_features, b.out_features))
+            and (fmt != "fp8" or a.out_features % FP8_BLOCK == 0))
+
+
+def stack_rows_(*linears: QLinear) -> QWeight:
+    """The linears' weights (and scales, unless dense) moved into one buffer, in order, each linear's becoming a view
+    of its rows (no memory added): the weight of one product for linears of the same input (the caller checks that
+    they stack, `stackable`)."""
+    first = linears[0]
+    weight = torch.cat([m.weight for m in linears])
+    for m, rows in zip(linears, weight.split([m.out_features for m in linears])):
+        m.weight = rows
     scale = None
-    if fmt != "dense":
-        scale = torch.cat((a.scale, b.scale))
-        a.scale, b.scale = scale.split((a.scale.shape[0], b.scale.shape[0]))
-    return QWeight(fmt, weight, scale, None, None, tiled=a.tiled)
+    if first.format.fmt != "dense":
+        scale = torch.cat([m.scale for m in linears])
+        for m, rows in zip(linears, scale.split([m.scale.shape[0] for m in linears])):
+            m.scale = rows
+    return QWeight(first.format.fmt, weight, scale, None, None, tiled=first.tiled)
