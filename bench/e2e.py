@@ -17,7 +17,8 @@ that format's storage), then
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference, and the
   same of their profiled steps' kernel time (steadier: the wall times of two engines drift apart with the clocks),
-  in all and by kernel name (`kernels_per_layer`);
+  in all and by kernel name (`kernels_per_layer`), and the GPU's idle time a layer, by the kernel it comes before
+  (`idle_before_per_layer`);
 * `--repeats R` (one GPU): each decode case on R fresh engines (new pools, new graphs), whose step times differ;
   the case is the median engine's record (the lower one for even R), every engine's step kept (`step_ms_runs`);
 * `--kv-cache-dtype fp8` / `fp8-indexer`: the attention's entries (584-byte packed rows) and the indexer's keys, or
@@ -152,7 +153,8 @@ def admit_at_context(engine: Engine, batch: int, context: int, gen: torch.Genera
 
 def profile_step(engine: Engine, device: torch.device) -> dict:
     """Kernel launches, the GPU's busy time (the union of its kernels' intervals) and its share of the profiled
-    step's wall time (CUDA); ATen ops per step elsewhere."""
+    step's wall time, its idle time between the first kernel's start and the last one's end, and where that idle
+    time falls: before which kernels, by name (CUDA); ATen ops per step elsewhere."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -165,10 +167,16 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
     events = prof.events()
     if device.type != "cuda":
         return {"aten_ops": sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)}
-    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in gpu)
+    gpu = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    kernels = [(e.time_range.start, e.time_range.end) for e in gpu]
     busy, end = 0.0, float("-inf")
-    for start, stop in kernels:          # the union of kernel intervals
+    idle: dict[str, list[float]] = {}    # the GPU's idle time before each kernel (none kernel runs), by its name
+    for e, (start, stop) in zip(gpu, kernels):   # the union of kernel intervals
+        if end > float("-inf") and start > end:
+            t = idle.setdefault(e.name[:90], [0.0, 0])
+            t[0] += start - end
+            t[1] += 1
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     by_name: dict[str, list[float]] = {}
@@ -178,8 +186,10 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
         t[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
-            "gpu_us": busy, "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
-            "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()}}
+            "gpu_us": busy, "idle_us": (kernels[-1][1] - kernels[0][0] - busy) if kernels else 0.0,
+            "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
+            "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()},
+            "idle_before_all": {n: [round(t, 1), c] for n, (t, c) in idle.items()}}
 
 
 def failed(seqs) -> None:
@@ -339,14 +349,19 @@ def per_layer(fmt: str, cases: dict[tuple[int, int, int, str], dict], counts: li
         if "kernels_all" in case and "kernels_all" in fewest:
             row["kernels_per_layer"] = kernels_per_layer(case["kernels_all"], fewest["kernels_all"],
                                                          layers - counts[0])
+        if "idle_before_all" in case and "idle_before_all" in fewest:
+            row["idle_us_per_layer"] = (case["idle_us"] - fewest["idle_us"]) / (layers - counts[0])
+            row["idle_before_per_layer"] = kernels_per_layer(case["idle_before_all"], fewest["idle_before_all"],
+                                                             layers - counts[0])
         rows.append(row)
     return rows
 
 
 def kernels_per_layer(most: dict[str, list], fewest: dict[str, list], layers: int) -> list[dict]:
     """Each kernel's share of a layer: its time and launches in the step of more layers less those in the step of
-    fewer (`profile_step`'s `kernels_all`: name -> [us, count]), over the layer difference; the TOP_KERNELS largest
-    by time. Under programmatic dependent launch a kernel's time includes its wait for the one before."""
+    fewer (`profile_step`'s `kernels_all`: name -> [us, count], or `idle_before_all`: the idle time before it and
+    how often), over the layer difference; the TOP_KERNELS largest by time. Under programmatic dependent launch a
+    kernel's time includes its wait for the one before."""
     rows = []
     for name in most.keys() | fewest.keys():
         (us, n), (us0, n0) = most.get(name, [0.0, 0]), fewest.get(name, [0.0, 0])
@@ -504,6 +519,9 @@ def table(res: dict) -> str:
         lines.append(f"us per layer: {p['format']} {p.get('mode', '')} batch {p['batch']} context {p['context']}: "
                      f"{p['us_per_layer']:.0f}{kernels}")
         lines += [f"    {k['us']:9.1f} us {k['count']:5.2f}x  {k['name']}" for k in p.get("kernels_per_layer", [])]
+        if "idle_us_per_layer" in p:
+            lines.append(f"  GPU idle per layer: {p['idle_us_per_layer']:.1f} us, before:")
+            lines += [f"    {k['us']:9.1f} us {k['count']:5.2f}x  {k['name']}" for k in p["idle_before_per_layer"]]
     for p in res["prefill"]:
         lines.append(f"prefill: {p['format']} {p['layers']} layers, {p['length']} tokens: "
                      f"{p['tokens_per_s']:.1f} tok/s")

@@ -104,3 +104,10 @@ def test_per_layer_figures_from_the_fewest_and_most_layers():
     by_kernel = e2e.per_layer("nvfp4-experts", cases, [4, 8])[0]["kernels_per_layer"]
     assert by_kernel == [dict(name="gemv", us=100.0, count=6.0), dict(name="topk", us=10.0, count=0.5),
                          dict(name="combine", us=2.0, count=0.5), dict(name="head", us=0.0, count=0.0)]
+    cases[(4, 1, 8192, "graphs")] |= dict(idle_us=40.0, idle_before_all={"gemv": [30.0, 20], "head": [10.0, 1]})
+    cases[(8, 1, 8192, "graphs")] |= dict(idle_us=80.0, idle_before_all={"gemv": [66.0, 40], "head": [10.0, 1],
+                                                                          "topk": [4.0, 2]})
+    row = e2e.per_layer("nvfp4-experts", cases, [4, 8])[0]
+    assert row["idle_us_per_layer"] == 10.0
+    assert row["idle_before_per_layer"] == [dict(name="gemv", us=9.0, count=5.0), dict(name="topk", us=1.0, count=0.5),
+                                            dict(name="head", us=0.0, count=0.0)]

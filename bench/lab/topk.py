@@ -3,10 +3,9 @@ pass iteration, warps, programs a row) makes it fastest?
 
 At batch 1 and 8K context the select alone takes more than issue 38's 20 us for the whole CSA attention part
 (bench/results/round-35.md). `kernels.indexer.index_picks_of_scores` is timed here on score rows of V4-Flash's shape
-(one compressed entry per 4 tokens, top-512) for each variant of its launch (`block`, `warps`, `chunks`, and the
-bitonic select, which refuses rows wider than `indexer.TOPK_BITONIC_MAX`). Every variant's picks must equal the
-default's (the select is exact and deterministic), and the default's a stable sort's (score descending, then id; the
-oracle).
+(one compressed entry per 4 tokens, top-512) for each variant of its launch (`block`, `warps`, `chunks`). Every
+variant's picks must equal the default's (the select is exact and deterministic), and the default's a stable sort's
+(score descending, then id; the oracle).
 
     python bench/lab/topk.py [--batches 1,64] [--contexts 8192,65536,131072] [--out DIR]   # on the GPU
     python bench/lab/topk.py --toy                                                        # CPU dry run
@@ -34,6 +33,7 @@ RATIO, TOPK = 4, 512                # V4-Flash's CSA: an entry per 4 tokens, ind
 VARIANTS = {                        # name -> index_picks_of_scores options
     "default": {},
     "block 1024, 4 warps": dict(block=1024, warps=4),
+    "block 2048": dict(block=2048),
     "4 warps": dict(warps=4),
     "16 warps": dict(warps=16),
     "block 1024": dict(block=1024),
@@ -41,8 +41,6 @@ VARIANTS = {                        # name -> index_picks_of_scores options
     "2 chunks": dict(chunks=2),
     "4 chunks": dict(chunks=4),
     "16 chunks": dict(chunks=16),
-    "bitonic, 8 warps": dict(method="bitonic"),
-    "bitonic, 16 warps": dict(method="bitonic", warps=16),
 }
 
 

@@ -19,9 +19,7 @@ pass writes every id with a key above T and the lowest ids with key T (ties go t
 them unspecified). No sort: the attention reading the picks is a sum over them. A row is read only up to the token's
 visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds).
 
-A row's program reads TOPK_ROW_BLOCK scores an iteration on TOPK_ROW_WARPS warps. `_topk_sort_kernel` gives the same
-picks another way, for rows up to TOPK_BITONIC_MAX wide: the whole row in registers as int64 keys that order
-(score, lower id), `tl.topk`'s bitonic network, then a bitonic sort of the picked ids. Rows wider than
+A row's program reads TOPK_ROW_BLOCK scores an iteration on TOPK_ROW_WARPS warps. Rows wider than
 TOPK_CHUNKED_KEYS take the radix select over (token, chunk) programs (`topk_chunks`), six launches: the four byte
 passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
 (`_topk_count_kernel`), and the write (`_topk_write_kernel`), where a chunk's picks start after those of the chunks
@@ -46,10 +44,7 @@ from .steps import StepTokens
 TOPK_BLOCK = 1024                       # scores per iteration of the chunked select's passes
 TOPK_WARPS = 4                          # of a chunked select's program (docs/tuning.md#indexer-topk)
 TOPK_ROW_BLOCK = 2048                   # scores per iteration of the one-program select's passes
-TOPK_ROW_WARPS = 8                      # of a one-program select
-_NO_KEY = tl.constexpr(-(2**63))        # below every packed key of the bitonic select
-TOPK_BITONIC_KEYS = 0                   # rows up to this wide take the bitonic select (0: none; docs/tuning.md)
-TOPK_BITONIC_MAX = 4096                 # the widest row the bitonic select takes (its networks unroll in the code)
+TOPK_ROW_WARPS = 8                      # of a one-program select (docs/tuning.md#indexer-topk)
 TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
                                         # outlast six launches over its chunks (32K tokens of context and up)
 
@@ -151,26 +146,6 @@ def _fill_after(out_row, written, TOPK: tl.constexpr):
     for i0 in range(0, TOPK, FILL):
         i = i0 + tl.arange(0, FILL)
         tl.store(out_row + i, tl.full([FILL], -1, tl.int64), mask=(i >= written) & (i < TOPK))
-
-
-@triton.jit
-def _topk_sort_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK: tl.constexpr,
-                      WIDTH: tl.constexpr, K2: tl.constexpr):
-    """`_topk_kernel`'s picks by bitonic networks in registers: the row's WIDTH scores (its visible ones, -inf
-    beyond) as int64 keys (the score's ordered bits, then WIDTH - 1 - id, so that ties rank the lower id higher;
-    _NO_KEY past the finite scores), `tl.topk` of the K2 largest (K2: TOPK to a power of two), then their ids
-    sorted."""
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, WIDTH)
-    s = tl.load(scores + t * scores_t + j, mask=j < _visible(n, pos, t, RATIO), other=float("-inf"))
-    u = s.to(tl.int32, bitcast=True)
-    key = tl.where(u < 0, u ^ 0x7FFFFFFF, u).to(tl.int64)             # signed, ordered as the scores
-    packed = tl.where(s > float("-inf"), (key << 32) | (WIDTH - 1 - j).to(tl.int64), _NO_KEY)
-    top = tl.topk(packed, K2)                                          # [K2], largest first
-    r = tl.arange(0, K2)
-    none = (top == _NO_KEY) | (r >= TOPK)
-    ids = tl.sort(tl.where(none, WIDTH, (WIDTH - 1) - (top & 0xFFFFFFFF)))
-    tl.store(out + t * out_t + r, tl.where(ids == WIDTH, -1, ids), mask=r < TOPK)
 
 
 def topk_chunks(rows: int, width: int, sms: int) -> int:
@@ -299,38 +274,27 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
 
 def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tensor | None = None,
                           ratio: int = 0, chunks: int | None = None, block: int | None = None,
-                          warps: int | None = None, method: str | None = None) -> torch.Tensor:
+                          warps: int | None = None) -> torch.Tensor:
     """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
     order (ties to the lower id), then -1 (`_topk_kernel`, module docstring). positions int32 [N] and ratio: row t
     reads only its first (positions[t] + 1) // ratio scores, every later one being -inf (`index_scores`' rows),
     so the select costs the token's context, not the row width. chunks: programs a row's select runs over (by
     default `topk_chunks`'); block, warps: scores per pass iteration (at most) and warps of a program (by default
     TOPK_ROW_BLOCK / TOPK_ROW_WARPS for one program a row, TOPK_BLOCK / TOPK_WARPS for chunks; bench/lab/topk.py
-    times others). method: "radix" (the select above) or "bitonic" (`_topk_sort_kernel`, one program a row of at
-    most TOPK_BITONIC_MAX scores); by default "bitonic" for rows up to TOPK_BITONIC_KEYS wide."""
+    times others)."""
     N, n = scores.shape
     picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
     if not N:
         return picks
     pos = positions if positions is not None else picks
     ratio = ratio if positions is not None else 0
-    if method is None:
-        method = "bitonic" if n <= TOPK_BITONIC_KEYS else "radix"
-    if method not in ("radix", "bitonic") or method == "bitonic" and n > TOPK_BITONIC_MAX:
-        raise ValueError(f"index_picks_of_scores: method {method!r} for rows of {n} scores: expected 'radix', or "
-                         f"'bitonic' for rows of at most {TOPK_BITONIC_MAX}")
     if chunks is None:
-        chunks = 1 if method == "bitonic" else topk_chunks(N, n, num_sms(scores.device))
+        chunks = topk_chunks(N, n, num_sms(scores.device))
     if block is None:
         block = TOPK_ROW_BLOCK if chunks <= 1 else TOPK_BLOCK
     if warps is None:
         warps = TOPK_ROW_WARPS if chunks <= 1 else TOPK_WARPS
     block = min(block, max(16, next_pow2(n)))
-    if method == "bitonic":
-        width = max(next_pow2(n), next_pow2(topk), 2)
-        _topk_sort_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, width,
-                                next_pow2(topk), num_warps=warps)
-        return picks
     if chunks <= 1:
         _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, block,
                            num_warps=warps)
