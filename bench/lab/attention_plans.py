@@ -4,8 +4,8 @@ Round 33's H100 profile put batch-256 decode attention at 334 us a layer for byt
 the geometry of then (32 heads a program on 8 warps, 16 keys a block, no key split once the launch fills the GPU):
 one program per SM, about 40 dependent key blocks each. This times `kernels.attention.sparse_attention` over
 a decode step (one token per sequence, the ring written in the launch) with other plans: round 33's, heads per
-program, warps, a key split at large batch, 32 or 64 keys a block, a split whose programs share the window too
-(`share_window`), and compares each output with the default plan's.
+program, warps, a key split at large batch, 32 or 64 keys a block, and compares each output with the default
+plan's.
 
     python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
     python bench/lab/attention_plans.py --toy                                              # CPU dry run
@@ -71,9 +71,6 @@ def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, Att
             plans[f"16 heads, split {split}"] = AttentionPlan(16, bk, 8, split)
     plans["32 keys a block"] = default._replace(keys=32)
     plans["64 keys a block"] = default._replace(keys=64)
-    if default.split:                       # every program an equal share of the ring rows and the entries
-        for split in sorted({default.split, 9, 19}):
-            plans[f"window shared, split {split}"] = default._replace(split=split, share_window=True)
     return plans
 
 

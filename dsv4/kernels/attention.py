@@ -14,10 +14,8 @@ Inputs (N tokens of B sequences; D = head_dim, W = window, E entries per page):
 A program takes one token and BH heads: every key row it loads serves all BH heads (MQA), so a decode step reads
 each sequence's rows H / BH times, not H times. When the step has too few (token, head block) programs to fill the
 GPU (a small decode batch), the keys are split too (flash-decoding): program s = 0 takes the window, programs
-1..SPLIT each a contiguous share of the entries (or, with `share_window`, each of the 1 + SPLIT programs an equal
-share of the ring rows followed by the entries, program 0 also the step's own rows, so that no program has the whole
-window); each leaves its fp32 partial (accumulator, running max and sum) in a workspace, and `_combine_kernel`
-merges them with the sink. Keys come in blocks of BK: the ring rows holding
+1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum)
+in a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding
 positions in (p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys
 score -inf. The sink joins only the denominator. `update_ring` (decode steps: one token per sequence) also writes
 each token's row into its ring at row p mod W, from the program of head block 0 and share 0 before it reads any key:
@@ -78,7 +76,6 @@ class Shape(NamedTuple):
     SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
     UPDATE_RING: bool          # the step's rows into the rings (decode steps)
     NOPE: int                  # > 0: entries are packed fp8 rows (`ref.fp8_kv_pack`) with this many fp8 channels
-    SHARE_WINDOW: bool         # the split's programs share the ring rows and the entries evenly (`_key_shares`)
 
 
 @triton.jit
@@ -174,7 +171,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     lo = p - W                                     # keys at positions > lo are in the window
     # HCA: every entry j with (j + 1) * 128 <= p + 1; CSA: the picks
     n_entries = (p + 1) // RATIO if RATIO == 128 else K if RATIO == 4 else 0
-    r_lo, r_hi, e_lo, e_hi = _key_shares(n_entries, part, W, SPLIT, L.SHARE_WINDOW)
+    r_lo, r_hi, e_lo, e_hi = _key_shares(n_entries, part, W, SPLIT)
     # the ring: row r holds the latest position < start that is r mod W (none if start - 1 < r)
     for r0 in range(r_lo, r_hi, BK):
         r = r0 + tl.arange(0, BK)
@@ -208,21 +205,11 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
 
 
 @triton.jit
-def _key_shares(n, part, W: tl.constexpr, SPLIT: tl.constexpr, SHARE_WINDOW: tl.constexpr):
+def _key_shares(n, part, W: tl.constexpr, SPLIT: tl.constexpr):
     """The ring rows [r_lo, r_hi) and the entries [e_lo, e_hi) (of n) that program `part` takes: all of them
-    without a split. With one, the window's program (part 0) takes the ring and each other program an equal share of
-    the entries; SHARE_WINDOW: each of the 1 + SPLIT programs takes an equal share of the ring rows followed by the
-    entries (W + n keys), so that no program has more than its share."""
-    if SHARE_WINDOW:
-        total = W + n
-        size = (total + SPLIT) // (SPLIT + 1)
-        k_lo = tl.minimum(part * size, total)
-        k_hi = tl.minimum(k_lo + size, total)
-        r_lo = tl.minimum(k_lo, W)
-        r_hi = tl.minimum(k_hi, W)
-        e_lo = tl.maximum(k_lo, W) - W
-        e_hi = tl.maximum(k_hi, W) - W
-    elif SPLIT == 0:
+    without a split; with one, the window's program (part 0) takes the ring and each other program an equal share
+    of the entries."""
+    if SPLIT == 0:
         r_lo = part * 0
         r_hi = part * 0 + W
         e_lo = n * 0
@@ -264,7 +251,6 @@ class AttentionPlan(NamedTuple):
     keys: int                  # keys a block (BK)
     warps: int
     split: int                 # programs over the entries besides the window's (0: one program takes all keys)
-    share_window: bool = False  # with a split: the 1 + split programs share the ring rows and entries evenly
 
 
 @lru_cache(maxsize=None)
@@ -335,8 +321,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
         part_o = torch.empty(N, H, plan.split + 1, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(N, H, plan.split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope,
-                  plan.share_window and plan.split > 0)
+    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope)
     _attention_kernel[(N, triton.cdiv(H, plan.heads), plan.split + 1)](tensors, steps, strides, H, scale, shape,
                                                                        num_warps=plan.warps)
     if plan.split:
