@@ -168,14 +168,15 @@ def test_compress_reads_row_strided_views():
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("chunks", [None, 3])
+@pytest.mark.parametrize("chunks, tail", [(None, 0), (3, 0), (None, 256)])
 @pytest.mark.parametrize("n, topk", [(1500, 64), (40, 64), (2048, 512), (3000, 1), (4100, 512), (9000, 512),
-                                     (100, 5)])
-def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk, chunks):
+                                     (100, 5), (2049, 512)])
+def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk, chunks, tail):
     """The indexer's top-k against a stable sort by (score descending, id): rows with negative and positive scores,
     exact ties across the threshold (ReLU zeros), -inf tails (keys not visible) and rows with fewer finite scores
     than topk; picks in ascending id order, -1 after them. The radix select on rows of one block and of several, in
-    one program a row (rows up to 8192 wide by default) and over chunks of whole blocks (ties spanning chunks)."""
+    one program a row (rows up to 8192 wide by default) and over chunks of whole blocks (ties spanning chunks); one
+    program a row with a tail block for the remainder past the whole blocks (ties spanning the two)."""
     g = torch.Generator().manual_seed(n + topk)
     rows = [torch.randn(n, generator=g),
             torch.randn(n, generator=g).clamp(min=0),                      # many exact zeros: ties at T
@@ -184,7 +185,7 @@ def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk, chunks
             torch.full((n,), float("-inf")),                               # nothing visible
             torch.cat((torch.randn(n // 3, generator=g), torch.full((n - n // 3,), float("-inf"))))]
     scores = torch.stack(rows)
-    got = indexer.index_picks_of_scores(scores, topk, chunks=chunks)
+    got = indexer.index_picks_of_scores(scores, topk, chunks=chunks, tail=tail, block=1024 if tail else None)
     assert got.dtype == torch.long and got.shape == (len(rows), topk)
     for row, picks in zip(scores, got):
         order = sorted(range(n), key=lambda j: (-row[j].item(), j))
@@ -193,16 +194,18 @@ def test_topk_kernel_picks_the_largest_scores_lowest_ids_on_ties(n, topk, chunks
         assert bool((picks[len(want):] == -1).all())
 
 
-@pytest.mark.parametrize("n, chunks", [(700, None), (700, 4), (9000, None), (9000, 4)])
-def test_topk_kernel_reads_each_row_only_to_its_tokens_visible_entries(n, chunks):
+@pytest.mark.parametrize("n, chunks, tail", [(700, None, 0), (700, 4, 0), (9000, None, 0), (9000, 4, 0),
+                                             (700, None, 64), (1100, None, 128)])
+def test_topk_kernel_reads_each_row_only_to_its_tokens_visible_entries(n, chunks, tail):
     """With the tokens' positions, row t takes its picks among its first (pos + 1) // ratio scores only: finite
     values past them (which `index_scores` never leaves there) do not enter, so they prove the bound is applied;
     a position beyond the row's width reads the whole row; chunks past a row's visible scores take nothing."""
     g = torch.Generator().manual_seed(n)
     scores = torch.randn(4, n, generator=g)
     positions = torch.tensor([0, 4 * 300 + 2, 4 * (n // 2) - 1, 4 * n + 40], dtype=torch.int32)
-    got = indexer.index_picks_of_scores(scores, 128, positions, 4, chunks=chunks)
-    plain = indexer.index_picks_of_scores(scores, 128, chunks=chunks)
+    shape = dict(chunks=chunks, tail=tail, block=256 if tail else None)    # tails of rows of 300, 550, 1100 scores
+    got = indexer.index_picks_of_scores(scores, 128, positions, 4, **shape)
+    plain = indexer.index_picks_of_scores(scores, 128, **shape)
     for row, picks, p, every in zip(scores, got, positions.tolist(), plain):
         visible = min(n, (p + 1) // 4)
         order = sorted(range(visible), key=lambda j: (-row[j].item(), j))

@@ -3,12 +3,13 @@ pass iteration, warps, programs a row) makes it fastest?
 
 At batch 1 and 8K context the select alone takes more than issue 38's 20 us for the whole CSA attention part
 (bench/results/round-35.md). `kernels.indexer.index_picks_of_scores` is timed here on score rows of V4-Flash's shape
-(one compressed entry per 4 tokens, top-512) for each variant of its launch (`block`, `warps`, `chunks`). Every
-variant's picks must equal the default's (the select is exact and deterministic), and the default's a stable sort's
-(score descending, then id; the oracle).
+(one compressed entry per 4 tokens, top-512) for each variant of its launch (`block`, `warps`, `chunks`, `tail`:
+a remainder past the whole blocks read in one smaller block; a decode step at 8K context has rows of 2,049-2,050
+visible scores, context 8196-8200 here). Every variant's picks must equal the default's (the select is exact and
+deterministic), and the default's a stable sort's (score descending, then id; the oracle).
 
-    python bench/lab/topk.py [--batches 1,64] [--contexts 8192,65536,131072] [--out DIR]   # on the GPU
-    python bench/lab/topk.py --toy                                                        # CPU dry run
+    python bench/lab/topk.py [--batches 1,64] [--contexts 8192,8196,65536,131072] [--out DIR]   # on the GPU
+    python bench/lab/topk.py --toy                                                             # CPU dry run
 
 Prints one line per (batch, context, variant): microseconds per call (CUDA graph of rotated inputs) and whether the
 picks agree; writes topk.json.
@@ -41,6 +42,9 @@ VARIANTS = {                        # name -> index_picks_of_scores options
     "2 chunks": dict(chunks=2),
     "4 chunks": dict(chunks=4),
     "16 chunks": dict(chunks=16),
+    "tail 128": dict(tail=128),
+    "tail 256": dict(tail=256),
+    "tail 512": dict(tail=512),
 }
 
 
@@ -53,11 +57,11 @@ def oracle_picks(row: torch.Tensor, topk: int) -> list[int]:
 def main():
     ap = lab_parser("CPU dry run at small rows (checks the script)")
     ap.add_argument("--batches", default="1,64")
-    ap.add_argument("--contexts", default="8192,65536,131072")
+    ap.add_argument("--contexts", default="8192,8196,65536,131072")
     args = ap.parse_args()
     topk = TOPK
     if args.toy:
-        args.device, args.batches, args.contexts, args.rounds, topk = "cpu", "1,3", "2048", 1, 64
+        args.device, args.batches, args.contexts, args.rounds, topk = "cpu", "1,3", "2048,8200", 1, 64
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
     timer, label = Timer(dev), "toy" if args.toy else dev.type

@@ -19,7 +19,9 @@ pass writes every id with a key above T and the lowest ids with key T (ties go t
 them unspecified). No sort: the attention reading the picks is a sum over them. A row is read only up to the token's
 visible entries (its position, when given: a row as wide as a long length bucket costs what the context holds).
 
-A row's program reads TOPK_ROW_BLOCK scores an iteration on TOPK_ROW_WARPS warps. Rows wider than
+A row's program reads TOPK_ROW_BLOCK scores an iteration on TOPK_ROW_WARPS warps; with TOPK_ROW_TAIL, a remainder
+past the whole blocks of at most that many scores is read in one block of that size (a decode row at 8K context
+holds 2,049-2,050 visible scores: one block of 2048 and one of the tail, not two of 2048). Rows wider than
 TOPK_CHUNKED_KEYS take the radix select over (token, chunk) programs (`topk_chunks`), six launches: the four byte
 passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
 (`_topk_count_kernel`), and the write (`_topk_write_kernel`), where a chunk's picks start after those of the chunks
@@ -45,6 +47,8 @@ TOPK_BLOCK = 1024                       # scores per iteration of the chunked se
 TOPK_WARPS = 4                          # of a chunked select's program (docs/tuning.md#indexer-topk)
 TOPK_ROW_BLOCK = 2048                   # scores per iteration of the one-program select's passes
 TOPK_ROW_WARPS = 8                      # of a one-program select (docs/tuning.md#indexer-topk)
+TOPK_ROW_TAIL = 0                       # a remainder of at most this many scores takes a block of its own (0: none;
+                                        # docs/tuning.md#indexer-topk)
 TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
                                         # outlast six launches over its chunks (32K tokens of context and up)
 
@@ -100,33 +104,50 @@ def _ordered_keys(scores_row, j, n):
 
 @triton.jit
 def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, TAIL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = scores + t * scores_t
     n = _visible(n, pos, t, RATIO)
     prefix = tl.zeros([], tl.int64)        # the bytes of T found so far
     need = tl.zeros([], tl.int32) + TOPK   # keys equal to the prefix still to take
     finite = tl.zeros([], tl.int32)
+    # blocks of BLOCK, but a remainder of at most TAIL scores in one block of TAIL: 2,049 scores cost a block of 2048
+    # and one of TAIL, not two of 2048
+    split = n
+    if TAIL > 0:
+        split = tl.where(n % BLOCK <= TAIL, n - n % BLOCK, n)
     for p in tl.static_range(1, 5):
-        hist = tl.zeros([256], tl.int32)
-        for j0 in range(0, n, BLOCK):
-            key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), n)
-            hist += tl.histogram(byte_of(key, p), 256, mask=valid & shares_prefix(key, prefix, p))
+        hist = _pass_hist(row, 0, split, n, prefix, p, BLOCK)
+        if TAIL > 0:
+            hist += _pass_hist(row, split, n, n, prefix, p, TAIL)
         if p == 1:
             finite = tl.sum(hist, axis=0)
         prefix, need = next_byte(hist, prefix, need, p)
     if finite <= TOPK:                      # every finite score is a pick
         prefix = tl.zeros([], tl.int64)
         need = tl.zeros([], tl.int32)
-    written = _write_picks(row, out + t * out_t, 0, n, prefix, need, tl.zeros([], tl.int32), tl.zeros([], tl.int32),
-                           BLOCK)
+    zero = tl.zeros([], tl.int32)
+    written, ties = _write_picks(row, out + t * out_t, 0, split, prefix, need, zero, zero, BLOCK)
+    if TAIL > 0:
+        written, ties = _write_picks(row, out + t * out_t, split, n, prefix, need, written, ties, TAIL)
     _fill_after(out + t * out_t, written, TOPK)
+
+
+@triton.jit
+def _pass_hist(row, start, end, n, prefix, p: tl.constexpr, BLOCK: tl.constexpr):
+    """The histogram [256] of byte p of the finite keys at ids [start, end) (< n) that share the prefix's bytes
+    before it, read BLOCK at a time."""
+    hist = tl.zeros([256], tl.int32)
+    for j0 in range(start, end, BLOCK):
+        key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
+        hist += tl.histogram(byte_of(key, p), 256, mask=valid & shares_prefix(key, prefix, p))
+    return hist
 
 
 @triton.jit
 def _write_picks(row, out_row, start, end, prefix, need, written, ties, BLOCK: tl.constexpr):
     """The ids in [start, end) with a key above prefix, and those with key prefix while the ties taken (`ties` before
-    start) stay within need, stored in id order from out_row[written] -> the picks written then."""
+    start) stay within need, stored in id order from out_row[written] -> (the picks written, the ties seen) then."""
     for j0 in range(start, end, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         key, valid = _ordered_keys(row, j, end)
@@ -136,7 +157,7 @@ def _write_picks(row, out_row, start, end, prefix, need, written, ties, BLOCK: t
         tl.store(out_row + at, j.to(tl.int64), mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
         ties += tl.sum(tie.to(tl.int32), axis=0)
-    return written
+    return written, ties
 
 
 @triton.jit
@@ -274,14 +295,15 @@ def index_picks(q: torch.Tensor, weights: torch.Tensor, entries: torch.Tensor, s
 
 def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tensor | None = None,
                           ratio: int = 0, chunks: int | None = None, block: int | None = None,
-                          warps: int | None = None) -> torch.Tensor:
+                          warps: int | None = None, tail: int | None = None) -> torch.Tensor:
     """Score rows fp32 [N, n] -> [N, topk] int64: each row's ids of its topk largest finite scores in ascending
     order (ties to the lower id), then -1 (`_topk_kernel`, module docstring). positions int32 [N] and ratio: row t
     reads only its first (positions[t] + 1) // ratio scores, every later one being -inf (`index_scores`' rows),
     so the select costs the token's context, not the row width. chunks: programs a row's select runs over (by
     default `topk_chunks`'); block, warps: scores per pass iteration (at most) and warps of a program (by default
     TOPK_ROW_BLOCK / TOPK_ROW_WARPS for one program a row, TOPK_BLOCK / TOPK_WARPS for chunks; bench/lab/topk.py
-    times others)."""
+    times others); tail: one program a row reads a remainder of at most this many scores past its whole blocks in
+    one block of this size (a power of two; by default TOPK_ROW_TAIL; 0: none)."""
     N, n = scores.shape
     picks = torch.empty(N, topk, dtype=torch.long, device=scores.device)
     if not N:
@@ -295,9 +317,12 @@ def index_picks_of_scores(scores: torch.Tensor, topk: int, positions: torch.Tens
     if warps is None:
         warps = TOPK_ROW_WARPS if chunks <= 1 else TOPK_WARPS
     block = min(block, max(16, next_pow2(n)))
+    tail = TOPK_ROW_TAIL if tail is None else tail
+    if tail & (tail - 1) or tail < 0:
+        raise ValueError(f"index_picks_of_scores: tail must be 0 or a power of two, got {tail}")
     if chunks <= 1:
         _topk_kernel[(N,)](scores, picks, n, scores.stride(0), picks.stride(0), pos, ratio, topk, block,
-                           num_warps=warps)
+                           tail if 16 <= tail < block else 0, num_warps=warps)
         return picks
     chunk = block * triton.cdiv(triton.cdiv(n, block), chunks)      # whole blocks; the last chunk may be shorter
     chunks = triton.cdiv(n, chunk)
