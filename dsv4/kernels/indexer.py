@@ -117,9 +117,9 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
     if TAIL > 0:
         split = tl.where(n % BLOCK <= TAIL, n - n % BLOCK, n)
     for p in tl.static_range(1, 5):
-        hist = _pass_hist(row, 0, split, n, prefix, p, BLOCK)
+        hist = _pass_hist(row, 0, split, prefix, p, BLOCK)
         if TAIL > 0:
-            hist += _pass_hist(row, split, n, n, prefix, p, TAIL)
+            hist += _pass_hist(row, split, n, prefix, p, TAIL)
         if p == 1:
             finite = tl.sum(hist, axis=0)
         prefix, need = next_byte(hist, prefix, need, p)
@@ -134,9 +134,9 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
 
 
 @triton.jit
-def _pass_hist(row, start, end, n, prefix, p: tl.constexpr, BLOCK: tl.constexpr):
-    """The histogram [256] of byte p of the finite keys at ids [start, end) (< n) that share the prefix's bytes
-    before it, read BLOCK at a time."""
+def _pass_hist(row, start, end, prefix, p: tl.constexpr, BLOCK: tl.constexpr):
+    """The histogram [256] of byte p of the finite keys at ids [start, end) that share the prefix's bytes before
+    it, read BLOCK at a time."""
     hist = tl.zeros([256], tl.int32)
     for j0 in range(start, end, BLOCK):
         key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
@@ -202,11 +202,7 @@ def _topk_radix_kernel(scores, hist, state, n, scores_t, pos, chunk, RATIO: tl.c
     if PASS > 1:
         prefix = pass_prefix(hist, state, t, chunks, tl.full([], TOPK, tl.int32), PASS, CHUNKS_PAD)
     start, end = _chunk_span(n, pos, t, chunk, RATIO)
-    h = tl.zeros([256], tl.int32)
-    for j0 in range(start, end, BLOCK):
-        key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
-        h += tl.histogram(byte_of(key, PASS), 256, mask=valid & shares_prefix(key, prefix, PASS))
-    store_hist(hist, t, h, PASS)
+    store_hist(hist, t, _pass_hist(row, start, end, prefix, PASS, BLOCK), PASS)
 
 
 @triton.jit
