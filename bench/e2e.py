@@ -171,7 +171,7 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
                  key=lambda e: e.time_range.start)
     kernels = [(e.time_range.start, e.time_range.end) for e in gpu]
     busy, end = 0.0, float("-inf")
-    idle: dict[str, list[float]] = {}    # the GPU's idle time before each kernel (none kernel runs), by its name
+    idle: dict[str, list[float]] = {}    # the GPU's idle time before each kernel (no kernel runs), by its name
     for e, (start, stop) in zip(gpu, kernels):   # the union of kernel intervals
         if end > float("-inf") and start > end:
             t = idle.setdefault(e.name[:90], [0.0, 0])
@@ -186,7 +186,7 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
         t[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
-            "gpu_us": busy, "idle_us": (kernels[-1][1] - kernels[0][0] - busy) if kernels else 0.0,
+            "gpu_us": busy, "idle_us": sum(t for t, _ in idle.values()),
             "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
             "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()},
             "idle_before_all": {n: [round(t, 1), c] for n, (t, c) in idle.items()}}
