@@ -13,6 +13,7 @@ from types import MappingProxyType
 FORMATS = ("bf16", "official", "nvfp4-experts", "nvfp4")
 NAMINGS = ("deepseek", "hf")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8-indexer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_HELP = ("fp8 (experimental): the attention's compressed entries as packed fp8 rows (584 instead of 1,024 "
                  "bytes, rounded as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 "
                  "with a scale each; fp8-indexer: only the indexer's keys; auto: the compute dtype (default)")
@@ -75,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--plan", action="store_true",
                    help="also plan a parallel layout (the sizes below): weight bytes per rank, refused if the model "
                         "cannot be split so or a rank's weights do not fit --device-memory")
-    _parallel_args(i)
+    _parallel_args(i, collectives=False)
     i.add_argument("--device-memory", type=_size, metavar="SIZE",
                    help="memory of one device for --plan, e.g. 141GiB (default: this machine's GPU, if any)")
     i.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -90,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
              "<｜begin▁of▁sentence｜> for one."),
             ("chat", "chat with a model interactively",
              "An interactive chat in DeepSeek-V4's chat format: type a message, get the streamed reply; the "
-             "conversation is kept. Ctrl-C stops a reply (the turn is dropped); /reset starts over; /exit or end "
-             "of input (Ctrl-D) quits.")):
+             "conversation is kept. Ctrl-C stops a reply (the turn is dropped); /reset starts over; /exit, /quit "
+             "or end of input (Ctrl-D) quits.")):
         g = sub.add_parser(name, help=help_, description=desc)
         if name == "generate":
             g.add_argument("prompt", help="the text to continue")
@@ -124,7 +125,8 @@ def _serve_args(sub) -> None:
     s.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY); default $DSV4_API_KEY")
     s.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    s.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
+    s.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     s.add_argument("--kernels", default="auto", choices=("auto", "ref", "triton"), help="kernel backend")
     s.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
                                                      "min(max_position_embeddings, 4096))")
@@ -153,8 +155,8 @@ def _model_args(g: argparse.ArgumentParser) -> None:
                         "random NVFP4 V4 with the real tokenizer, written to $DSV4_CACHE, default "
                         "~/.cache/dsv4, on first use; its text is gibberish)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--dtype", default="auto", help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, "
-                                                   "bfloat16, float16")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype: auto (fp32 on CPU, bf16 on GPU), float32, bfloat16, float16")
     g.add_argument("--kernels", default="auto", choices=("auto", "ref", "triton"), help="kernel backend")
     g.add_argument("--max-model-len", type=int, help="longest sequence, prompt included (default: "
                                                      "min(max_position_embeddings, 4096))")
@@ -165,7 +167,8 @@ def _model_args(g: argparse.ArgumentParser) -> None:
     _parallel_args(g)
 
 
-def _parallel_args(g: argparse.ArgumentParser) -> None:
+def _parallel_args(g: argparse.ArgumentParser, collectives: bool = True) -> None:
+    """The layout's options; collectives: also how its all-reduces run (not for inspect, which runs none)."""
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="ranks of one pipeline stage: attention split by heads, experts by their intermediate "
                         "dimension, embedding and head by vocabulary (default 1)")
@@ -173,18 +176,20 @@ def _parallel_args(g: argparse.ArgumentParser) -> None:
                    help="pipeline stages, each a contiguous range of layers (default 1)")
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="partition the routed experts over the tensor-parallel ranks instead of splitting each")
-    g.add_argument("--disable-custom-all-reduce", action="store_true",
-                   help="every all-reduce through NCCL, none through the symmetric-memory one-shot kernel")
+    if collectives:
+        g.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="every all-reduce through NCCL, none through the symmetric-memory one-shot kernel")
 
 
 def _load_format_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="dummy: read no weights; MODEL is a preset (v4-flash, v4-pro, tiny), a config.json or a "
+                   help="dummy: read no weights; MODEL is a preset (v4-flash, v4-pro), a config.json or a "
                         "checkpoint folder, and random weights are drawn on the device (benchmarks)")
     g.add_argument("--dummy-format", default="nvfp4-experts", choices=FORMATS,
                    help="storage of dummy weights (default nvfp4-experts)")
     g.add_argument("--hf-overrides", type=_json_object, metavar="JSON",
-                   help='config fields to change for dummy weights, e.g. \'{"num_hidden_layers": 4}\'')
+                   help='config fields to change for dummy weights (with --load-format dummy only), e.g. '
+                        '\'{"num_hidden_layers": 4}\'')
 
 
 def _json_object(text: str) -> dict:
@@ -202,9 +207,11 @@ def _json_object(text: str) -> dict:
 def _sampling_args(g: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"tokens to generate (default {max_tokens})")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus: the smallest set of tokens whose probability "
+                                                            "reaches this (default 1.0 = off)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this times the most likely one's "
+                                                            "probability (default 0.0 = off)")
     g.add_argument("--seed", type=int, help="per-request sampling seed (reproducible output)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sentence token")
@@ -260,7 +267,7 @@ def _chat(args: argparse.Namespace) -> int:
     params, llm = _params(args), _llm(args)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
-    print("dsv4 chat: /reset starts over, /exit or Ctrl-D quits", file=sys.stderr)
+    print("dsv4 chat: /reset starts over, /exit, /quit or Ctrl-D quits", file=sys.stderr)
     while True:
         try:
             line = input(">>> ")
@@ -372,7 +379,10 @@ COMMANDS = MappingProxyType({"convert": _convert, "make-tiny": _make_tiny, "insp
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "hf_overrides", None) and args.load_format != "dummy":
+        parser.error("--hf-overrides applies to --load-format dummy only; a checkpoint's config is its own")
     from .checkpoint.errors import CheckpointError
     from .config import ConfigError
 

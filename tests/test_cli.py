@@ -20,8 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_choices_match_the_writer():
+    from dsv4.api import _DTYPES
     from dsv4.runtime.cache import KV_CACHE_DTYPES
     assert cli.FORMATS == FORMATS and cli.NAMINGS == NAMINGS and cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES
+    assert set(cli.DTYPES) - {"auto"} <= set(_DTYPES)
+
+
+@pytest.mark.parametrize("argv,culprit", [
+    (["generate", "--model", "demo", "--dtype", "float8", "hi"], "--dtype"),
+    (["generate", "--model", "demo", "--hf-overrides", '{"num_hidden_layers": 2}', "hi"], "--hf-overrides"),
+    (["inspect", "x", "--disable-custom-all-reduce"], "--disable-custom-all-reduce"),
+])
+def test_bad_options_are_usage_errors(argv, culprit, capsys):
+    """Refused by the parser (exit status 2, the option named), before any model is loaded."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and culprit in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,value", [("4GB", 4 * 1024**3), ("4GiB", 4 * 1024**3), ("500MB", 500 * 1024**2),
