@@ -76,26 +76,6 @@ def test_matches_the_models_attention(ratio, starts, lengths, split):
     assert (twin - want).abs().max() / want.abs().max() < 1e-6
 
 
-@pytest.mark.parametrize("ratio, starts, lengths", CASES)
-@pytest.mark.parametrize("split", [1, 3])
-def test_a_split_merged_in_its_own_launch_gives_the_combine_kernels_bits(ratio, starts, lengths, split):
-    """`combine_in_launch`: the last program of each (token, head block) to leave its partial merges them, as
-    `_combine_kernel` does, so the output is the same bits; the counters are 0 again after the launch (also the
-    Ops table's, which the next launch reuses), and a second launch on them gives the same output."""
-    from dsv4.kernels.host import Scratch
-    args = make_step(ratio + 7, ratio, starts, lengths)
-    call = dict(ratio=ratio, sinks=args[7], scale=D ** -0.5)
-    plan = AttentionPlan(16, 16, 4, split)
-    want = sparse_attention(*args[:6], plan=plan, **call)
-    scratch = Scratch()
-    for _ in range(2):
-        got = sparse_attention(*args[:6], plan=plan._replace(combine_in_launch=True), scratch=scratch, **call)
-        assert torch.equal(got, want)
-        assert not scratch.counters(got.device, 1).any(), "the counters must be re-armed"
-    got = sparse_attention(*args[:6], plan=plan._replace(combine_in_launch=True), **call)    # counters of its own
-    assert torch.equal(got, want)
-
-
 def test_the_key_split_takes_the_gpu_only_a_small_launch_leaves_idle():
     from dsv4.kernels.attention import attention_split
     assert attention_split(2, 512, 132) == 4            # a decode token of V4-Flash, CSA: the window + 4 x 128 picks

@@ -4,8 +4,8 @@ Round 33's H100 profile put batch-256 decode attention at 334 us a layer for byt
 the geometry of then (32 heads a program on 8 warps, 16 keys a block, no key split once the launch fills the GPU):
 one program per SM, about 40 dependent key blocks each. This times `kernels.attention.sparse_attention` over
 a decode step (one token per sequence, the ring written in the launch) with other plans: round 33's, heads per
-program, warps, a key split at large batch, 32 or 64 keys a block, a split merged by its last program instead of
-a combine launch (`combine_in_launch`), and compares each output with the default plan's.
+program, warps, a key split at large batch, 32 or 64 keys a block, and compares each output with the default
+plan's.
 
     python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
     python bench/lab/attention_plans.py --toy                                              # CPU dry run
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 from common import Timer  # noqa: E402
 
 from dsv4.kernels.attention import AttentionPlan, plan_attention, sparse_attention  # noqa: E402
-from dsv4.kernels.host import Scratch, num_sms  # noqa: E402
+from dsv4.kernels.host import num_sms  # noqa: E402
 from dsv4.kernels.steps import StepTokens  # noqa: E402
 
 PAGE_TOKENS = 256
@@ -71,8 +71,6 @@ def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, Att
             plans[f"16 heads, split {split}"] = AttentionPlan(16, bk, 8, split)
     plans["32 keys a block"] = default._replace(keys=32)
     plans["64 keys a block"] = default._replace(keys=64)
-    if default.split:                       # the partials merged by the split's last program: no combine launch
-        plans["combine in launch"] = default._replace(combine_in_launch=True)
     return plans
 
 
@@ -91,7 +89,6 @@ def main():
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
     timer, sms = Timer(dev), num_sms(dev)
-    scratch = Scratch()          # the counters of `combine_in_launch`, made once, as the Ops table's are
     rot = 3 if dev.type == "cuda" else 1
     print(f"{'layer':5s} {'B':>4s} {'plan':22s} {'heads':>5s} {'warps':>5s} {'split':>5s} | {'us':>9s} "
           f"{'vs default':>10s} | max diff")
@@ -106,8 +103,7 @@ def main():
                 try:
                     def launch(x, plan=plan):
                         return sparse_attention(x["q"], x["kv"], x["ring"], x["entries"], x["picks"], x["steps"],
-                                                ratio, x["sinks"], D ** -0.5, keys, update_ring=True, plan=plan,
-                                                scratch=scratch)
+                                                ratio, x["sinks"], D ** -0.5, keys, update_ring=True, plan=plan)
                     got = launch(inputs[0]).float()
                     want = got if want is None else want
                     row["max_diff"] = float((got - want).abs().max() / want.abs().max())

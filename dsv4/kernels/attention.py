@@ -15,10 +15,9 @@ A program takes one token and BH heads: every key row it loads serves all BH hea
 each sequence's rows H / BH times, not H times. When the step has too few (token, head block) programs to fill the
 GPU (a small decode batch), the keys are split too (flash-decoding): program s = 0 takes the window, programs
 1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum)
-in a workspace, and `_combine_kernel` merges them with the sink (with `combine_in_launch`, the last of a token's
-head block's programs to leave its partial merges them, counted by an atomic, so no second launch). Keys come in
-blocks of BK: the ring rows holding positions in (p - W, start), the step's rows at positions
-[max(start, p - W + 1), p], then the entries; masked keys score -inf. The sink joins only the denominator. `update_ring` (decode steps: one token per sequence) also writes
+in a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding
+positions in (p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys
+score -inf. The sink joins only the denominator. `update_ring` (decode steps: one token per sequence) also writes
 each token's row into its ring at row p mod W, from the program of head block 0 and share 0 before it reads any key:
 the row it replaces holds position p - W, which no query of the step sees, so every program's read of that row is
 masked whatever it finds there. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16
@@ -34,12 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import Scratch, num_sms
+from .host import num_sms
 from .policy import next_pow2
 from .ref import kv_row_bytes
 from .steps import StepTokens
-
-COMBINE_IN_LAUNCH = False      # a key split's partials merged by its last program (docs/tuning.md#attention-plan)
 
 
 class Tensors(NamedTuple):
@@ -52,8 +49,6 @@ class Tensors(NamedTuple):
     out: torch.Tensor
     part_o: torch.Tensor       # SPLIT: fp32 [N, H, 1 + SPLIT, D] partial accumulators (else `out`: never used)
     part_ml: torch.Tensor      # SPLIT: fp32 [N, H, 1 + SPLIT, 2] their running max and sum
-    counts: torch.Tensor       # COMBINE: int32 [N * head blocks], 0 between launches: the programs of (token, head
-                               # block) that have left their partial (else `out`: never used)
 
 
 class Strides(NamedTuple):
@@ -81,7 +76,6 @@ class Shape(NamedTuple):
     SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
     UPDATE_RING: bool          # the step's rows into the rings (decode steps)
     NOPE: int                  # > 0: entries are packed fp8 rows (`ref.fp8_kv_pack`) with this many fp8 channels
-    COMBINE: bool              # with SPLIT: the last program of a (token, head block) to finish merges the partials
 
 
 @triton.jit
@@ -203,17 +197,11 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
         o = acc / (l_i + tl.exp(sink - m_i))[:, None]
         tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
                  mask=(h < H)[:, None])
-    else:                                          # the partial, for `_combine_kernel` or the last program here
+    else:                                          # the partial, for `_combine_kernel`
         row = (t.to(tl.int64) * H + h) * (SPLIT + 1) + part
         tl.store(T.part_o + row[:, None] * D + d[None, :], acc, mask=(h < H)[:, None])
         tl.store(T.part_ml + row * 2, m_i, mask=h < H)
         tl.store(T.part_ml + row * 2 + 1, l_i, mask=h < H)
-        if L.COMBINE:
-            tl.debug_barrier()                     # every thread's stores of the partial come before the release
-            count = T.counts + t.to(tl.int64) * tl.num_programs(1) + hb
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT:      # the others' partials are there
-                _combine_heads(T, S, H, t, h, SPLIT, D, BH)
-                tl.store(count, 0)                 # re-armed for the next launch
 
 
 @triton.jit
@@ -239,27 +227,19 @@ def _key_shares(n, part, W: tl.constexpr, SPLIT: tl.constexpr):
 def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
     """Token t, heads of block hb: merge the 1 + SPLIT partials with the sink (which joins only the denominator)."""
     t, hb = tl.program_id(0), tl.program_id(1)
-    _combine_heads(T, S, H, t, hb * BH + tl.arange(0, BH), SPLIT, D, BH)
-
-
-@triton.jit
-def _combine_heads(T, S, H, t, h, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
-    """Token t's BH heads h: the 1 + SPLIT partials merged with the sink into out. The partials are read through L2
-    (`.cg`): other programs of the launch may have written them."""
+    h = hb * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
     hm = h < H
     base = (t.to(tl.int64) * H + h) * (SPLIT + 1)
     top = tl.load(T.sinks + h, mask=hm, other=0.0)
     for s in range(0, SPLIT + 1):
-        m = tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf"), cache_modifier=".cg")
-        top = tl.maximum(top, m)
+        top = tl.maximum(top, tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf")))
     den = tl.exp(tl.load(T.sinks + h, mask=hm, other=0.0) - top)
     acc = tl.zeros([BH, D], tl.float32)
     for s in range(0, SPLIT + 1):
-        w = tl.exp(tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf"), cache_modifier=".cg") - top)
-        den += w * tl.load(T.part_ml + (base + s) * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * tl.load(T.part_o + (base + s)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0,
-                                    cache_modifier=".cg")
+        w = tl.exp(tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf")) - top)
+        den += w * tl.load(T.part_ml + (base + s) * 2 + 1, mask=hm, other=0.0)
+        acc += w[:, None] * tl.load(T.part_o + (base + s)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
     o = acc / den[:, None]
     tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
              mask=hm[:, None])
@@ -271,7 +251,6 @@ class AttentionPlan(NamedTuple):
     keys: int                  # keys a block (BK)
     warps: int
     split: int                 # programs over the entries besides the window's (0: one program takes all keys)
-    combine_in_launch: bool = COMBINE_IN_LAUNCH   # with a split: merged by its last program, not `_combine_kernel`
 
 
 @lru_cache(maxsize=None)
@@ -296,14 +275,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
                      scale: float, max_entries: int | None = None, update_ring: bool = False, entry_nope: int = 0,
                      split: int | None = None, dot_dtype: torch.dtype | None = None, fallback=None,
-                     plan: AttentionPlan | None = None, scratch: Scratch | None = None) -> torch.Tensor:
+                     plan: AttentionPlan | None = None) -> torch.Tensor:
     """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
     goes to `fallback` (the reference), or raises without one. max_entries: a bound on the entries any token sees
     (HCA; by default what the pages hold), which sizes the key split; update_ring: also `write_ring` (the caller
     guarantees one token per sequence); entry_nope > 0: the entries are packed fp8 rows uint8 [pages, E,
     kv_row_bytes] with that many fp8 channels; split: the split itself, else planned; plan: the whole geometry
-    (`plan_attention`'s by default); scratch: where a plan that merges its split in the launch keeps its counters
-    (the Ops table's; without one, zeroed ones a call)."""
+    (`plan_attention`'s by default)."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
@@ -336,23 +314,17 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
                              f"{ring.stride()}")
         ring = ring.contiguous()
     kv, ent = kv.contiguous(), ent.contiguous()
-    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o, o)
+    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
                       kv.stride(0), ent.shape[-1])
-    head_blocks = triton.cdiv(H, plan.heads)
-    combine = bool(plan.split and plan.combine_in_launch)
     if plan.split:
         part_o = torch.empty(N, H, plan.split + 1, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(N, H, plan.split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    if combine:                 # zero between launches: each launch's last programs re-arm them
-        counts = scratch.counters(q.device, N * head_blocks) if scratch is not None else \
-            torch.zeros(N * head_blocks, dtype=torch.int32, device=q.device)
-        tensors = tensors._replace(counts=counts)
-    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope, combine)
-    _attention_kernel[(N, head_blocks, plan.split + 1)](tensors, steps, strides, H, scale, shape,
-                                                        num_warps=plan.warps)
-    if plan.split and not combine:
+    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope)
+    _attention_kernel[(N, triton.cdiv(H, plan.heads), plan.split + 1)](tensors, steps, strides, H, scale, shape,
+                                                                       num_warps=plan.warps)
+    if plan.split:
         bh = 8 if D > 256 else 16
         _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, plan.split, D, bh, num_warps=4)
     return o
