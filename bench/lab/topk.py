@@ -42,8 +42,8 @@ VARIANTS = {                        # name -> index_picks_of_scores options
     "2 chunks": dict(chunks=2),
     "4 chunks": dict(chunks=4),
     "16 chunks": dict(chunks=16),
+    "no tail": dict(tail=0),
     "tail 128": dict(tail=128),
-    "tail 256": dict(tail=256),
     "tail 512": dict(tail=512),
 }
 

@@ -47,7 +47,7 @@ TOPK_BLOCK = 1024                       # scores per iteration of the chunked se
 TOPK_WARPS = 4                          # of a chunked select's program (docs/tuning.md#indexer-topk)
 TOPK_ROW_BLOCK = 2048                   # scores per iteration of the one-program select's passes
 TOPK_ROW_WARPS = 8                      # of a one-program select (docs/tuning.md#indexer-topk)
-TOPK_ROW_TAIL = 0                       # a remainder of at most this many scores takes a block of its own (0: none;
+TOPK_ROW_TAIL = 256                     # a remainder of at most this many scores takes a block of its own (0: none;
                                         # docs/tuning.md#indexer-topk)
 TOPK_CHUNKED_KEYS = 8192                # wider rows take the chunked select: five passes over a row in one program
                                         # outlast six launches over its chunks (32K tokens of context and up)
