@@ -65,7 +65,7 @@ def _fill_linear(module: QLinear, spec: TensorSpec, gen: torch.Generator) -> Non
         module.weight.copy_(torch.randn(module.weight.shape, generator=gen, device=dev).mul_(std / scale))
         module.scale.copy_(torch.full(module.scale.shape, scale, device=dev))
     else:
-        module.weight.copy_(torch.randint(0, 256, module.weight.shape, generator=gen, device=dev, dtype=torch.uint8))
+        torch.randint(0, 256, module.weight.shape, generator=gen, out=module.weight)   # in place: no second copy
         if fmt == "mxfp4":
             module.scale.copy_(torch.full(module.scale.shape, _pow2(std / E2M1_STD), device=dev))
         else:
