@@ -7,7 +7,7 @@ tokens a program, tl.dot precision, warps, columns a program), and checks every 
 plan's (the same kernels: the difference is the product's rounding) and the default's against `ref.hc_post_pre` (the
 oracle).
 
-    python bench/lab/mhc.py [--tokens 1,64,256] [--out DIR]     # on the GPU
+    python bench/lab/mhc.py [--tokens 1,64,256] [--iters 20] [--out DIR]     # on the GPU
     python bench/lab/mhc.py --toy                              # CPU dry run (interpreter)
 
 Prints one line per (tokens, variant): microseconds per call (CUDA graph of rotated inputs) and the relative error
@@ -91,6 +91,7 @@ def reference(args_of_case, iters: int):
 def main():
     ap = lab_parser("CPU dry run at a small hidden size (checks the script)")
     ap.add_argument("--tokens", default="1,64,256")
+    ap.add_argument("--iters", type=int, help="Sinkhorn iterations (default V4-Flash's 20; fewer time their share)")
     args = ap.parse_args()
     shape = FLASH
     if args.toy:
@@ -98,7 +99,7 @@ def main():
     dev = torch.device(args.device)
     gen = torch.Generator(device=dev).manual_seed(0)
     timer, label = Timer(dev), "toy" if args.toy else dev.type
-    n, d, iters = shape["streams"], shape["hidden"], shape["iters"]
+    n, d, iters = shape["streams"], shape["hidden"], args.iters or shape["iters"]
     print(f"{label:5s} {'tokens':>6s} {'variant':20s} | {'us':>8s} {'vs default':>10s} | u / post / comb / streams "
           f"rel. to default")
     rows = []
@@ -130,7 +131,7 @@ def main():
             rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mhc.json").write_text(json.dumps(dict(device=str(dev), shape=shape, rows=rows), indent=1))
+    (out / "mhc.json").write_text(json.dumps(dict(device=str(dev), shape=shape, iters=iters, rows=rows), indent=1))
 
 
 if __name__ == "__main__":
