@@ -4,7 +4,7 @@
 `runtime.sampler.sample_reference` (PyTorch: the kept set found by sorting each row) at V4's vocabulary; issue 39's
 target is <= 50 us a step at batch 64.
 
-    python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--out DIR]   # on the GPU
+    python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--passes 5,8] [--out DIR]
     python bench/lab/sampler.py --toy                                                             # CPU dry run
 
 For each mix of sampling parameters and batch size: random logits (N(0, 3^2), a new set per rotated call), one
@@ -14,7 +14,9 @@ bit, which can move a token only at a near-tie (expect 0 rows in thousands); mor
 On CUDA the calls are captured in one CUDA graph (`common.Timer`), which also checks that they can be; a capture
 that fails is reported and the calls are then timed without a graph. Mixes: "plain" (temperature 1, no filter),
 "top-p 0.95", "top-k 50, top-p 0.95" (temperature 0.8), and "mixed, all filters" (rows with and without seeds,
-greedy and filtered, built with all_filters=True: the batch a CUDA graph of the decode step holds).
+greedy and filtered, built with all_filters=True: the batch a CUDA graph of the decode step holds). `--passes`
+also times the kernel with other counts of rejection passes over chunks (`kernels.sampling.sample_tokens(rounds=)`,
+default `sampling.ROUNDS`) as "kernel, N passes", their tokens checked against the reference's too.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
 from common import Timer, lab_parser  # noqa: E402
 
+from dsv4.kernels import sampling  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
-from dsv4.runtime.sampler import SamplingBatch, sample, sample_reference  # noqa: E402
+from dsv4.runtime.sampler import SamplerOutput, SamplingBatch, sample, sample_reference  # noqa: E402
 
 SAMPLERS = {"reference": sample_reference, "kernel": sample}
 MIXED = [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, seed=1), SamplingParams(temperature=0.0),
@@ -53,6 +56,7 @@ def main():
     ap = lab_parser("CPU dry run at a small vocabulary (checks the script)")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--passes", default="", help="other counts of chunked rejection passes to time, e.g. 5,8")
     args = ap.parse_args()
     if args.toy:
         args.device, args.batches, args.vocab, args.rounds = "cpu", "1,8", 1000, 1
@@ -67,26 +71,35 @@ def main():
         logits = [torch.randn(b, args.vocab, device=dev, generator=gen) * 3 for _ in range(rot)]
         for name, (params, all_filters) in mixes(b).items():
             batch = SamplingBatch.build(params, range(b), args.vocab, dev, unseeded_seed=7, all_filters=all_filters)
-            differ = int((sample(logits[0], batch).token_ids != sample_reference(logits[0], batch).token_ids).sum())
-            row = dict(mix=name, B=b, V=args.vocab, rows_differ=differ, graph=dev.type == "cuda")
+            samplers = dict(SAMPLERS)
+            for n in map(int, filter(None, args.passes.split(","))) if dev.type == "cuda" else ():
+                samplers[f"kernel, {n} passes"] = lambda x, batch, n=n: _kernel_draw(x, batch, n)
+            expected = sample_reference(logits[0], batch).token_ids
+            differ = {sampler_name: int((fn(logits[0], batch).token_ids != expected).sum())
+                      for sampler_name, fn in samplers.items() if sampler_name != "reference"}
+            row = dict(mix=name, B=b, V=args.vocab, rows_differ=max(differ.values()), rows_differ_by=differ,
+                       graph=dev.type == "cuda")
             calls = {sampler_name: [lambda x=x, fn=fn, batch=batch: fn(x, batch) for x in logits]
-                     for sampler_name, fn in SAMPLERS.items()}
-            for sampler_name in SAMPLERS if row["graph"] else ():
+                     for sampler_name, fn in samplers.items()}
+            for sampler_name in samplers if row["graph"] else ():
                 try:                                 # a capture that fails: say so, then time both without graphs
                     timer.per_call_ms(calls[sampler_name][:1], rep=1)
                 except Exception as e:
                     row.update(graph=False, graph_error=f"{sampler_name}: {type(e).__name__}: {e}"[:500])
                     print(f"{label:5s} {name}: capture failed ({row['graph_error']}); timing without a graph")
-            times = {sampler_name: [] for sampler_name in SAMPLERS}
+            times = {sampler_name: [] for sampler_name in samplers}
             for _ in range(args.rounds):
-                for sampler_name in SAMPLERS:
+                for sampler_name in samplers:
                     times[sampler_name].append(timer.per_call_ms(calls[sampler_name], graph=row["graph"]) * 1e3)
             for sampler_name, us in times.items():
                 row[sampler_name] = dict(us=statistics.median(us), all_us=us)
             row["kernel/reference"] = row["kernel"]["us"] / row["reference"]["us"]
             print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {row['reference']['us']:10.1f} "
-                  f"{row['kernel']['us']:10.1f} {row['kernel/reference']:10.2f} | {differ:11d} | {row['graph']}",
+                  f"{row['kernel']['us']:10.1f} {row['kernel/reference']:10.2f} | {differ['kernel']:11d} | {row['graph']}",
                   flush=True)
+            for sampler_name in list(samplers)[len(SAMPLERS):]:
+                print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {sampler_name:>21s} "
+                      f"{row[sampler_name]['us']:10.1f} | {differ[sampler_name]:11d}", flush=True)
             rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +107,13 @@ def main():
     bad = [f"{r['mix']} B={r['B']}: {r['rows_differ']} rows" for r in rows if r["rows_differ"] > 0.01 * r["B"]]
     if bad:
         raise SystemExit(f"sample and sample_reference drew different tokens in more than 1 % of the rows: {bad}")
+
+
+def _kernel_draw(logits, batch, passes: int):
+    """`sample`'s kernel path with `passes` rejection passes over chunks (no logprobs: the lab asks for none)."""
+    return SamplerOutput(sampling.sample_tokens(logits, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k,
+                                                batch.drop_share, batch.seeds, batch.counters, rounds=passes),
+                         None, None, None)
 
 
 if __name__ == "__main__":
