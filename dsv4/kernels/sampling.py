@@ -47,6 +47,7 @@ G_MAX = tl.constexpr(17.5)    # above every Gumbel value (`ref.gumbel`: at most 
 MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
 ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
                               # is nearly always kept, and a step waits for its slowest row
+                              # (docs/tuning.md#sampler-rounds)
 _HASH_1 = tl.constexpr(LOWBIAS32[0])
 _HASH_2 = tl.constexpr(LOWBIAS32[1])
 _MASS_SCALE = tl.constexpr(2.0**SAMPLE_MASS_BITS)
