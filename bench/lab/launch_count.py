@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
         import dsv4.kernels.dispatch as dispatch
         import dsv4.kernels.gemv_launch as gemv_launch
         from dsv4.kernels.policy import Device
-        gpu = Device(sms=132, gpu=True, interpreted=True, pdl=False)
+        gpu = Device(sms=132, gpu=True, interpreted=True)
         dispatch.device_info = lambda device: gpu
         attention_kernels.num_sms = gemv_launch.num_sms = lambda device: 132
     table = Ops.triton()                                # the decode step: the GPU's table (fallbacks are counted

@@ -29,23 +29,25 @@ class Ops:
     moe: Callable             # (x [T, K], ids [T, k], weights [T, k], w13 (E, 2), w2 (E,), limit, shared=(w13, w2))
     grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
     # cached attention of a ragged step: (q [N, H, D], kv [N, D], ring, entries, picks, StepTokens, ratio, sinks,
-    # scale, max_entries, update_ring: also write the rings, decode steps only) -> [N, H, D]; and the step's rows into
-    # the rings
+    # scale, max_entries, update_ring: also write the rings, decode steps only, entry_nope: the fp8 cache's packed
+    # entries) -> [N, H, D]; and the step's rows into the rings
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
     # a compressor's step for every sequence (kv, gate logits [N, width], ape [ratio, width], StepTokens, state,
     # ratio, cos, sin [N, r/2], norm weight, eps) -> None, state updated in place; the indexer's picks (q [N, H, hd],
-    # weights [N, H], entries, StepTokens, topk, ratio, scale, max_keys, weight_scale) -> [N, topk]
+    # weights [N, H], entries, StepTokens, topk, ratio, scale, max_keys, weight_scale, entry_scales: fp8 keys' scales)
+    # -> [N, topk]
     compress: Callable = ref.compress
     index_picks: Callable = ref.index_picks
-    # RMS normalisation and rope of rows: (x [..., D], cos, sin, weight, eps, inverse) -> x's shape
+    # RMS normalisation and rope of rows: (x [..., D], cos, sin, weight, eps, inverse, fp8_nope: channels rounded
+    # through the fp8 cache's codes) -> x's shape
     norm_rope: Callable = ref.norm_rope
+    # the router's dense projection: (x [..., d], fp32 weight [E, d]) -> fp32 logits [..., E]
+    router_logits: Callable = ref.router_logits
     # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps[, norm weight, its eps]) -> (collapsed (and
     # normed), post, comb); (out, streams, post, comb) -> new streams; (streams, fn, base, scale, hc_eps, norm_eps[,
     # norm weight, its eps]) -> the HyperHead's collapse; (out, streams, post, comb, then hc_pre's arguments after the
     # streams) -> (new streams, collapsed, post, comb): one sub-block's update and the next one's collapse
-    # the router's dense projection: (x [..., d], fp32 weight [E, d]) -> fp32 logits [..., E]
-    router_logits: Callable = ref.router_logits
     hc_pre: Callable = ref.hc_pre
     hc_post: Callable = ref.hc_post
     hc_head: Callable = ref.hc_head

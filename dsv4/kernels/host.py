@@ -42,8 +42,7 @@ def readable(w: QWeight, device: torch.device) -> bool:
 
 def device_info(device: torch.device) -> Device:
     """The device as `policy` plans for it."""
-    return Device(sms=num_sms(device), gpu=device.type == "cuda" and not interpreting(), interpreted=interpreting(),
-                  pdl=has_pdl(device))
+    return Device(sms=num_sms(device), gpu=device.type == "cuda" and not interpreting(), interpreted=interpreting())
 
 
 class Scratch:

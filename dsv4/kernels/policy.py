@@ -26,8 +26,8 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def pow2_at_most(n: int, cap: int, floor: int = 16) -> int:
-    return max(floor, min(cap, next_pow2(max(1, n))))
+def pow2_at_most(n: int, cap: int) -> int:
+    return max(16, min(cap, next_pow2(max(1, n))))
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -38,7 +38,6 @@ class Device:
     sms: int = 132             # streaming multiprocessors (4 stand in under the interpreter)
     gpu: bool = True           # the kernels run compiled on a CUDA GPU
     interpreted: bool = False  # the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1: the tests)
-    pdl: bool = True           # programmatic dependent launch (sm_90 and later)
 
     @property
     def runs_kernels(self) -> bool:
@@ -46,7 +45,7 @@ class Device:
 
 
 H200 = Device()
-INTERPRETER = Device(sms=4, gpu=False, interpreted=True, pdl=False)
+INTERPRETER = Device(sms=4, gpu=False, interpreted=True)
 
 
 @dataclass(frozen=True)
@@ -176,11 +175,11 @@ def shared_cols(rows: int, R: int, pairs: int, shared) -> bool:
     return bool(shared) and rows in (ROWS_PAIR, ROWS_TOKEN) and SHARED_COLS_TOKENS <= tokens <= SHARED_COLS_MAX
 
 
-def choose_split(units_per_split: int, n_steps: int, slots: int, max_split: int | None = None) -> int:
+def choose_split(units_per_split: int, n_steps: int, slots: int) -> int:
     """K splits minimizing waves x (steps per unit + UNIT_OVERHEAD_STEPS): splitting fills idle CTAs, but every unit
     pays its own prologue, epilogue and partial store; splits keep whole step pairs."""
     best, best_cost = 1, None
-    for split in range(1, max(1, min(max_split or 64, n_steps // 2)) + 1):
+    for split in range(1, max(1, min(64, n_steps // 2)) + 1):
         chunk = cdiv(n_steps, split)
         chunk += chunk % 2
         used = cdiv(n_steps, chunk)
@@ -351,7 +350,7 @@ def prefers_cublas(fmt: Format, M: int, nbytes: float, device: Device) -> bool:
 # ------------------------------------------------------------------------------------------ linear plans
 
 class Kernel(Enum):
-    GEMV = "gemv"             # the decode GEMV (`gemv.launch`)
+    GEMV = "gemv"             # the decode GEMV (`gemv_launch.launch`)
     TILES = "tiles"           # the fused tiles (`gemm.launch`)
     CUBLAS = "cublas"         # Triton dequantize, then cuBLAS (`gemm.dequantize`)
     REFERENCE = "reference"   # `kernels.ref` (the Ops table's fallback)

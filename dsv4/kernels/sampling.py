@@ -43,7 +43,6 @@ from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
 G_SPAN = 21.0                 # x + g of a token with x <= max x - G_SPAN is below the top token's: it never wins
-G_MAX = tl.constexpr(17.5)    # above every Gumbel value (`ref.gumbel`: at most 17.33)
 MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
 ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
                               # is nearly always kept, and a step waits for its slowest row

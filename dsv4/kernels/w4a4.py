@@ -110,8 +110,7 @@ def stage_activation(x: torch.Tensor, input_scale: torch.Tensor | float, *, bloc
     return q.view(torch.uint8).reshape(*lead, K // 2), sf.view(torch.float8_e4m3fn).reshape(*lead, G), glob
 
 
-def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, config: TileConfig | None = None,
-                scratch: Scratch | None = None):
+def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, scratch: Scratch | None = None):
     """Same contract as `ref.linear_w4a4`: the activations staged in NVFP4, then the fused tiles over FP4 x and W."""
     if w.fmt != "nvfp4" or w.input_scale is None:
         raise ValueError("W4A4 emulation needs an NVFP4 weight with an input_scale")
@@ -121,7 +120,7 @@ def linear_w4a4(x: torch.Tensor, w: QWeight, *, fallback=None, config: TileConfi
     M = x.numel() // max(1, x.shape[-1])
     cfg = None
     if x.shape[-1] == K and K % 32 == 0 and readable(w, x.device):
-        cfg = config or cached(scratch, ("w4a4", x.dtype, M, N, K, x.device), lambda: _tiles(x, M, N, K))
+        cfg = cached(scratch, ("w4a4", x.dtype, M, N, K, x.device), lambda: _tiles(x, M, N, K))
     if cfg is None:
         return fallback(x, w)
     x_fp4, x_sf, _ = stage_activation(x, w.input_scale)

@@ -86,9 +86,6 @@ class Layout:
             raise LayoutError(f"pipeline_parallel_size={self.pp} exceeds num_hidden_layers={cfg.num_hidden_layers} "
                               "(every stage holds at least one layer)")
 
-    def stage_of(self, rank: int) -> int:
-        return rank // self.tp
-
     def stage_ranks(self, stage: int) -> range:
         return range(stage * self.tp, (stage + 1) * self.tp)
 

@@ -136,11 +136,6 @@ class Tool(Strict):
     function: FunctionDef
 
 
-class NamedToolChoice(Strict):
-    type: Literal["function"]
-    function: dict[str, str]
-
-
 class ChatTemplateKwargs(Strict):
     thinking: bool | None = None                            # vLLM's switch for DeepSeek's thinking mode
     enable_thinking: bool | None = None
