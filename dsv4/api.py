@@ -110,7 +110,7 @@ class LLM:
         key (132 instead of 256 bytes); "fp8-indexer" only the indexer's keys; "auto" (the default) keeps the
         compute dtype, whose logits equal transformers'."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        load_format, dummy_format = _load_format(load_format)
+        load_format, dummy_format = _load_format(load_format, hf_overrides)
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
         self._group = None
         if layout.parallel:
@@ -146,8 +146,6 @@ class LLM:
             if ops.reads_tiled and device.type == "cuda":
                 self.model.prepare_for_kernels_()
         elif load_format == "auto":
-            if hf_overrides:
-                raise ValueError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
             path = resolve_model(model)
             self.model = load(path, device, _dtype(dtype, device), ops, progress=progress)
         return path
@@ -271,8 +269,6 @@ def _start_parallel(layout: Layout, model: str | Path, device: torch.device, dty
         check_dummy_layout(cfg, opts["dummy_format"], layout)
         checkpoint = None
     elif opts["load_format"] == "auto":
-        if opts["hf_overrides"]:
-            raise ValueError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
         path = resolve_model(model)
         ckpt = open_checkpoint(path)
         cfg = ckpt.config
@@ -307,9 +303,14 @@ def _decode_runner(device: torch.device, layout: Layout, enforce_eager: bool) ->
     return "padded" if enforce_eager else "graphs"
 
 
-def _load_format(value: str) -> tuple[str, str]:
-    """LLM's load_format -> ("auto" or "dummy", the dummy weights' storage)."""
-    if value in ("auto", "dummy"):
+def _load_format(value: str, hf_overrides: dict | None) -> tuple[str, str]:
+    """LLM's load_format -> ("auto" or "dummy", the dummy weights' storage); hf_overrides only with dummy weights
+    (a checkpoint's config is its own)."""
+    if value == "auto":
+        if hf_overrides:
+            raise ConfigError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
+        return value, DUMMY_STORAGE
+    if value == "dummy":
         return value, DUMMY_STORAGE
     storage = value.removeprefix("dummy-")
     if value.startswith("dummy-") and storage in FORMATS:

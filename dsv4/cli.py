@@ -379,10 +379,7 @@ COMMANDS = MappingProxyType({"convert": _convert, "make-tiny": _make_tiny, "insp
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "hf_overrides", None) and args.load_format != "dummy":
-        parser.error("--hf-overrides applies to --load-format dummy only; a checkpoint's config is its own")
+    args = _parser().parse_args(argv)
     from .checkpoint.errors import CheckpointError
     from .config import ConfigError
 

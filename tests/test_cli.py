@@ -28,7 +28,6 @@ def test_choices_match_the_writer():
 
 @pytest.mark.parametrize("argv,culprit", [
     (["generate", "--model", "demo", "--dtype", "float8", "hi"], "--dtype"),
-    (["generate", "--model", "demo", "--hf-overrides", '{"num_hidden_layers": 2}', "hi"], "--hf-overrides"),
     (["inspect", "x", "--disable-custom-all-reduce"], "--disable-custom-all-reduce"),
 ])
 def test_bad_options_are_usage_errors(argv, culprit, capsys):
@@ -36,6 +35,15 @@ def test_bad_options_are_usage_errors(argv, culprit, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     assert e.value.code == 2 and culprit in capsys.readouterr().err
+
+
+def test_hf_overrides_without_dummy_weights_is_an_error_line(capsys):
+    """LLM refuses hf_overrides for a checkpoint before it loads anything; the CLI prints that as one error line
+    naming the option (exit status 1), not a traceback."""
+    assert cli.main(["generate", "--model", "demo", "--hf-overrides", '{"num_hidden_layers": 2}', "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "dsv4 generate: error: hf_overrides applies to load_format='dummy' only" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("text,value", [("4GB", 4 * 1024**3), ("4GiB", 4 * 1024**3), ("500MB", 500 * 1024**2),
