@@ -255,7 +255,7 @@ def test_fp8_indexer_keys_match_the_reference(hd):
     written = theirs.entry_scales > 0                  # 14 of the pool's 1024 entries: compare those, not the zeros
     assert int(written.sum()) == sum(done[s] // ratio for s in done) > 0
     assert torch.equal(mine.entry_scales > 0, written)
-    assert float((mine.entry_scales[written] == theirs.entry_scales[written]).float().mean()) > 0.9
+    assert float((mine.entry_scales[written] == theirs.entry_scales[written]).float().mean()) > 0.97
     assert float((mine.entries[written].float() == theirs.entries[written].float()).float().mean()) > 0.99  # ties apart
     assert torch.allclose(a, b, atol=1e-6, rtol=0.07)
     # the scoring kernel on fp8 keys picks what the reference picks from the same codes and scales
