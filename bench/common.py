@@ -37,6 +37,7 @@ class Shapes:
     o_lora: int
     index_heads: int = 64
     index_dim: int = 128
+    vocab: int = 129280
 
     def linears(self) -> dict[str, tuple[int, int]]:
         """Benchmark linears: name -> (N, K) of the logical weight."""
@@ -50,6 +51,13 @@ class Shapes:
             "wo_b": (self.D, self.o_groups * self.o_lora),
             "indexer wq_b": (self.index_heads * self.index_dim, self.q_lora),
         }
+
+    def dense_linears(self) -> dict[str, tuple[int, int]]:
+        """The bf16 products of a decode step, name -> (N, K): a CSA and an HCA layer's dense projections of x as
+        one weight (`Attention.x_dense`: the compressor's wkv and wgate, CSA's twice as wide, and on CSA layers the
+        indexer compressor's and its weights_proj), and the head."""
+        csa = 2 * 2 * self.head_dim + 2 * 2 * self.index_dim + self.index_heads
+        return {"x_dense CSA": (csa, self.D), "x_dense HCA": (2 * self.head_dim, self.D), "head": (self.vocab, self.D)}
 
 
 FLASH = Shapes("V4-Flash", 4096, 2048, 256, 6, 1024, 64, 512, 8, 1024)

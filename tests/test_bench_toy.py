@@ -22,7 +22,7 @@ SCRIPTS = {
     "moe_blocks": ["bench/lab/moe_blocks.py", "--tokens", "12", "--rounds", "1"],
     "profile_shared": ["bench/lab/profile_shared.py", "--tokens", "1,12"],
     "profile_moe": ["bench/lab/profile_moe.py", "--tokens", "1", "--splits", "0"],
-    "profile_tiles": ["bench/lab/profile_tiles.py"],
+    "profile_tiles": ["bench/lab/profile_tiles.py", "--cases", "toy:expert w1/w3:nvfp4,toy:x_dense HCA:dense"],
     "profile_w4a4": ["bench/lab/profile_w4a4.py"],
     "profile_duplicates": ["bench/lab/profile_duplicates.py"],
     "run_all_moe": ["bench/run_all.py", "--sections", "env,moe"],

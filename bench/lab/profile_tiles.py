@@ -1,7 +1,8 @@
 """Question: How far is each dense shape's chosen tile from the fastest one measured, and from cuBLAS?
 
-The fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x) over BM / BN / split-K around
-`policy.tile_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the same shape.
+The fused tiles (`gemm._qgemm_kernel`: the dense linears from 9 to 256 rows of x; forced, bf16 weights at any rows)
+over BM / BN / split-K around `policy.tile_config`'s choice, beside Triton dequantize + cuBLAS and cuBLAS bf16 on the
+same shape.
 
     python bench/lab/profile_tiles.py [--ms 48,64] [--cases V4-Flash:expert w1/w3:nvfp4,...] [--budget 150]
         [--bms 16,32,64] [--bns 64,128] [--splits 1,2,4] [--warps 4,8] [--asms 0,1] [--maxnregs 0,168]
@@ -15,7 +16,8 @@ where `policy.fused_beats_cublas`, else dequantize + cuBLAS). Per case and row c
 and time, the default path's time (`dispatch.linear` as the model calls it: the GEMV where it is preferred), then
 the fastest variants with their time over tile_config's and the relative difference of their output from
 tile_config's (split-K sums in another order: ~1e-5 to 1e-4, not more). Rotated weights in one CUDA
-graph per variant (`common.Timer`).
+graph per variant (`common.Timer`). A case names one of `common.Shapes.linears` in a format, or one of
+`Shapes.dense_linears` (a decode step's bf16 products: the compressors' fused projection, the head) as dense.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))       # bench/lab: sass
 
 from common import FLASH, PRO, TOY, Timer, nbytes, rel_err, rotated_qweights  # noqa: E402
 
-from dsv4.kernels import dispatch, gemm, policy, refuse_fallback  # noqa: E402
+from dsv4.formats import QWeight  # noqa: E402
+from dsv4.kernels import dispatch, gemm, policy, ref, refuse_fallback  # noqa: E402
 from dsv4.kernels.gemv_launch import resident_ctas  # noqa: E402
 from dsv4.kernels.host import Scratch, num_sms  # noqa: E402
 from dsv4.kernels.policy import TileConfig  # noqa: E402
@@ -78,7 +81,8 @@ def ints(text: str) -> tuple[int, ...]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="48,64", help="rows of x")
-    ap.add_argument("--cases", default=CASES, help="MODEL:LINEAR:FORMAT,... (common.Shapes names)")
+    ap.add_argument("--cases", default="", help=f"MODEL:LINEAR:FORMAT,... (common.Shapes names; default {CASES}, "
+                    "or toy:expert w1/w3:nvfp4 with --toy)")
     ap.add_argument("--bms", default="16,32,64", help="BM values swept (those above the rows are skipped)")
     ap.add_argument("--bns", default="64,128", help="BN values swept")
     ap.add_argument("--splits", default="", help="K splits swept (default: tile_config's split, half and twice it)")
@@ -99,7 +103,7 @@ def main():
     dtype = torch.float32 if args.toy else torch.bfloat16   # the interpreter's dot takes fp32 operands
     timer, scratch, start = Timer(dev), Scratch(), time.time()
     models = {s.name: s for s in (FLASH, PRO, TOY)}
-    cases = [("toy", "expert w1/w3", "nvfp4")] if args.toy else [c.split(":") for c in args.cases.split(",")]
+    cases = [c.split(":") for c in (args.cases or ("toy:expert w1/w3:nvfp4" if args.toy else CASES)).split(",")]
     ms = [24] if args.toy else [int(m) for m in args.ms.split(",")]
     records = []
 
@@ -114,8 +118,10 @@ def main():
             print(f"budget of {args.budget:.0f} s reached: stopped before {model} {name}", flush=True)
             break
         s = models[model]
-        n, k = s.linears()[name]
+        n, k = {**s.linears(), **s.dense_linears()}[name]
         ws = rotated_qweights(fmt, n, k, dev, gen, 2 if args.toy else None)
+        if fmt == "dense":   # in the activations' dtype, as the kernels read them
+            ws = [QWeight("dense", w.weight.to(dtype)) for w in ws]
         w0, rot = ws[0], len(ws)
         dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
         for m in ms:
@@ -126,10 +132,12 @@ def main():
                 return [lambda x=x, w=w: dispatch.linear(x, w, config=cfg, fallback=refuse_fallback, scratch=scratch)
                         for x, w in zip(xs, ws)]
 
-            ref = fused(base)[0]().float()
+            base_out = fused(base)[0]().float()
             base_us = timer.per_call_ms(fused(base)) * 1e3
             deq_us = timer.rotated_us(lambda x, w: torch.nn.functional.linear(x, gemm.dequantize(w, x.dtype)), xs, ws)
-            default_us = timer.rotated_us(partial(dispatch.linear, fallback=refuse_fallback, scratch=scratch), xs, ws)
+            # a dense weight's default path is the reference's F.linear (`policy._plan_dense`)
+            default_us = timer.rotated_us(partial(dispatch.linear, fallback=ref.linear if fmt == "dense" else
+                                                  refuse_fallback, scratch=scratch), xs, ws)
             bf16_us = timer.rotated_us(torch.nn.functional.linear, xs, dense)
             rows = [(base_us, base, 0.0)]
             if args.base_only:
@@ -140,7 +148,7 @@ def main():
             for cfg in variants(base, m, k, **axes, asms=flags(args.asms) or (None,),
                                 maxnregs=ints(args.maxnregs) or None):
                 try:
-                    diff = rel_err(fused(cfg)[0]().float(), ref)
+                    diff = rel_err(fused(cfg)[0]().float(), base_out)
                     rows.append((timer.per_call_ms(fused(cfg)) * 1e3, cfg, diff))
                 except Exception as e:   # a tile shape the kernel or the GPU refuses: said, not fatal
                     print(f"   BM {cfg.BM} BN {cfg.BN} split {cfg.split_k}: FAILED {e!r}"[:200], flush=True)

@@ -29,12 +29,14 @@ from .policy import (DECODE_TOKENS, UNREADABLE, Experts, Format, GemvConfig, Ker
 def _format(w: QWeight, x: torch.Tensor) -> Format:
     """The weight's format as a plan sees it, with x's dtype; UNREADABLE where the kernels cannot address it."""
     f32 = w.scale is not None and w.scale.dtype == torch.float32
-    return Format(w.fmt if readable(w, x.device) else UNREADABLE, x.dtype, f32)
+    same = w.fmt != "dense" or w.weight.dtype == x.dtype    # a dense weight in another dtype: the reference casts
+    return Format(w.fmt if same and readable(w, x.device) else UNREADABLE, x.dtype, f32)
 
 
 def _key(w: QWeight, x: torch.Tensor) -> tuple:
     """What `_format` reads, cheaply: the part of a plan's key that one weight gives."""
-    return (w.fmt, None if w.scale is None else w.scale.dtype, w.scale_2 is None, w.weight.device == x.device,
+    return (w.fmt, w.weight.dtype if w.fmt == "dense" else None, None if w.scale is None else w.scale.dtype,
+            w.scale_2 is None, w.weight.device == x.device,
             w.weight.stride(-1), None if w.scale is None else w.scale.stride(-1))
 
 

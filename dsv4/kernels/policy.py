@@ -51,7 +51,8 @@ INTERPRETER = Device(sms=4, gpu=False, interpreted=True)
 @dataclass(frozen=True)
 class Format:
     """A weight's storage format and the dtype of its activations."""
-    weight: str                           # fp8 | mxfp4 | nvfp4 (what the kernels read); anything else runs the reference
+    weight: str                           # fp8 | mxfp4 | nvfp4 | dense (what the kernels read; dense: `_plan_dense`);
+                                          # anything else runs the reference
     act: torch.dtype = torch.bfloat16     # activations (fp32: exact runs and the interpreter)
     f32_scales: bool = False              # FP8 block scales stored as fp32 (the -Base checkpoints)
 
@@ -374,6 +375,8 @@ def plan_linear(fmt: Format, M: int, N: int, K: int, device: Device, *, gated: b
     a GemvConfig the GEMV cannot take is refused."""
     if groups > 1:
         return _plan_grouped(fmt, M, N, K, device, groups)
+    if fmt.weight == "dense" and not gated:
+        return _plan_dense(fmt, M, N, K, device, force)
     if not tiles_take(fmt, K, device):
         return _REFERENCE
     nbytes = matrix_bytes(fmt, N, K) * (2 if gated else 1)
@@ -388,6 +391,18 @@ def plan_linear(fmt: Format, M: int, N: int, K: int, device: Device, *, gated: b
         return LinearPlan(Kernel.CUBLAS)
     tiles = force or tile_config(M, N, K, fmt.weight, device.sms, gated=gated)
     return LinearPlan(Kernel.TILES, tiles) if tiles is not None else _REFERENCE
+
+
+def _plan_dense(fmt: Format, M: int, N: int, K: int, device: Device,
+                force: GemvConfig | TileConfig | None) -> LinearPlan:
+    """A dense weight in its activations' dtype (`dispatch` sees any other as unreadable): the reference's F.linear
+    (cuBLAS on a GPU), or the fused tiles where a TileConfig is forced and the kernels run (bench/lab/profile_tiles.py
+    times them against cuBLAS on the decode step's bf16 products, `Shapes.dense_linears`)."""
+    if isinstance(force, GemvConfig):
+        raise ValueError(f"a GemvConfig was forced on a dense weight, which the GEMV does not read (M={M}, K={K})")
+    if isinstance(force, TileConfig) and device.runs_kernels:
+        return LinearPlan(Kernel.TILES, force)
+    return _REFERENCE
 
 
 def _plan_grouped(fmt: Format, M: int, N: int, K: int, device: Device, groups: int) -> LinearPlan:
