@@ -177,10 +177,10 @@ def _tile_acc(io, grid, w, e64, xrow, rmask, offs_n, nmask, pid_n, T: tl.constex
         else:
             xt = _load_x_tile(x_ptr, xrow, rmask, k0, io.K, io.stride_x, BK, EVEN_K, DOT)
             acc = _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, io.K, w.stride_wn, w.stride_sn,
-                                FMT, SCALE_F32, BN, BK, EVEN_K, DOT, PREC, PROMOTE, TILED, ASM)
+                                FMT, SCALE_F32, BK, EVEN_K, DOT, PREC, PROMOTE, TILED, ASM)
             if GATED:
                 acc_u = _accumulate_8(acc_u, xt, wbase + w.stride_wg, sbase + w.stride_sg, offs_n, nmask, k0, io.K,
-                                      w.stride_wn, w.stride_sn, FMT, SCALE_F32, BN, BK, EVEN_K, DOT,
+                                      w.stride_wn, w.stride_sn, FMT, SCALE_F32, BK, EVEN_K, DOT,
                                       PREC, PROMOTE, TILED, ASM)
     return acc, acc_u
 
@@ -234,7 +234,7 @@ def _tile_store(acc, acc_u, io, grid, w, e64, yrow, rmask, offs_n, nmask, tile, 
 
 
 @triton.jit(do_not_specialize=["R"])
-def _sum_kernel(src_ptr, w_ptr, dst_ptr, R, N, S, stride_ss, stride_sr, stride_dr, BLOCK: tl.constexpr):
+def _sum_kernel(src_ptr, w_ptr, dst_ptr, N, S, stride_ss, stride_sr, stride_dr, BLOCK: tl.constexpr):
     """dst[r, :] = sum_{s < S} src[s * stride_ss + r * stride_sr + :] in fp32, in s order (deterministic), without
     the rows s whose weight w[r * S + s] is 0 (rows that may be unwritten)."""
     r = tl.program_id(0).to(tl.int64)
@@ -303,7 +303,7 @@ def sum_rows(src: torch.Tensor, dst: torch.Tensor, R: int, N: int, S: int, strid
     """dst [R, N] = each row r's S rows of src summed (`_sum_kernel`), those whose weight (weights contiguous
     [R, S]) is 0 left out."""
     BLOCK = min(1024, triton.next_power_of_2(N))
-    _sum_kernel[(R, triton.cdiv(N, BLOCK))](src, weights, dst, R, N, S, stride_ss, stride_sr, dst.stride(0),
+    _sum_kernel[(R, triton.cdiv(N, BLOCK))](src, weights, dst, N, S, stride_ss, stride_sr, dst.stride(0),
                                             BLOCK=BLOCK)
 
 

@@ -50,7 +50,7 @@ def _e2m1_code(y):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _stage_kernel(x_ptr, q_ptr, sf_ptr, in_scale_ptr, glob_ptr, M, G, stride_xm, stride_qm, stride_sm,
+def _stage_kernel(x_ptr, q_ptr, sf_ptr, in_scale_ptr, glob_ptr, M, stride_xm, stride_qm, stride_sm,
                   RB: tl.constexpr, BG: tl.constexpr):
     """x [M, 16G] -> codes [M, 8G] (stored as int32 words: 8 codes each, code i at bits 4i, which is the packed
     byte order `pack_e2m1` gives on a little-endian machine) and e4m3 block scales [M, G]. A program takes RB rows
@@ -105,7 +105,7 @@ def stage_activation(x: torch.Tensor, input_scale: torch.Tensor | float, *, bloc
     BG = min(64, G & -G, block)   # groups per row and program: a power of two that divides G (no masked lanes)
     RB = max(1, min(block // BG, triton.next_power_of_2(M)))
     _stage_kernel[(max(1, triton.cdiv(M, RB)), G // BG)](
-        x2, q, sf, input_scale, glob, M, G, x2.stride(0), q.stride(0), sf.stride(0), RB=RB, BG=BG,
+        x2, q, sf, input_scale, glob, M, x2.stride(0), q.stride(0), sf.stride(0), RB=RB, BG=BG,
         num_warps=num_warps)
     return q.view(torch.uint8).reshape(*lead, K // 2), sf.view(torch.float8_e4m3fn).reshape(*lead, G), glob
 
