@@ -54,3 +54,17 @@ def test_group_column_loop_has_no_shuffles_no_spills_and_fewer_instructions(loop
     for fmt, m in sass_loops("nvfp4", "mxfp4", "--gcol").items():
         assert int(m.group(6)) == 0 and int(m.group(5)) == 0, m.group(0)
         assert int(m.group(2)) < 0.95 * int(loops[fmt].group(2)), (m.group(0), loops[fmt].group(0))
+
+
+def test_dense_tiles_compile_with_a_pipelined_loop_and_no_spills():
+    """The fused tiles' bf16 path (`policy._plan_dense`, reached where a TileConfig is forced) at the plan V4-Flash's
+    x_dense gets at batch 1 (BM 16, BN 64, BK 128, split-K, 8 warps, 3 stages): it compiles for sm_90, its weight
+    tiles stream through cp.async (LDGSTS) into the MMAs, and nothing spills."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lab" / "sass.py"), "dense", "--qgemm", "--bn", "64",
+                           "--warps", "8", "--stages", "3"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=900)
+    m = re.search(r"^dense tiles: (\d+) instructions per loop iteration; registers (\d+); spill instructions (\d+);"
+                  r".*$", proc.stdout, re.M)
+    assert m, f"bench/lab/sass.py dense --qgemm failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert int(m.group(3)) == 0 and "'HMMA'" in m.group(0) and "'LDGSTS'" in m.group(0), m.group(0)

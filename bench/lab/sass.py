@@ -103,21 +103,33 @@ def compile_pair(fmt: str, shared: str | None = None, tiled: bool = True, pdl: b
     return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+# `gemm.TileIo` / `TileGrid` / `host.Operand` fields that a launch at V4's shapes does not pass as multiples of 16
+QGEMM_UNALIGNED = {"M", "NUM_M", "X_DIV", "SPLIT_K", "GROUP_M", "stride_x_sf", "stride_ws", "group_r", "x_gstride",
+                   "stride_we", "stride_wg", "stride_se", "stride_sg", "stride_s2e", "stride_s2g"}
+
+
 def compile_qgemm(fmt: str, rows: int, epi: int, bm: int = 16, bn: int = 128, bk: int = 128, split: bool = False,
-                  warps: int = 4, stages: int = 3):
-    """`gemm._qgemm_kernel` (the fused tiles and the grouped MoE GEMM) with bf16 x, tiled weights and an fp32 y,
-    e.g. the sorted path's routed down projection (rows=ROWS_SORTED, epi=EPI_ROUTED); no divisibility hints."""
+                  warps: int = 4, stages: int = 3, aligned: bool = False):
+    """`gemm._qgemm_kernel` (the fused tiles and the grouped MoE GEMM) with bf16 x and an fp32 y, e.g. the sorted
+    path's routed down projection (rows=ROWS_SORTED, epi=EPI_ROUTED): tiled weights, or a row-major bf16 weight for
+    "dense". aligned: pointers and the sizes and strides not in QGEMM_UNALIGNED divisible by 16, as the JIT sees them
+    at V4's shapes (their loads then vectorize); else no divisibility hints."""
     from dsv4.kernels import gemm
     fn = gemm._qgemm_kernel
+    dense = fmt == "dense"
     consts = dict(T=gemm.Tiles(FMT=FMT_CODES[fmt], SCALE_F32=False, A_FP4=False, ROWS=rows, GATED=False, EPI=epi,
                                DOT=tl.bfloat16, PREC="tf32", ASM=True, BM=bm, BN=bn, BK=bk, EVEN_K=True, PROMOTE=True,
-                               SPLIT=split, TILED=True))
+                               SPLIT=split, TILED=not dense))
+    weight = "*bf16" if dense else "*u8"
     types = dict(x="*bf16", x_sf="*u8", y="*fp32", rw="*fp32", rows="*i32", ids="*i32", nblk="*i32", ws="*fp32",
-                 cnt="*i32", input_scale="*fp32", limit="fp32", w="*u8", s="*u8", s2="*fp32")
+                 cnt="*i32", input_scale="*fp32", limit="fp32", w=weight, s=weight, s2=weight if dense else "*fp32")
     bundles = dict(io=gemm.TileIo, grid=gemm.TileGrid, w=Operand)
     sig = {n: "constexpr" if n in consts else bundles[n](*(types.get(f, "i32") for f in bundles[n]._fields))
            for n in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+    attrs = {(i, j): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if aligned and n in bundles
+             for j, f in enumerate(bundles[n]._fields)
+             if types.get(f, "i32").startswith("*") or (types.get(f, "i32") == "i32" and f not in QGEMM_UNALIGNED)}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": stages})
 
 
@@ -161,8 +173,16 @@ def main():
     ap.add_argument("--shared", default=None, help="the shared expert's format in the same launch (MoE)")
     ap.add_argument("--pair", action="store_true", help="the MoE pair in one launch (moe_pair._moe_pair_kernel; "
                     "counts its tightest MMA loop)")
+    ap.add_argument("--qgemm", action="store_true", help="the fused tiles (`compile_qgemm`, aligned as at V4's "
+                    "shapes; formats may include dense) at BM 16, --bn, BK 128, split-K, --warps, --stages")
     args = ap.parse_args()
     for fmt in args.formats:
+        if args.qgemm:
+            k = compile_qgemm(fmt, policy.ROWS_DENSE, 0, 16, args.bn, 128, True, args.warps, args.stages, True)
+            ops, spills, regs = loop_counts(k.asm["cubin"])
+            print(f"{fmt} tiles: {sum(ops.values())} instructions per loop iteration; registers {regs}; spill "
+                  f"instructions {spills}; shared memory {k.metadata.shared} bytes; {dict(ops.most_common(12))}")
+            continue
         if args.pair:
             k = compile_pair(fmt, args.shared, args.tiled, args.pdl, gcol=args.gcol, stages=args.stages)
         else:
