@@ -233,7 +233,7 @@ def _tile_store(acc, acc_u, io, grid, w, e64, yrow, rmask, offs_n, nmask, tile, 
         tl.store(io.y + offs_y, acc * f * rw[:, None], mask=omask)
 
 
-@triton.jit(do_not_specialize=["R"])
+@triton.jit
 def _sum_kernel(src_ptr, w_ptr, dst_ptr, N, S, stride_ss, stride_sr, stride_dr, BLOCK: tl.constexpr):
     """dst[r, :] = sum_{s < S} src[s * stride_ss + r * stride_sr + :] in fp32, in s order (deterministic), without
     the rows s whose weight w[r * S + s] is 0 (rows that may be unwritten)."""

@@ -298,8 +298,8 @@ def _accumulate_fp4(acc, x, wbase, sbase, offs_n, nmask, k0, stride_wn, stride_s
 
 @triton.jit
 def _accumulate_8(acc, xt, wbase, sbase, offs_n, nmask, k0, K, stride_wn, stride_sn,
-                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr, PROMOTE: tl.constexpr,
-                  TILED: tl.constexpr, ASM: tl.constexpr):
+                  FMT: tl.constexpr, SCALE_F32: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT: tl.constexpr, PREC: tl.constexpr, PROMOTE: tl.constexpr, TILED: tl.constexpr, ASM: tl.constexpr):
     """acc [BM, BN] += xt [BM, BK] @ W[offs_n, k0:k0+BK]^T for FP8 (times each column's block scale, applied
     to the fp32 partial product; ASM: decoded by `FP8_BF16X2_ASM`) or dense W."""
     rows = offs_n.to(tl.int64)[:, None]
