@@ -159,20 +159,10 @@ def test_dense_tiles_with_split_k_match_the_reference(fmt, m):
     assert rel_err(dispatch.linear(x, w, fallback=refuse, scratch=Scratch()), ref.linear(x, w)) < 1e-6
 
 
-def test_dense_weights_run_the_tiles_only_where_forced():
-    gpu, bf16 = policy.Device(), policy.Format("dense")
-    tiles = policy.dense_tiles(1, 2624, 4096, "dense", 132)                # V4-Flash's x_dense on a CSA layer
-    assert policy.plan_linear(bf16, 1, 2624, 4096, gpu, force=tiles) == policy.LinearPlan(policy.Kernel.TILES, tiles)
-    cpu = policy.Device(gpu=False)                                          # no kernels: the reference, forced or not
-    assert policy.plan_linear(bf16, 1, 2624, 4096, cpu, force=tiles).kernel == policy.Kernel.REFERENCE
-    with pytest.raises(ValueError, match="dense weight"):
-        policy.plan_linear(bf16, 1, 1024, 4096, gpu, force=policy.GemvConfig())
-
-
 @pytest.mark.parametrize("m", [1, 5])
 def test_dense_tiles_forced_match_the_reference(m):
-    """The tiles' dense path (as `_plan_dense` runs it on a GPU), forced under the interpreter: split-K over a K tail,
-    and a weight in another dtype than x, which the kernels refuse (the reference casts it)."""
+    """The tiles' dense path, forced (`policy._plan_dense`) under the interpreter: split-K over a K tail; a weight in
+    another dtype than x is refused by the kernels (the reference casts it)."""
     w = QWeight("dense", torch.randn(72, 1600) * 0.05)
     x = torch.randn(m, 1600)
     cfg = policy.dense_tiles(m, 72, 1600, "dense", 4)

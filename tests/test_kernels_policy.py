@@ -4,8 +4,8 @@ with which configuration. Each row is a decision docs/tuning.md records the meas
 import pytest
 import torch
 
-from dsv4.kernels.policy import (H200, INTERPRETER, LARGE_FP4_8_ROWS, LARGE_FP4_16_ROWS, WIDE_DOWN, Experts, Format,
-                                 GemvConfig, Kernel, LinearPlan, Routed, Shared, TileConfig, plan_linear, plan_moe)
+from dsv4.kernels.policy import (H200, INTERPRETER, LARGE_FP4_8_ROWS, LARGE_FP4_16_ROWS, WIDE_DOWN, Device, Experts,
+                                 Format, GemvConfig, Kernel, LinearPlan, Routed, Shared, TileConfig, plan_linear, plan_moe)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 NVFP4, FP8 = Format("nvfp4"), Format("fp8")
@@ -41,12 +41,18 @@ def test_linear_plans(case, fmt, M, N, K, plan):
 
 def test_linear_plans_under_the_interpreter_and_forced():
     """The interpreter runs the GEMV wherever it can (every kernel is tested there); a forced GemvConfig the GEMV
-    cannot take is refused, a forced TileConfig taken."""
+    cannot take is refused, a forced TileConfig taken (also on a dense weight)."""
     assert plan_linear(Format("nvfp4", FP32), 16, 2048, 4096, INTERPRETER) == LinearPlan(Kernel.GEMV, GemvConfig())
     with pytest.raises(ValueError, match="GemvConfig"):
         plan_linear(NVFP4, 17, 2048, 4096, H200, force=GemvConfig())
     tiles = TileConfig(16, 32, 64)
     assert plan_linear(NVFP4, 1, 2048, 4096, H200, force=tiles) == LinearPlan(Kernel.TILES, tiles)
+    # a dense weight: the tiles where forced and the kernels run, else the reference; no GEMV
+    assert plan_linear(Format("dense"), 1, 2624, 4096, H200, force=tiles) == LinearPlan(Kernel.TILES, tiles)
+    no_kernels = Device(gpu=False)
+    assert plan_linear(Format("dense"), 1, 2624, 4096, no_kernels, force=tiles) == LinearPlan(Kernel.REFERENCE)
+    with pytest.raises(ValueError, match="dense weight"):
+        plan_linear(Format("dense"), 1, 1024, 4096, H200, force=GemvConfig())
     # wo_a (block-diagonal, 8 groups of 1024 rows): the GEMV at decode, dequantize + one bmm at prefill
     assert plan_linear(NVFP4, 1, 8192, 512, H200, groups=8).kernel is Kernel.GEMV
     assert plan_linear(NVFP4, 4096, 8192, 512, H200, groups=8).kernel is Kernel.CUBLAS
