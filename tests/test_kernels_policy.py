@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dsv4.kernels.policy import (H200, INTERPRETER, LARGE_FP4_8_ROWS, LARGE_FP4_16_ROWS, WIDE_DOWN, Device, Experts,
-                                 Format, GemvConfig, Kernel, LinearPlan, Routed, Shared, TileConfig, plan_linear, plan_moe)
+                                 Format, GemvConfig, Kernel, LinearPlan, Routed, Shared, TileConfig, plan_linear,
+                                 plan_moe)
 
 BF16, FP32 = torch.bfloat16, torch.float32
 NVFP4, FP8 = Format("nvfp4"), Format("fp8")
