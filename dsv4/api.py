@@ -306,11 +306,9 @@ def _decode_runner(device: torch.device, layout: Layout, enforce_eager: bool) ->
 def _load_format(value: str, hf_overrides: dict | None) -> tuple[str, str]:
     """LLM's load_format -> ("auto" or "dummy", the dummy weights' storage); hf_overrides only with dummy weights
     (a checkpoint's config is its own)."""
-    if value == "auto":
-        if hf_overrides:
-            raise ConfigError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
-        return value, DUMMY_STORAGE
-    if value == "dummy":
+    if value == "auto" and hf_overrides:
+        raise ConfigError("hf_overrides applies to load_format='dummy' only; a checkpoint's config is its own")
+    if value in ("auto", "dummy"):
         return value, DUMMY_STORAGE
     storage = value.removeprefix("dummy-")
     if value.startswith("dummy-") and storage in FORMATS:

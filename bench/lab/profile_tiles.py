@@ -123,7 +123,9 @@ def main():
         if fmt == "dense":   # in the activations' dtype, as the kernels read them
             ws = [QWeight("dense", w.weight.to(dtype)) for w in ws]
         w0, rot = ws[0], len(ws)
-        dense = [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
+        # cuBLAS bf16 on the same shape: a dense case's own weights, else drawn
+        dense = [w.weight for w in ws] if fmt == "dense" else \
+            [torch.randn(n, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
         for m in ms:
             xs = [torch.randn(m, k, device=dev, generator=gen).to(dtype) for _ in range(rot)]
             base = policy.tile_config(m, n, k, fmt, num_sms(dev))
