@@ -95,8 +95,8 @@ def main():
                 row[sampler_name] = dict(us=statistics.median(us), all_us=us)
             row["kernel/reference"] = row["kernel"]["us"] / row["reference"]["us"]
             print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {row['reference']['us']:10.1f} "
-                  f"{row['kernel']['us']:10.1f} {row['kernel/reference']:10.2f} | {differ['kernel']:11d} | {row['graph']}",
-                  flush=True)
+                  f"{row['kernel']['us']:10.1f} {row['kernel/reference']:10.2f} | {differ['kernel']:11d} | "
+                  f"{row['graph']}", flush=True)
             for sampler_name in list(samplers)[len(SAMPLERS):]:
                 print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {sampler_name:>21s} "
                       f"{row[sampler_name]['us']:10.1f} | {differ[sampler_name]:11d}", flush=True)
