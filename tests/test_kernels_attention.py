@@ -89,13 +89,33 @@ def test_plans_for_v4_flash_decode_steps():
     """plan_attention at V4-Flash's 64 heads of 512 on 132 SMs: (heads a program, keys a block, warps, split)."""
     from dsv4.kernels.attention import AttentionPlan, plan_attention
     assert plan_attention(1, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # batch 1, CSA: split
-    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 1)     # 128 programs: split 1
-    assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(32, 64, 8, 0)    # a full wave and more
+    assert plan_attention(8, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # 40 wide programs: few
+    assert plan_attention(16, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 4)     # 80 wide programs
+    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 3)     # 256 wide programs
+    assert plan_attention(32, 64, 512, 64, False, 132) == AttentionPlan(16, 32, 4, 1)      # HCA at 8K: 64 wide
+    assert plan_attention(64, 64, 512, 64, False, 132) == AttentionPlan(64, 32, 8, 1)      # ... and 128
+    assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # a full wave and more
     assert plan_attention(256, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 0)     # packed fp8 entries
     assert plan_attention(1, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 4)       # packed, batch 1: split
-    assert plan_attention(256, 64, 512, 0, False, 132) == AttentionPlan(32, 64, 8, 0)      # sliding only
+    assert plan_attention(256, 64, 512, 0, False, 132) == AttentionPlan(64, 32, 8, 0)      # sliding only
+    assert plan_attention(64, 64, 512, 0, False, 132) == AttentionPlan(32, 64, 8, 0)       # ... 64 wide programs
     assert plan_attention(1, 64, 512, 512, False, 132, split=0) == AttentionPlan(32, 64, 8, 0)   # split as given
+    assert plan_attention(256, 64, 1024, 512, False, 132) == AttentionPlan(16, 64, 8, 0)   # too wide a row for 64
     assert plan_attention(5, 3, 32, 8, False, 132) == AttentionPlan(16, 32, 4, 1)          # toy: 16 heads at least
+
+
+@pytest.mark.parametrize("ratio, starts, lengths", CASES)
+@pytest.mark.parametrize("split", [0, 2])
+def test_the_wide_plan_matches_the_models_attention(ratio, starts, lengths, split):
+    """Every head of a token in one program (`WIDE_HEADS`, the plan of large decode batches), with and without a key
+    split: the model's attention, as the default plans give it."""
+    from dsv4.kernels.attention import WIDE_HEADS
+    args = make_step(ratio + 7, ratio, starts, lengths)
+    plan = AttentionPlan(WIDE_HEADS, 32, 8, split if ratio else 0)
+    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5, plan=plan)
+    want = reference(*args, ratio, starts, lengths)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
 
 
 def test_write_ring_keeps_each_sequences_last_window():

@@ -4,8 +4,8 @@ Round 33's H100 profile put batch-256 decode attention at 334 us a layer for byt
 the geometry of then (32 heads a program on 8 warps, 16 keys a block, no key split once the launch fills the GPU):
 one program per SM, about 40 dependent key blocks each. This times `kernels.attention.sparse_attention` over
 a decode step (one token per sequence, the ring written in the launch) with other plans: round 33's, heads per
-program, warps, a key split at large batch, 32 or 64 keys a block, and compares each output with the default
-plan's.
+program (up to all 64 of a token), warps, a key split at large batch, 32 or 64 keys a block, and compares each
+output with the default plan's.
 
     python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
     python bench/lab/attention_plans.py --toy                                              # CPU dry run
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
 from common import Timer  # noqa: E402
 
-from dsv4.kernels.attention import AttentionPlan, plan_attention, sparse_attention  # noqa: E402
+from dsv4.kernels.attention import AttentionPlan, attention_split, plan_attention, sparse_attention  # noqa: E402
 from dsv4.kernels.host import num_sms  # noqa: E402
 from dsv4.kernels.steps import StepTokens  # noqa: E402
 
@@ -62,7 +62,10 @@ def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, Att
     default = plan_attention(batch, H, D, keys, False, sms)
     bk = default.keys
     old = AttentionPlan(16, 16, 8, default.split) if default.split else AttentionPlan(32, 16, 8, 0)
+    split37 = attention_split(batch * -(-H // 32), keys, sms)
+    round37 = AttentionPlan(16, 32, 4, split37) if split37 else AttentionPlan(32, 64, 8, 0)   # before 64 heads
     plans = {"default": default,
+             "round 37 (at most 32 heads)": round37,
              "round 33 (16 keys a block)": old,
              "16 heads, 8 warps": AttentionPlan(16, bk, 8, default.split),
              "16 heads, 4 warps": AttentionPlan(16, bk, 4, default.split)}     # 228 registers: two programs an SM
@@ -71,6 +74,12 @@ def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, Att
             plans[f"16 heads, split {split}"] = AttentionPlan(16, bk, 8, split)
     plans["32 keys a block"] = default._replace(keys=32)
     plans["64 keys a block"] = default._replace(keys=64)
+    # every head of a token in one program: each key row read once a token, and products of 64 rows (wgmma on sm_90;
+    # 64 keys a block need more shared memory than an SM has)
+    plans["64 heads, 8 warps"] = AttentionPlan(64, 32, 8, default.split)
+    plans["64 heads, 16 warps"] = AttentionPlan(64, 32, 16, default.split)
+    if default.split:
+        plans["64 heads, split 16"] = AttentionPlan(64, 32, 8, 16)
     return plans
 
 

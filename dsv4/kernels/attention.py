@@ -38,6 +38,8 @@ from .policy import next_pow2
 from .ref import kv_row_bytes
 from .steps import StepTokens
 
+WIDE_HEADS = 64     # heads a program of a launch with enough tokens (`plan_attention`; docs/tuning.md#attention-plan)
+
 
 class Tensors(NamedTuple):
     q: torch.Tensor
@@ -256,11 +258,17 @@ class AttentionPlan(NamedTuple):
 @lru_cache(maxsize=None)
 def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
                    split: int | None = None) -> AttentionPlan:
-    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached). A launch that
-    fills the GPU: 32 heads a program on 8 warps (the fp32 accumulator [32, 512] at 64 values a thread), 64 keys a
-    block. One that does not takes a key split (`attention_split`, or `split` as given) and 16 heads on 4 warps, 32
-    keys a block: more, smaller programs. Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs
-    the registers). docs/tuning.md#attention-plan has the measurements."""
+    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached). Where they fill at
+    least half the GPU (`wide_plan`), programs of every head of a token, WIDE_HEADS, on 8 warps, 32 keys a block:
+    each key row is read once per token and the products have 64 rows (wgmma on sm_90; 64 keys a block would need
+    more shared memory than an SM has). Otherwise a launch that fills the GPU: 32 heads a program on 8 warps (the
+    fp32 accumulator [32, 512] at 64 values a thread), 64 keys a block; one that does not takes a key split
+    (`attention_split`, or `split` as given) and 16 heads on 4 warps, 32 keys a block: more, smaller programs.
+    Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs the registers).
+    docs/tuning.md#attention-plan has the measurements."""
+    wide = wide_plan(tokens, heads, head_dim, entries, packed, sms, split)
+    if wide is not None:
+        return wide
     bh = max(16, min(64, next_pow2(heads), 16384 // head_dim))
     if split is None:
         split = attention_split(tokens * -(-heads // bh), entries, sms)
@@ -269,6 +277,22 @@ def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed:
     if split:
         return AttentionPlan(16, 32, 4, split)
     return AttentionPlan(bh, 64, 8 if bh * head_dim >= 16384 else 4, 0)
+
+
+def wide_plan(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
+              split: int | None) -> AttentionPlan | None:
+    """`plan_attention`'s plan of WIDE_HEADS heads a program, with `attention_split`'s key split for those programs
+    (or `split` as given), or None where it does not apply: packed entries, fewer heads, head_dim above 512 (the
+    accumulator [64, head_dim] in fp32 at 128 values a thread on 8 warps), or fewer than half as many programs as
+    SMs."""
+    if packed or heads < WIDE_HEADS or head_dim > 512:
+        return None
+    programs = tokens * -(-heads // WIDE_HEADS)
+    if split is None:
+        split = attention_split(programs, entries, sms)
+    if 2 * programs * (split + 1) < sms:
+        return None
+    return AttentionPlan(WIDE_HEADS, 32, 8, split)
 
 
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
