@@ -91,7 +91,9 @@ def test_plans_for_v4_flash_decode_steps():
     assert plan_attention(1, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # batch 1, CSA: split
     assert plan_attention(8, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # 40 wide programs: few
     assert plan_attention(16, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 4)     # 80 wide programs
-    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 3)     # 256 wide programs
+    assert plan_attention(32, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 3)     # within one wave: 128
+    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 1)     # ... 128
+    assert plan_attention(128, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # ... 128, no split
     assert plan_attention(32, 64, 512, 64, False, 132) == AttentionPlan(16, 32, 4, 1)      # HCA at 8K: 64 wide
     assert plan_attention(64, 64, 512, 64, False, 132) == AttentionPlan(64, 32, 8, 1)      # ... and 128
     assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # a full wave and more

@@ -78,8 +78,8 @@ def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, Att
     # 64 keys a block need more shared memory than an SM has)
     plans["64 heads, 8 warps"] = AttentionPlan(64, 32, 8, default.split)
     plans["64 heads, 16 warps"] = AttentionPlan(64, 32, 16, default.split)
-    if default.split:
-        plans["64 heads, split 16"] = AttentionPlan(64, 32, 8, 16)
+    for split in (0, 1, 2, 3, 4, 16):
+        plans[f"64 heads, split {split}"] = AttentionPlan(64, 32, 8, split)
     return plans
 
 

@@ -281,15 +281,16 @@ def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed:
 
 def wide_plan(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
               split: int | None) -> AttentionPlan | None:
-    """`plan_attention`'s plan of WIDE_HEADS heads a program, with `attention_split`'s key split for those programs
-    (or `split` as given), or None where it does not apply: packed entries, fewer heads, head_dim above 512 (the
-    accumulator [64, head_dim] in fp32 at 128 values a thread on 8 warps), or fewer than half as many programs as
-    SMs."""
+    """`plan_attention`'s plan of WIDE_HEADS heads a program, or None where it does not apply: packed entries, fewer
+    heads, head_dim above 512 (the accumulator [64, head_dim] in fp32 at 128 values a thread on 8 warps), or fewer
+    than half as many programs as SMs. A wide program takes 160 KB of shared memory, so an SM runs one at a time:
+    the key split (unless given) is the largest that keeps the launch within one wave, one share per 128 entries at
+    most."""
     if packed or heads < WIDE_HEADS or head_dim > 512:
         return None
     programs = tokens * -(-heads // WIDE_HEADS)
     if split is None:
-        split = attention_split(programs, entries, sms)
+        split = max(0, min(-(-entries // 128), sms // programs - 1))
     if 2 * programs * (split + 1) < sms:
         return None
     return AttentionPlan(WIDE_HEADS, 32, 8, split)
