@@ -370,6 +370,12 @@ def _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor
 
 
 @triton.jit
+def _lists(k, floor_e, V):
+    """Whether a row lists its allowed tokens for its own passes: a top-k (k < V) or min-p row, which allows few."""
+    return (k < V) | (floor_e > 0.0)
+
+
+@triton.jit
 def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, kept, kept_n, V, stride, chunk, P, F: tl.constexpr,
                  ROUND: tl.constexpr, ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
                  G_SPAN: tl.constexpr, LIST: tl.constexpr, KEPT: tl.constexpr):
@@ -390,13 +396,12 @@ def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, kept, kept_n, V, str
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             start = s * chunk
             end = tl.minimum(start + chunk, V)
+            listing = False
             if LIST and ROUND == 0:
-                if (k < V) | (floor_e > 0.0):
-                    sums = _pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1,
-                                 p2, p3, V, kept + b * KEPT, kept_n + b, BLOCK, COMPACT=True, KEPT=KEPT)
-                else:
-                    sums = _pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1,
-                                 p2, p3, V, kept, kept_n, BLOCK)
+                listing = _lists(k, floor_e, V)
+            if listing:
+                sums = _pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2,
+                             p3, V, kept + b * KEPT, kept_n + b, BLOCK, COMPACT=True, KEPT=KEPT)
             else:
                 sums = _pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2,
                              p3, V, kept, kept_n, BLOCK)
@@ -423,7 +428,7 @@ def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, kept, kept_n,
                                                                      ROUNDS, CHUNKS_PAD, G_SPAN)
         listed = tl.zeros([], tl.int32) + KEPT + 1           # the row's listed tokens (above KEPT: no list)
         if LIST:
-            if (k < V) | (floor_e > 0.0):
+            if _lists(k, floor_e, V):
                 listed = tl.load(kept_n + b)
         while (done == 0) & (passes < MAX_PASSES):
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
