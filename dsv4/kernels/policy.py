@@ -396,8 +396,8 @@ def plan_linear(fmt: Format, M: int, N: int, K: int, device: Device, *, gated: b
 def _plan_dense(fmt: Format, M: int, N: int, K: int, device: Device,
                 force: GemvConfig | TileConfig | None) -> LinearPlan:
     """A dense weight in its activations' dtype (`dispatch` sees any other as unreadable): the reference's F.linear
-    (cuBLAS on a GPU), or the fused tiles where a TileConfig is forced and the kernels run: in the decode step they
-    measured level with cuBLAS (docs/tuning.md#dense-decode)."""
+    (cuBLAS on a GPU), or the fused tiles where a TileConfig is forced and the kernels run (why cuBLAS is the
+    default: docs/tuning.md#dense-decode)."""
     if isinstance(force, GemvConfig):
         raise ValueError(f"a GemvConfig was forced on a dense weight, which the GEMV does not read (M={M}, K={K})")
     if isinstance(force, TileConfig) and device.runs_kernels:
