@@ -65,10 +65,10 @@ CASES = [  # (ratio, starts, lengths)
 
 
 @pytest.mark.parametrize("ratio, starts, lengths", CASES)
-@pytest.mark.parametrize("split", [0, None, 3])          # one program per token; as planned; keys split in 1 + 3
+@pytest.mark.parametrize("split", [0, None, 3, 9])       # one program per token; as planned; keys split in 4, 10
 def test_matches_the_models_attention(ratio, starts, lengths, split):
     args = make_step(ratio + 1, ratio, starts, lengths)
-    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5, split=split if ratio else 0)
+    got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5, split=split)
     want = reference(*args, ratio, starts, lengths)
     twin = ref.sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5)   # the Ops reference table's
     assert got.shape == want.shape == twin.shape
@@ -78,32 +78,33 @@ def test_matches_the_models_attention(ratio, starts, lengths, split):
 
 def test_the_key_split_takes_the_gpu_only_a_small_launch_leaves_idle():
     from dsv4.kernels.attention import attention_split
-    assert attention_split(2, 512, 132) == 4            # a decode token of V4-Flash, CSA: the window + 4 x 128 picks
-    assert attention_split(2, 40, 132) == 1             # few entries: the window and the entries apart
-    assert attention_split(128, 512, 132) == 1          # batch 64: within two programs per SM
-    assert attention_split(132, 512, 132) == 0          # a full wave: no split
-    assert attention_split(2, 0, 132) == 0              # sliding-only layers
+    assert attention_split(2, 640, 132) == 4            # a decode token of V4-Flash, CSA: the window + 512 picks
+    assert attention_split(2, 168, 132) == 1            # few entries: two shares
+    assert attention_split(128, 640, 132) == 1          # batch 64: within two programs per SM
+    assert attention_split(132, 640, 132) == 0          # a full wave: no split
+    assert attention_split(2, 128, 132) == 0            # sliding-only layers: the window in one share
+    assert attention_split(2, 0, 132) == 0              # no keys
 
 
 def test_plans_for_v4_flash_decode_steps():
     """plan_attention at V4-Flash's 64 heads of 512 on 132 SMs: (heads a program, keys a block, warps, split)."""
     from dsv4.kernels.attention import AttentionPlan, plan_attention
-    assert plan_attention(1, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # batch 1, CSA: split
-    assert plan_attention(8, 64, 512, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # 40 wide programs: few
-    assert plan_attention(16, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 4)     # 80 wide programs
-    assert plan_attention(32, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 3)     # within one wave: 128
-    assert plan_attention(64, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 1)     # ... 128
-    assert plan_attention(128, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # ... 128, no split
-    assert plan_attention(32, 64, 512, 64, False, 132) == AttentionPlan(16, 32, 4, 1)      # HCA at 8K: 64 wide
-    assert plan_attention(64, 64, 512, 64, False, 132) == AttentionPlan(64, 32, 8, 1)      # ... and 128
-    assert plan_attention(256, 64, 512, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # a full wave and more
-    assert plan_attention(256, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 0)     # packed fp8 entries
-    assert plan_attention(1, 64, 512, 512, True, 132) == AttentionPlan(16, 16, 8, 4)       # packed, batch 1: split
-    assert plan_attention(256, 64, 512, 0, False, 132) == AttentionPlan(64, 32, 8, 0)      # sliding only
-    assert plan_attention(64, 64, 512, 0, False, 132) == AttentionPlan(32, 64, 8, 0)       # ... 64 wide programs
-    assert plan_attention(1, 64, 512, 512, False, 132, split=0) == AttentionPlan(32, 64, 8, 0)   # split as given
-    assert plan_attention(256, 64, 1024, 512, False, 132) == AttentionPlan(16, 64, 8, 0)   # too wide a row for 64
-    assert plan_attention(5, 3, 32, 8, False, 132) == AttentionPlan(16, 32, 4, 1)          # toy: 16 heads at least
+    assert plan_attention(1, 64, 512, 128, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # batch 1, CSA: split
+    assert plan_attention(8, 64, 512, 128, 512, False, 132) == AttentionPlan(16, 32, 4, 4)      # 40 wide programs: few
+    assert plan_attention(16, 64, 512, 128, 512, False, 132) == AttentionPlan(64, 32, 8, 4)     # 80 wide programs
+    assert plan_attention(32, 64, 512, 128, 512, False, 132) == AttentionPlan(64, 32, 8, 3)     # within one wave: 128
+    assert plan_attention(64, 64, 512, 128, 512, False, 132) == AttentionPlan(64, 32, 8, 1)     # ... 128
+    assert plan_attention(128, 64, 512, 128, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # ... 128, no split
+    assert plan_attention(32, 64, 512, 128, 64, False, 132) == AttentionPlan(16, 32, 4, 1)      # HCA at 8K: 64 wide
+    assert plan_attention(64, 64, 512, 128, 64, False, 132) == AttentionPlan(64, 32, 8, 1)      # ... and 128
+    assert plan_attention(256, 64, 512, 128, 512, False, 132) == AttentionPlan(64, 32, 8, 0)    # a full wave and more
+    assert plan_attention(256, 64, 512, 128, 512, True, 132) == AttentionPlan(16, 16, 8, 0)     # packed fp8 entries
+    assert plan_attention(1, 64, 512, 128, 512, True, 132) == AttentionPlan(16, 16, 8, 4)       # packed, batch 1: split
+    assert plan_attention(256, 64, 512, 128, 0, False, 132) == AttentionPlan(64, 32, 8, 0)      # sliding only
+    assert plan_attention(64, 64, 512, 128, 0, False, 132) == AttentionPlan(32, 64, 8, 0)       # ... 64 wide programs
+    assert plan_attention(1, 64, 512, 128, 512, False, 132, split=0) == AttentionPlan(32, 64, 8, 0)   # split as given
+    assert plan_attention(256, 64, 1024, 128, 512, False, 132) == AttentionPlan(16, 64, 8, 0)   # too wide a row for 64
+    assert plan_attention(5, 3, 32, 16, 200, False, 132) == AttentionPlan(16, 32, 4, 1)     # toy: 16 heads at least
 
 
 @pytest.mark.parametrize("ratio, starts, lengths", CASES)
@@ -113,7 +114,7 @@ def test_the_wide_plan_matches_the_models_attention(ratio, starts, lengths, spli
     split: the model's attention, as the default plans give it."""
     from dsv4.kernels.attention import WIDE_HEADS
     args = make_step(ratio + 7, ratio, starts, lengths)
-    plan = AttentionPlan(WIDE_HEADS, 32, 8, split if ratio else 0)
+    plan = AttentionPlan(WIDE_HEADS, 32, 8, split)
     got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5, plan=plan)
     want = reference(*args, ratio, starts, lengths)
     assert got.shape == want.shape

@@ -10,8 +10,9 @@ output with the default plan's.
     python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
     python bench/lab/attention_plans.py --toy                                              # CPU dry run
 
-For each batch and layer kind (CSA: the window + 512 picks; HCA: the window + every entry, context / 128): random
-bf16 queries, rows, rings and entries over scrambled pages, the picks random visible entries; each plan's launch
+For each batch and layer kind (CSA: the window + 512 picks; HCA: the window + every entry, context / 128; SW: the
+window alone): random bf16 queries, rows, rings and entries over scrambled pages, the picks random visible entries;
+at batch 8 and below also key splits into shares of 128, 64 and 32 keys (16 heads on 4 warps). Each plan's launch
 timed with `common.Timer` (a CUDA graph of calls on rotated inputs, median), its output's largest difference from
 the default plan's relative to the output's largest value (expect bf16 rounding: < 1e-2). A plan the kernel cannot
 compile or run is reported, not fatal. Prints a table; writes attention_plans.json.
@@ -42,7 +43,7 @@ PAGE_TOKENS = 256
 
 def step_inputs(batch: int, context: int, ratio: int, H: int, D: int, W: int, topk: int, dev, gen) -> dict:
     """One decode token per sequence at position context - 1, its caches filled with random values."""
-    E = PAGE_TOKENS // ratio
+    E = PAGE_TOKENS // max(ratio, 1)
     per_seq = -(-context // PAGE_TOKENS)
     perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(batch)).tolist()
     pages = [tuple(perm[i * per_seq:(i + 1) * per_seq]) for i in range(batch)]
@@ -54,15 +55,15 @@ def step_inputs(batch: int, context: int, ratio: int, H: int, D: int, W: int, to
     return dict(q=torch.randn(batch, H, D, device=dev, generator=gen).bfloat16(),
                 kv=torch.randn(batch, D, device=dev, generator=gen).bfloat16(),
                 ring=torch.randn(batch + 1, W, D, device=dev, generator=gen).bfloat16(),
-                entries=torch.randn(batch * per_seq, E, D, device=dev, generator=gen).bfloat16(),
+                entries=torch.randn(batch * per_seq, E, D, device=dev, generator=gen).bfloat16() if ratio else None,
                 picks=picks, steps=steps, sinks=torch.randn(H, device=dev, generator=gen))
 
 
-def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, AttentionPlan]:
-    default = plan_attention(batch, H, D, keys, False, sms)
+def candidates(batch: int, H: int, D: int, W: int, keys: int, sms: int) -> dict[str, AttentionPlan]:
+    default = plan_attention(batch, H, D, W, keys, False, sms)
     bk = default.keys
     old = AttentionPlan(16, 16, 8, default.split) if default.split else AttentionPlan(32, 16, 8, 0)
-    split37 = attention_split(batch * -(-H // 32), keys, sms)
+    split37 = attention_split(batch * -(-H // 32), W + keys, sms)
     round37 = AttentionPlan(16, 32, 4, split37) if split37 else AttentionPlan(32, 64, 8, 0)   # before 64 heads
     plans = {"default": default,
              "round 37 (at most 32 heads)": round37,
@@ -72,6 +73,9 @@ def candidates(batch: int, H: int, D: int, keys: int, sms: int) -> dict[str, Att
     for split in (1, 3):
         if default.split == 0:
             plans[f"16 heads, split {split}"] = AttentionPlan(16, bk, 8, split)
+    if batch <= 8:    # shares of the window and the entries of 128, 64 and 32 keys
+        for split in sorted({-(-(W + keys) // share) - 1 for share in (128, 64, 32)} - {0, default.split}):
+            plans[f"16 heads, 4 warps, split {split}"] = AttentionPlan(16, 32, 4, split)
     plans["32 keys a block"] = default._replace(keys=32)
     plans["64 keys a block"] = default._replace(keys=64)
     # every head of a token in one program: each key row read once a token, and products of 64 rows (wgmma on sm_90;
@@ -103,11 +107,11 @@ def main():
           f"{'vs default':>10s} | max diff")
     rows = []
     for batch in map(int, args.batches.split(",")):
-        for kind, ratio in (("CSA", 4), ("HCA", 128)):
+        for kind, ratio in (("CSA", 4), ("HCA", 128), ("SW", 0)):
             inputs = [step_inputs(batch, args.context, ratio, H, D, W, topk, dev, gen) for _ in range(rot)]
-            keys = topk if ratio == 4 else args.context // 128
+            keys = topk if ratio == 4 else args.context // 128 if ratio else 0
             want, base_us = None, None
-            for name, plan in candidates(batch, H, D, keys, sms).items():
+            for name, plan in candidates(batch, H, D, W, keys, sms).items():
                 row = dict(layer=kind, B=batch, plan=name, **plan._asdict())
                 try:
                     def launch(x, plan=plan):

@@ -13,15 +13,16 @@ Inputs (N tokens of B sequences; D = head_dim, W = window, E entries per page):
                                 page table
 A program takes one token and BH heads: every key row it loads serves all BH heads (MQA), so a decode step reads
 each sequence's rows H / BH times, not H times. When the step has too few (token, head block) programs to fill the
-GPU (a small decode batch), the keys are split too (flash-decoding): program s = 0 takes the window, programs
-1..SPLIT each a contiguous share of the entries; each leaves its fp32 partial (accumulator, running max and sum)
-in a workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding
+GPU (a small decode batch), the keys are split too (flash-decoding): programs s = 0..SPLIT each take an equal,
+contiguous share of the ring's rows followed by the entries (`_key_shares`), the first one also the step's rows
+(ring rows load faster than gathered entries); each leaves its fp32 partial (accumulator, running max and sum) in a
+workspace, and `_combine_kernel` merges them with the sink. Keys come in blocks of BK: the ring rows holding
 positions in (p - W, start), the step's rows at positions [max(start, p - W + 1), p], then the entries; masked keys
 score -inf. The sink joins only the denominator. `update_ring` (decode steps: one token per sequence) also writes
 each token's row into its ring at row p mod W, from the program of head block 0 and share 0 before it reads any key:
 the row it replaces holds position p - W, which no query of the step sees, so every program's read of that row is
-masked whatever it finds there. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16
-on the GPU, fp32 for fp32 queries; fp32 in the interpreter, whose bf16 dot is wrong), fp32 ones as fp32 (`dot_in`).
+masked whatever it finds there. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16 on the GPU, fp32
+for fp32 queries; fp32 in the interpreter, whose bf16 dot is wrong), fp32 ones as fp32 (`dot_in`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .ref import kv_row_bytes
 from .steps import StepTokens
 
 WIDE_HEADS = 64     # heads a program of a launch with enough tokens (`plan_attention`; docs/tuning.md#attention-plan)
+SHARE_KEYS = 128    # the fewest keys a program of a key split takes (`attention_split`, `wide_plan`)
 
 
 class Tensors(NamedTuple):
@@ -75,7 +77,7 @@ class Shape(NamedTuple):
     BH: int                    # heads per program
     BK: int                    # keys per block
     DOT: object                # operand dtype of the products
-    SPLIT: int                 # programs over the entries besides the window's (0: one program takes all keys)
+    SPLIT: int                 # programs over a token's keys besides the first (0: one program takes all keys)
     UPDATE_RING: bool          # the step's rows into the rings (decode steps)
     NOPE: int                  # > 0: entries are packed fp8 rows (`ref.fp8_kv_pack`) with this many fp8 channels
 
@@ -209,19 +211,21 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
 @triton.jit
 def _key_shares(n, part, W: tl.constexpr, SPLIT: tl.constexpr):
     """The ring rows [r_lo, r_hi) and the entries [e_lo, e_hi) (of n) that program `part` takes: all of them
-    without a split; with one, the window's program (part 0) takes the ring and each other program an equal share
-    of the entries."""
+    without a split; with one, an equal share of the W ring rows followed by the n entries, so that every one of the
+    SPLIT + 1 programs reads about (W + n) / (SPLIT + 1) keys."""
     if SPLIT == 0:
         r_lo = part * 0
         r_hi = part * 0 + W
         e_lo = n * 0
         e_hi = n
     else:
-        size = (n + SPLIT - 1) // SPLIT
-        r_lo = part * 0
-        r_hi = tl.where(part == 0, W, 0)
-        e_lo = tl.where(part == 0, 0, tl.minimum((part - 1) * size, n))
-        e_hi = tl.where(part == 0, 0, tl.minimum(part * size, n))
+        size = (W + n + SPLIT) // (SPLIT + 1)
+        lo = part * size
+        hi = lo + size
+        r_lo = tl.minimum(lo, W)
+        r_hi = tl.minimum(hi, W)
+        e_lo = tl.minimum(tl.maximum(lo - W, 0), n)
+        e_hi = tl.minimum(tl.maximum(hi - W, 0), n)
     return r_lo, r_hi, e_lo, e_hi
 
 
@@ -252,13 +256,14 @@ class AttentionPlan(NamedTuple):
     heads: int                 # query heads a program takes (BH)
     keys: int                  # keys a block (BK)
     warps: int
-    split: int                 # programs over the entries besides the window's (0: one program takes all keys)
+    split: int                 # programs over a token's keys besides the first (0: one program takes all keys)
 
 
 @lru_cache(maxsize=None)
-def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
+def plan_attention(tokens: int, heads: int, head_dim: int, window: int, entries: int, packed: bool, sms: int,
                    split: int | None = None) -> AttentionPlan:
-    """The geometry of a launch of `tokens` tokens seeing up to `entries` entries (pure, cached). Where they fill at
+    """The geometry of a launch of `tokens` tokens seeing a window of up to `window` keys and up to `entries`
+    entries (pure, cached). Where they fill at
     least half the GPU (`wide_plan`), programs of every head of a token, WIDE_HEADS, on 8 warps, 32 keys a block:
     each key row is read once per token and the products have 64 rows (wgmma on sm_90; 64 keys a block would need
     more shared memory than an SM has). Otherwise a launch that fills the GPU: 32 heads a program on 8 warps (the
@@ -266,12 +271,12 @@ def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed:
     (`attention_split`, or `split` as given) and 16 heads on 4 warps, 32 keys a block: more, smaller programs.
     Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs the registers).
     docs/tuning.md#attention-plan has the measurements."""
-    wide = wide_plan(tokens, heads, head_dim, entries, packed, sms, split)
+    wide = wide_plan(tokens, heads, head_dim, window + entries, packed, sms, split)
     if wide is not None:
         return wide
     bh = max(16, min(64, next_pow2(heads), 16384 // head_dim))
     if split is None:
-        split = attention_split(tokens * -(-heads // bh), entries, sms)
+        split = attention_split(tokens * -(-heads // bh), window + entries, sms)
     if packed:
         return AttentionPlan(16, 16 if head_dim > 256 else 32, 8, split)
     if split:
@@ -279,18 +284,18 @@ def plan_attention(tokens: int, heads: int, head_dim: int, entries: int, packed:
     return AttentionPlan(bh, 64, 8 if bh * head_dim >= 16384 else 4, 0)
 
 
-def wide_plan(tokens: int, heads: int, head_dim: int, entries: int, packed: bool, sms: int,
+def wide_plan(tokens: int, heads: int, head_dim: int, keys: int, packed: bool, sms: int,
               split: int | None) -> AttentionPlan | None:
     """`plan_attention`'s plan of WIDE_HEADS heads a program, or None where it does not apply: packed entries, fewer
     heads, head_dim above 512 (the accumulator [64, head_dim] in fp32 at 128 values a thread on 8 warps), or fewer
     than half as many programs as SMs. A wide program takes 160 KB of shared memory, so an SM runs one at a time:
-    the key split (unless given) is the largest that keeps the launch within one wave, one share per 128 entries at
-    most."""
+    the key split (unless given) is the largest that keeps the launch within one wave, with shares of at least
+    SHARE_KEYS of the `keys` (window and entries) a token sees."""
     if packed or heads < WIDE_HEADS or head_dim > 512:
         return None
     programs = tokens * -(-heads // WIDE_HEADS)
     if split is None:
-        split = max(0, min(-(-entries // 128), sms // programs - 1))
+        split = max(0, min(-(-keys // SHARE_KEYS), sms // programs) - 1)
     if 2 * programs * (split + 1) < sms:
         return None
     return AttentionPlan(WIDE_HEADS, 32, 8, split)
@@ -331,7 +336,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     K = picks.shape[1] if picks is not None else 0
     if plan is None:
         keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
-        plan = plan_attention(N, H, D, keys if ratio else 0, bool(entry_nope), num_sms(q.device), split)
+        plan = plan_attention(N, H, D, W, keys if ratio else 0, bool(entry_nope), num_sms(q.device), split)
     pk = picks.contiguous() if picks is not None else steps.seq
     if ring.stride(2) != 1 or ring.stride(1) != D:        # rows of D values; any slot stride
         if update_ring:
@@ -355,13 +360,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     return o
 
 
-def attention_split(programs: int, entries: int, sms: int) -> int:
-    """Programs over the entries besides the window's, for a launch of `programs` (token, head block) programs whose
-    tokens see up to `entries` entries: none once the launch fills the GPU; else one per 128 entries, as many as
-    keep the launch within two programs per SM."""
-    if not entries or programs >= sms:
+def attention_split(programs: int, keys: int, sms: int) -> int:
+    """Programs over a token's keys besides the first, for a launch of `programs` (token, head block) programs whose
+    tokens see up to `keys` keys (window and entries): none once the launch fills the GPU; else shares of at least
+    SHARE_KEYS keys, as many as keep the launch within two programs per SM."""
+    if not keys or programs >= sms:
         return 0
-    return max(1, min(-(-entries // 128), (2 * sms) // programs - 1))
+    return max(0, min(-(-keys // SHARE_KEYS), (2 * sms) // programs) - 1)
 
 
 @triton.jit

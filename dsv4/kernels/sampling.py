@@ -24,10 +24,7 @@ Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums an
    above hi is taken without a pass. No token with x <= max x - G_SPAN can win (g lies in [-2.86, 17.33]), which is
    where lo starts. Without top-p a candidate that passes min-p and top-k is the answer. The first ROUNDS passes run
    over chunks (`_pass_kernel`: every program replays the rounds before from their integer sums and lowest-id
-   maxima, which combine exactly); a row not done after them makes its own passes in `_sample_kernel`. A top-k or
-   min-p row allows few tokens: the first chunked pass lists their ids (any order: an atomic count a row), and where
-   they number at most KEPT_MAX the row's own passes read only them. Their sums are the same integers and their
-   winner the same token, whose lowest-id ties are compared by id.
+   maxima, which combine exactly); a row not done after them makes its own passes in `_sample_kernel`.
 A row reads its logits once without filters, twice with top-p (the candidate is usually kept), four or five times
 with top-k. Nothing is read back to the host; the launches are the same for any rows, as a CUDA graph needs.
 """
@@ -50,8 +47,6 @@ MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 
 ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
                               # is nearly always kept, and a step waits for its slowest row
                               # (docs/tuning.md#sampler-rounds)
-KEPT_MAX = 2048               # a top-k or min-p row that allows at most this many tokens makes its own passes over
-                              # their ids, listed by its first chunked rejection pass, not over the whole row
 _HASH_1 = tl.constexpr(LOWBIAS32[0])
 _HASH_2 = tl.constexpr(LOWBIAS32[1])
 _MASS_SCALE = tl.constexpr(2.0**SAMPLE_MASS_BITS)
@@ -154,18 +149,14 @@ def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.conste
 
 
 @triton.jit
-def _chunk_kernel(logits, stat_x, stat_i, hist, kept_n, V, stride, chunk, P, F: tl.constexpr, SLOTS: tl.constexpr,
-                  BLOCK: tl.constexpr, LIST: tl.constexpr):
+def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.constexpr, SLOTS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
     and (a sampled row) the Gumbel winner over every token (score, lowest id) and, for top-k, the histogram of the
     keys' top byte. stat_x fp32 / stat_i int32 [B, S, SLOTS]: slots 0 and 1 (max logit, winner's score) / their ids
-    (V where the chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1. LIST: chunk 0 zeroes the row's count of
-    listed tokens (kept_n int32 [B]) for `_pass_kernel`'s first round."""
+    (V where the chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    if LIST:
-        if s == 0:
-            tl.store(kept_n + b, 0)
     row = logits + b * stride
     offs = tl.arange(0, BLOCK)
     r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
@@ -245,14 +236,11 @@ def _pivots(c_ok, c_key, lo, hi):
 
 
 @triton.jit
-def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_key, p1, p2, p3, V, ids, kept_n,
-          BLOCK: tl.constexpr, LIST: tl.constexpr = False, COMPACT: tl.constexpr = False,
-          KEPT: tl.constexpr = KEPT_MAX):
+def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_key, p1, p2, p3, V,
+          BLOCK: tl.constexpr):
     """A rejection pass over the tokens [start, end): (T, the masses above c_key, p1, p2, p3, and the next candidate:
     the Gumbel winner above floor_key (score, lowest id; V: none)). Each lane sums its own masses and keeps its own
-    best score (its first id of it), reduced once after the pass. LIST: over the token ids ids[start:end] instead (in
-    any order: a lane keeps the lowest id of its best score). COMPACT: also lists the allowed tokens' ids in ids[:KEPT]
-    (the slots counted by kept_n, any order; beyond KEPT only counted)."""
+    best score (its first id of it), reduced once after the pass."""
     offs = tl.arange(0, BLOCK)
     lane_total = tl.zeros([BLOCK], tl.int64)
     lane_c = tl.zeros([BLOCK], tl.int64)
@@ -261,20 +249,12 @@ def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_k
     lane_3 = tl.zeros([BLOCK], tl.int64)
     lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
     lane_i = tl.full([BLOCK], V, tl.int32)
-    for i0 in range(start, end, BLOCK):
-        i = i0 + offs
-        j = i
-        if LIST:
-            j = tl.load(ids + i, mask=i < end, other=0)
-        x = tl.load(row + j, mask=i < end, other=float("-inf")) * r
+    for j0 in range(start, end, BLOCK):
+        j = j0 + offs
+        x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
         key = _key(x)
         e = tl.exp(x - m_x)
-        allowed = (i < end) & (key >= kth) & (e >= floor_e)
-        if COMPACT:
-            n = tl.sum(allowed.to(tl.int32), axis=0)
-            if n > 0:
-                at = tl.atomic_add(kept_n, n) + tl.cumsum(allowed.to(tl.int32), axis=0) - 1
-                tl.store(ids + at, j, mask=allowed & (at < KEPT))
+        allowed = (j < end) & (key >= kth) & (e >= floor_e)
         if topp:
             m = tl.where(allowed, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
             lane_total += m
@@ -286,8 +266,6 @@ def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_k
         if tl.max(drawable.to(tl.int32), axis=0) > 0:
             s = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
             up = s > lane_s
-            if LIST:
-                up = up | (drawable & (s == lane_s) & (j < lane_i))
             lane_i = tl.where(up, j, lane_i)
             lane_s = tl.where(up, s, lane_s)
     next_s = tl.max(lane_s, axis=0)
@@ -370,19 +348,10 @@ def _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor
 
 
 @triton.jit
-def _lists(k, floor_e, V):
-    """Whether a row lists its allowed tokens for its own passes: a top-k (k < V) or min-p row, which allows few."""
-    return (k < V) | (floor_e > 0.0)
-
-
-@triton.jit
-def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, kept, kept_n, V, stride, chunk, P, F: tl.constexpr,
-                 ROUND: tl.constexpr, ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                 G_SPAN: tl.constexpr, LIST: tl.constexpr, KEPT: tl.constexpr):
+def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, P, F: tl.constexpr, ROUND: tl.constexpr,
+                 ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr):
     """Step 3's pass ROUND over chunks, program (row b, chunk s) of a sampled row not done after the rounds before
-    (replayed from their sums): the chunk's sums (mass [b, ROUND, s]) and next candidate (stat slot 2 + ROUND). In
-    round 0 under LIST, a top-k or min-p row also lists its chunk's allowed tokens (kept int32 [B, KEPT], counted in
-    kept_n) for its own passes."""
+    (replayed from their sums): the chunk's sums (mass [b, ROUND, s]) and next candidate (stat slot 2 + ROUND)."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -395,16 +364,8 @@ def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, kept, kept_n, V, str
         if done == 0:
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             start = s * chunk
-            end = tl.minimum(start + chunk, V)
-            listing = False
-            if LIST and ROUND == 0:
-                listing = _lists(k, floor_e, V)
-            if listing:
-                sums = _pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2,
-                             p3, V, kept + b * KEPT, kept_n + b, BLOCK, COMPACT=True, KEPT=KEPT)
-            else:
-                sums = _pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2,
-                             p3, V, kept, kept_n, BLOCK)
+            sums = _pass(row, start, tl.minimum(start + chunk, V), r, low, high, m_x, kth, floor_e, drop > 0.0,
+                         c_key, floor_key, p1, p2, p3, V, BLOCK)
             at = ((b * ROUNDS + ROUND) * chunks + s) * 5
             for q in tl.static_range(5):
                 tl.store(mass + at + q, sums[q])
@@ -413,12 +374,11 @@ def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, kept, kept_n, V, str
 
 
 @triton.jit
-def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, kept, kept_n, V, stride, chunks, P,
-                   F: tl.constexpr, ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   G_SPAN: tl.constexpr, MAX_PASSES: tl.constexpr, LIST: tl.constexpr, KEPT: tl.constexpr):
+def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, chunks, P, F: tl.constexpr,
+                   ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr,
+                   MAX_PASSES: tl.constexpr):
     """Row b: a greedy row's argmax from the chunks; a sampled row's step 3 from the chunks' first candidate, its
-    first ROUNDS rounds taken from `_pass_kernel`'s chunks, any later one over the whole row, or (LIST) over the
-    allowed tokens its first round listed where they number at most KEPT."""
+    first ROUNDS rounds taken from `_pass_kernel`'s chunks, any later one over the whole row."""
     b = tl.program_id(0).to(tl.int64)
     row = logits + b * stride
     r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
@@ -426,20 +386,10 @@ def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, kept, kept_n,
         c, m_x, kth, c_key, c_ok, done, lo, hi, passes = _row_state(row, stat_x, stat_i, hist, state, mass, b,
                                                                      chunks, V, r, k, floor_e, drop, F.TOP_K, ROUNDS,
                                                                      ROUNDS, CHUNKS_PAD, G_SPAN)
-        listed = tl.zeros([], tl.int32) + KEPT + 1           # the row's listed tokens (above KEPT: no list)
-        if LIST:
-            if _lists(k, floor_e, V):
-                listed = tl.load(kept_n + b)
         while (done == 0) & (passes < MAX_PASSES):
             floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
-            if listed <= KEPT:
-                total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
-                    row, 0, listed, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V,
-                    kept + b * KEPT, kept_n, BLOCK, LIST=True, KEPT=KEPT)
-            else:
-                total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
-                    row, 0, V, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V, kept,
-                    kept_n, BLOCK)
+            total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
+                row, 0, V, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V, BLOCK)
             c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
                                                  over_1, over_2, over_3, next_s, next_i, V)
             passes += 1
@@ -452,11 +402,10 @@ def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, kept, kept_n,
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
                   seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None,
-                  rounds: int = ROUNDS, kept_max: int = KEPT_MAX) -> torch.Tensor:
+                  rounds: int = ROUNDS) -> torch.Tensor:
     """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
     programs take each row's chunked passes (by default `plan_chunks`'); rounds: rejection passes over chunks
-    before a row's own (with a filter); kept_max: the most allowed tokens a top-k or min-p row lists for its own
-    passes (with rounds)."""
+    before a row's own (with a filter)."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -474,22 +423,19 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if top_k is not None else stat_i
     state = torch.empty(B, 4, 2, dtype=torch.int64, device=dev) if top_k is not None else out
     mass = torch.empty(B, rounds, chunks, 5, dtype=torch.int64, device=dev) if rounds else out
-    listing = bool(rounds) and (min_p is not None or top_k is not None)
-    kept = torch.empty(B, kept_max, dtype=torch.int32, device=dev) if listing else stat_i
-    kept_n = torch.empty(B, dtype=torch.int32, device=dev) if listing else stat_i
     dummy = inv_temperature
     P = Rows(inv_temperature, greedy, dummy if min_p is None else min_p, dummy if top_k is None else top_k,
              dummy if drop_share is None else drop_share, seeds, counters)
     F = Filters(min_p is not None, top_k is not None, drop_share is not None)
     pad = triton.next_power_of_2(chunks)
-    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, kept_n, V, logits.stride(0), chunk, P, F, 2 + rounds,
-                               BLOCK, listing, num_warps=8)
+    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, P, F, 2 + rounds, BLOCK,
+                               num_warps=8)
     if F.TOP_K:
         for p in (2, 3, 4):
             _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, P, p, pad, BLOCK, num_warps=8)
     for rnd in range(rounds):
-        _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, kept, kept_n, V, logits.stride(0), chunk,
-                                  P, F, rnd, rounds, pad, BLOCK, G_SPAN, listing, kept_max, num_warps=8)
-    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, kept, kept_n, V, logits.stride(0), chunks, P,
-                         F, rounds, pad, BLOCK, G_SPAN, MAX_PASSES, listing, kept_max, num_warps=8)
+        _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk, P, F, rnd,
+                                  rounds, pad, BLOCK, G_SPAN, num_warps=8)
+    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunks, P, F, rounds,
+                         pad, BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
     return out
