@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.kernels import ref
-from dsv4.kernels.sampling import KEPT_MAX, ROUNDS, sample_tokens
+from dsv4.kernels.sampling import ROUNDS, sample_tokens
 from dsv4.runtime.params import SamplingParams
 from dsv4.runtime.sampler import (GOLDEN_GAMMA, SAMPLE_MASS_BITS, SamplingBatch, row_keys, sample, sample_reference,
                                   sampling_probs)
@@ -213,10 +213,9 @@ def test_flat_and_peaked_rows_give_the_references_tokens():
         assert torch.equal(kernel_tokens(x, batch, chunks, rounds), want)          # chunked rounds, their own, both
 
 
-def test_top_k_and_min_p_rows_pass_over_their_listed_tokens():
-    """Flat rows under top-k or min-p with top-p, which stay undone after the chunked rounds: their own passes read the
-    allowed tokens that the first chunked round listed (up to kept_max of them), or the whole row when more are
-    allowed; either way the reference's tokens."""
+def test_top_k_and_min_p_rows_past_the_chunked_rounds():
+    """Flat rows under top-k or min-p with top-p, which stay undone after the chunked rounds and make passes of their
+    own: the reference's tokens."""
     g = torch.Generator().manual_seed(17)
     x = torch.randn(12, 5000, generator=g) * 1e-3
     x[:, 7] = float("-inf")
@@ -225,10 +224,10 @@ def test_top_k_and_min_p_rows_pass_over_their_listed_tokens():
               + [SamplingParams(top_k=40, min_p=0.999, top_p=0.5), SamplingParams(top_k=40)])
     batch = build(params, range(200, 212), vocab_size=5000)
     want = sample_reference(x, batch).token_ids
-    for chunks, rounds, kept_max in ((1, 1, KEPT_MAX), (3, 1, KEPT_MAX), (3, ROUNDS, KEPT_MAX), (2, 1, 16)):
+    for chunks, rounds in ((1, 1), (3, 1), (3, ROUNDS)):
         got = sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                            batch.seeds, batch.counters, chunks=chunks, rounds=rounds, kept_max=kept_max)
-        assert torch.equal(got, want), (chunks, rounds, kept_max)
+                            batch.seeds, batch.counters, chunks=chunks, rounds=rounds)
+        assert torch.equal(got, want), (chunks, rounds)
 
 
 def test_chunks_combine_to_the_lowest_id_of_equal_maxima():
