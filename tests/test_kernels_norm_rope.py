@@ -16,12 +16,18 @@ CASES = [  # (shape, rotate, weighted, normalised, inverse)
     ((1, 6, 4, 64), True, False, True, False),     # q per head: unweighted RMS, then rope
     ((1, 6, 4, 32), True, False, False, False),    # the indexer's queries: rope only
     ((1, 6, 4, 64), True, False, False, True),     # attention's output: the inverse rope
+    ((1, 5, 3, 64), True, False, True, False),     # q per head, 15 rows: a short last program of 8 rows
 ]
 
 
+@pytest.mark.parametrize("many_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape, rotate, weighted, normalised, inverse", CASES)
-def test_matches_the_reference(shape, rotate, weighted, normalised, inverse, dtype):
+def test_matches_the_reference(shape, rotate, weighted, normalised, inverse, dtype, many_rows, monkeypatch):
+    """One row a program, and (many_rows) NORM_ROPE_ROWS rows a program, as a launch of many rows on the GPU."""
+    from dsv4.kernels import norm_rope as module
+    if many_rows:
+        monkeypatch.setattr(module, "ROWS_PROGRAMS_PER_SM", 0)
     g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     tokens = shape[:2]

@@ -119,9 +119,9 @@ out["route"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarg
 from dsv4.kernels import mhc, norm_rope
 for pdl in (True, False):
     fn = norm_rope._norm_rope_kernel
-    sig = dict(x="*bf16", out="*bf16", weight="*fp32", cos="*fp32", sin="*fp32", x_t="i32", x_r="i32", out_r="i32",
-               rope_r="i32", heads="i32", eps="fp32", L="constexpr")
-    consts = dict(L=norm_rope.Shape(512, 512, 2, 32, False, 0, pdl))
+    sig = dict(x="*bf16", out="*bf16", weight="*fp32", cos="*fp32", sin="*fp32", n="i32", x_t="i32", x_r="i32",
+               out_r="i32", rope_r="i32", heads="i32", eps="fp32", L="constexpr")
+    consts = dict(L=norm_rope.Shape(512, 512, 2, 32, False, 0, pdl, 8))
     out[f"norm_rope pdl={pdl}"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                                                          options={"num_warps": 4}))
     fn = mhc._finish_kernel

@@ -6,11 +6,12 @@ attention's projections, each of which is otherwise 6-12 small PyTorch kernels.
     cos, sin [T, R]   the rope of each token (None: no rotation); the trailing 2R channels rotate as pairs (2i, 2i+1)
     weight   [D] fp32 (a weighted RMSNorm) or None (the unweighted per-head RMS); eps None: no normalisation
 
-One program per row, the row in registers in fp32. The roundings follow the reference's: the weighted norm casts
-weight * x / rms once to x's dtype; the unweighted one multiplies x by the factor rounded to x's dtype; the rotation
-starts from the normalised values in x's dtype and rounds once. fp8_nope > 0 (the attention's fp8 cache) then rounds
-the row's first fp8_nope channels through e4m3 codes in blocks of 64 as `ref.fp8_kv_round` does (`fp8_kv_blocks`,
-which the compressor's packed entries and the attention's reads of them share).
+A program takes one row, or a few where a launch has many (`rows_per_program`), in registers in fp32. The roundings
+follow the reference's: the weighted norm casts weight * x / rms once to x's dtype; the unweighted one multiplies x
+by the factor rounded to x's dtype; the rotation starts from the normalised values in x's dtype and rounds once.
+fp8_nope > 0 (the attention's fp8 cache) then rounds the row's first fp8_nope channels through e4m3 codes in blocks
+of 64 as `ref.fp8_kv_round` does (`fp8_kv_blocks`, which the compressor's packed entries and the attention's reads
+of them share).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import has_pdl
+from .host import has_pdl, num_sms
 from .policy import next_pow2
+
+NORM_ROPE_ROWS = 8             # the most rows a program takes (`rows_per_program`)
+ROWS_PROGRAMS_PER_SM = 4       # ... while at least this many programs an SM remain
 
 
 class Shape(NamedTuple):
@@ -36,6 +40,7 @@ class Shape(NamedTuple):
     FP8_NOPE: int              # leading channels rounded through fp8 codes (0: none)
     PDL: bool                  # let the next launch start now (`host.has_pdl`): a decode GEMV under PDL waits for
                                # this one before it reads anything, and meanwhile L2-prefetches its weights
+    ROWS: int                  # rows a program (`rows_per_program`)
 
 
 @triton.jit
@@ -81,44 +86,65 @@ def norm_rope_row(v, d, dmask, weight, cos, sin, eps, dtype, D: tl.constexpr, BD
                   HALF_ROPE: tl.constexpr, INVERSE: tl.constexpr):
     """One row v fp32 [BD] (channels d, the first D real) normalised and rotated as the module docstring says, with
     the reference's roundings to `dtype`; cos / sin point at the row's token's HALF_ROPE angles. -> fp32 [BD]."""
+    return tl.reshape(norm_rope_rows(tl.reshape(v, [1, BD]), d, dmask, weight, cos, sin, eps, dtype, D, BD, NORM,
+                                     HALF_ROPE, INVERSE), [BD])
+
+
+@triton.jit
+def norm_rope_rows(v, d, dmask, weight, cos, sin, eps, dtype, D: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr,
+                   HALF_ROPE: tl.constexpr, INVERSE: tl.constexpr):
+    """`norm_rope_row` of each row of v fp32 [R, BD]; cos / sin point at each row's token's angles ([R, 1]) or at
+    one token's (a scalar). -> fp32 [R, BD]."""
+    R: tl.constexpr = v.shape[0]
     if NORM == 1:
-        f = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps).to(dtype).to(tl.float32)
-        v = (v * f).to(dtype).to(tl.float32)
+        f = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps).to(dtype).to(tl.float32)
+        v = (v * f[:, None]).to(dtype).to(tl.float32)
     if NORM == 2:
-        v = v * tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
-        v = (tl.load(weight + d, mask=dmask, other=0.0) * v).to(dtype).to(tl.float32)
+        v = v * tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)[:, None]
+        v = (tl.load(weight + d, mask=dmask, other=0.0)[None, :] * v).to(dtype).to(tl.float32)
     if HALF_ROPE > 0:
-        a, b = tl.split(tl.reshape(v, [BD // 2, 2]))
+        a, b = tl.split(tl.reshape(v, [R, BD // 2, 2]))
         i = tl.arange(0, BD // 2) - (D // 2 - HALF_ROPE)
         rot = (i >= 0) & (i < HALF_ROPE)
         c = tl.load(cos + i, mask=rot, other=1.0)
         s = tl.load(sin + i, mask=rot, other=0.0)
         if INVERSE:
             s = -s
-        v = tl.reshape(tl.join(a * c - b * s, b * c + a * s), [BD])
+        v = tl.reshape(tl.join(a * c - b * s, b * c + a * s), [R, BD])
     return v
 
 
 @triton.jit
-def _norm_rope_kernel(x, out, weight, cos, sin, x_t, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
+def _norm_rope_kernel(x, out, weight, cos, sin, n, x_t, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
     D: tl.constexpr = L.D
     BD: tl.constexpr = L.BD
     if L.PDL:
         gdc_launch_dependents()
-    r = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(0).to(tl.int64) * L.ROWS + tl.arange(0, L.ROWS)
     d = tl.arange(0, BD)
     dmask = d < D
+    mask = (r < n)[:, None] & dmask[None, :]
     dtype = out.dtype.element_ty
-    t = r // heads
-    v = tl.load(x + t * x_t + (r - t * heads) * x_r + d, mask=dmask, other=0.0).to(tl.float32)
-    v = norm_rope_row(v, d, dmask, weight, cos + t * rope_r, sin + t * rope_r, eps, dtype, D, BD, L.NORM,
-                      L.HALF_ROPE, L.INVERSE)
-    if L.FP8_NOPE > 0:
-        v = v.to(dtype).to(tl.float32)
+    t = tl.minimum(r, n - 1) // heads               # (a row past the last reads its token's angles, unused)
+    v = tl.load(x + (t * x_t + (r - t * heads) * x_r)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    v = norm_rope_rows(v, d, dmask, weight, (cos + t * rope_r)[:, None], (sin + t * rope_r)[:, None], eps, dtype, D,
+                       BD, L.NORM, L.HALF_ROPE, L.INVERSE)
+    if L.FP8_NOPE > 0:        # (one row a program)
+        v = tl.reshape(v, [BD]).to(dtype).to(tl.float32)
         codes, scale, _ = fp8_kv_blocks(v, L.FP8_NOPE, BD)
         rope = bf16_bits(v).to(tl.float32, bitcast=True)
-        v = tl.where(d < L.FP8_NOPE, codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, rope)
-    tl.store(out + r * out_r + d, v.to(dtype), mask=dmask)
+        v = tl.reshape(tl.where(d < L.FP8_NOPE, codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, rope),
+                       [1, BD])
+    tl.store(out + r[:, None] * out_r + d[None, :], v.to(dtype), mask=mask)
+
+
+def rows_per_program(rows: int, fp8_nope: int, sms: int) -> int:
+    """Rows a program of a launch over `rows` rows takes: the most of 1, 2, 4, 8 that leave at least four programs
+    an SM (a program of one short row is mostly launch and latency); one where rows round through fp8."""
+    per = 1
+    while not fp8_nope and per < NORM_ROPE_ROWS and rows >= 2 * per * ROWS_PROGRAMS_PER_SM * sms:
+        per *= 2
+    return per
 
 
 def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
@@ -148,8 +174,10 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     sin_r = rows if sin is None else sin.reshape(-1, half).contiguous()
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
-    shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device))
-    _norm_rope_kernel[(n,)](rows, out, weight if weight is not None else rows, cos_r, sin_r, rows.stride(0),
-                            rows.stride(1), out.stride(0), cos_r.stride(0), heads, eps if eps is not None else 0.0,
-                            shape, num_warps=8 if bd >= 4096 else 4)
+    shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device), rows_per_program(n, fp8_nope,
+                                                                                             num_sms(x.device)))
+    _norm_rope_kernel[(triton.cdiv(n, shape.ROWS),)](rows, out, weight if weight is not None else rows, cos_r, sin_r,
+                                                      n, rows.stride(0), rows.stride(1), out.stride(0),
+                                                      cos_r.stride(0), heads, eps if eps is not None else 0.0, shape,
+                                                      num_warps=8 if bd >= 4096 else 4)
     return out.view(x.shape)
