@@ -137,6 +137,27 @@ def test_index_picks_match_the_reference():
     assert torch.equal(wide.sort(dim=1).values, want.sort(dim=1).values)
 
 
+def test_index_scores_over_several_key_blocks():
+    """Rows of 100 keys, two blocks of 64 (two programs a token): the scores of `ref.index_scores` over each sequence's
+    visible keys, -inf past them."""
+    g = torch.Generator().manual_seed(9)
+    H, hd, E = 3, 32, 8
+    starts, lengths = (398, 100, 0), (2, 1, 3)
+    perm = torch.randperm(40, generator=g).tolist()
+    pages = (tuple(perm[:13]), tuple(perm[13:26]), tuple(perm[26:39]))
+    steps = StepTokens.build((0, 1, 2), starts, lengths, pages, "cpu")
+    N = sum(lengths)
+    q, w = torch.randn(N, H, hd, generator=g), torch.randn(N, H, generator=g)
+    entries = torch.randn(40, E, hd, generator=g)
+    got = indexer.index_scores(q, w, entries, steps, 4, hd ** -0.5, 100)
+    for t in range(N):
+        b, visible = int(steps.seq[t]), (int(steps.pos[t]) + 1) // 4
+        keys = entries[list(pages[b])].flatten(0, 1)[:visible]
+        want = ref.index_scores(q[None, t:t + 1], w[None, t:t + 1], keys[None], hd ** -0.5)[0, 0]
+        assert torch.allclose(got[t, :visible], want, atol=1e-5, rtol=1e-5), t
+        assert bool(torch.isinf(got[t, visible:]).all())
+
+
 def test_write_ring_matches_the_reference():
     g = torch.Generator().manual_seed(6)
     W, D = 16, 32
