@@ -40,7 +40,7 @@ from .ref import kv_row_bytes
 from .steps import StepTokens
 
 WIDE_HEADS = 64     # heads a program of a launch with enough tokens (`plan_attention`; docs/tuning.md#attention-plan)
-SHARE_KEYS = 128    # the fewest keys a program of a key split takes (`attention_split`, `wide_plan`)
+SHARE_KEYS = 128    # the fewest keys a share of a key split takes (`attention_split`, `wide_plan`; same section)
 
 
 class Tensors(NamedTuple):

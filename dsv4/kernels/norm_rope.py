@@ -26,7 +26,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 from .host import has_pdl, num_sms
 from .policy import next_pow2
 
-NORM_ROPE_ROWS = 8             # the most rows a program takes (`rows_per_program`)
+NORM_ROPE_ROWS = 8             # the most rows a program takes (`rows_per_program`; docs/tuning.md#norm-rope-rows)
 ROWS_PROGRAMS_PER_SM = 4       # ... while at least this many programs an SM remain
 
 
