@@ -64,6 +64,24 @@ def test_graph_check_script_compares_the_two_modes(tmp_path):
     assert res["identical"] and len(res["per_request"]) == 6 and not res["captured"]
 
 
+def test_cache_dtype_check_script_reports_each_cache_against_auto(tmp_path):
+    """bench/cache_dtype_check.py (the GPU run's fp8-cache report) on the CPU: plain steps equal the default cache's
+    (no graphs there), and the fp8 cache moves the log-probabilities (so the script did switch caches)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "bench/cache_dtype_check.py", "--model", "tiny", "--new", "2", "--out",
+                           str(tmp_path)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads((tmp_path / "cache_dtype_check.json").read_text())["against_auto"]
+    assert set(res) == {"plain", "fp8-indexer", "fp8"}
+    assert res["plain"]["first_difference"] == [None, None, None] and res["plain"]["max_logprob_diff"] == 0.0
+    assert res["fp8"]["max_logprob_diff"] > 0.0 and res["fp8"]["same_steps"] > 0
+
+
 def test_length_buckets_grow_by_four_up_to_max_model_len():
     from dsv4.runtime.graphs import length_buckets
     assert length_buckets(320) == [320]
