@@ -238,3 +238,21 @@ def bench_start(toy: bool) -> tuple[torch.device, torch.Generator, Timer, float]
     copy = 1.0 if toy else copy_bandwidth(dev)
     print(f"copy bandwidth {copy:.0f} GB/s")
     return dev, torch.Generator(device=dev).manual_seed(0), Timer(dev), copy
+
+
+def dummy_bench_model(model: str, layers: int, fmt: str, device: str | None):
+    """(device, compute dtype, config, model): dummy weights in checkpoint format `fmt` for a preset or config.json
+    `model` cut to `layers`; on CUDA (the default where there is one) in bf16 with the weights laid out for the kernels,
+    else in fp32."""
+    from dsv4.checkpoint.dummy import dummy_model
+    from dsv4.config import ModelConfig
+    from dsv4.kernels import ops_for
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    base = ModelConfig.from_json(model) if model.endswith(".json") else ModelConfig.preset(model)
+    cfg = base.with_layers(layers)
+    built = dummy_model(cfg, fmt, dev, dtype, ops_for(dev))
+    if dev.type == "cuda":
+        built.prepare_for_kernels_()
+    return dev, dtype, cfg, built

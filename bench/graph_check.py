@@ -28,9 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
-from dsv4.config import ModelConfig  # noqa: E402
-from dsv4.kernels import ops_for  # noqa: E402
+from common import dummy_bench_model  # noqa: E402
+
 from dsv4.runtime.cache import KVCache  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
 from dsv4.runtime.graphs import DecodeGraphs  # noqa: E402
@@ -65,13 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tensor_parallel_size > 1:
         return parallel_check(args)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = ModelConfig.from_json(args.model) if args.model.endswith(".json") else ModelConfig.preset(args.model)
-    cfg = base.with_layers(args.layers)
-    model = dummy_model(cfg, args.format, device, dtype, ops_for(device))
-    if device.type == "cuda":
-        model.prepare_for_kernels_()
+    device, dtype, cfg, model = dummy_bench_model(args.model, args.layers, args.format, args.device)
     gen = torch.Generator().manual_seed(0)
     lengths, new = (5, 126, 250, 31, 3, 64), (40, 9, 20, 14, 30, 6)     # decode crosses 128 and 256; 6 -> 1 rows
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
