@@ -304,6 +304,13 @@ def compressor_indexer_norms(run: Run, record) -> None:
     got = run.ops.norm_rope(x, angle.cos(), angle.sin(), None, 1e-6)
     record(f"norm_rope q rows H={H} D={D}", rel_err(got, ref.norm_rope(x.float(), angle.cos(), angle.sin(), None,
                                                                          1e-6)), 1e-2)
+    angle = torch.rand(256, angle.shape[1], device=dev, generator=gen) * 6      # a batch-256 decode step's rows:
+    x = torch.randn(256, H, D, device=dev, generator=gen).bfloat16()            # several rows a program
+    for inverse in (False, True):
+        got = run.ops.norm_rope(x, angle.cos(), angle.sin(), None, None if inverse else 1e-6, inverse)
+        want = ref.norm_rope(x.float(), angle.cos(), angle.sin(), None, None if inverse else 1e-6, inverse)
+        record(f"norm_rope {'inverse rope' if inverse else 'q'} rows of 256 tokens H={H} D={D}", rel_err(got, want),
+               1e-2)
     d = 64 if run.toy else 4096
     x = torch.randn(N, d, device=dev, generator=gen).bfloat16()
     weight = torch.rand(d, device=dev, generator=gen) + 0.5
