@@ -262,14 +262,13 @@ class AttentionPlan(NamedTuple):
 @lru_cache(maxsize=None)
 def plan_attention(tokens: int, heads: int, head_dim: int, window: int, entries: int, packed: bool, sms: int,
                    split: int | None = None) -> AttentionPlan:
-    """The geometry of a launch of `tokens` tokens seeing a window of up to `window` keys and up to `entries`
-    entries (pure, cached). Where they fill at
-    least half the GPU (`wide_plan`), programs of every head of a token, WIDE_HEADS, on 8 warps, 32 keys a block:
-    each key row is read once per token and the products have 64 rows (wgmma on sm_90; 64 keys a block would need
-    more shared memory than an SM has). Otherwise a launch that fills the GPU: 32 heads a program on 8 warps (the
-    fp32 accumulator [32, 512] at 64 values a thread), 64 keys a block; one that does not takes a key split
-    (`attention_split`, or `split` as given) and 16 heads on 4 warps, 32 keys a block: more, smaller programs.
-    Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs the registers).
+    """The geometry of a launch of `tokens` tokens seeing a window of up to `window` keys and up to `entries` entries
+    (pure, cached). Where they fill at least half the GPU (`wide_plan`), programs of every head of a token, WIDE_HEADS,
+    on 8 warps, 32 keys a block: each key row is read once per token and the products have 64 rows (wgmma on sm_90; 64
+    keys a block would need more shared memory than an SM has). Otherwise a launch that fills the GPU: 32 heads a
+    program on 8 warps (the fp32 accumulator [32, 512] at 64 values a thread), 64 keys a block; one that does not takes
+    a key split (`attention_split`, or `split` as given) and 16 heads on 4 warps, 32 keys a block: more, smaller
+    programs. Packed entries: 16 heads and 16 keys of 512 on 8 warps (their decode needs the registers).
     docs/tuning.md#attention-plan has the measurements."""
     wide = wide_plan(tokens, heads, head_dim, window + entries, packed, sms, split)
     if wide is not None:

@@ -174,10 +174,9 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     sin_r = rows if sin is None else sin.reshape(-1, half).contiguous()
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
-    shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device), rows_per_program(n, fp8_nope,
-                                                                                             num_sms(x.device)))
-    _norm_rope_kernel[(triton.cdiv(n, shape.ROWS),)](rows, out, weight if weight is not None else rows, cos_r, sin_r,
-                                                      n, rows.stride(0), rows.stride(1), out.stride(0),
-                                                      cos_r.stride(0), heads, eps if eps is not None else 0.0, shape,
-                                                      num_warps=8 if bd >= 4096 else 4)
+    per = rows_per_program(n, fp8_nope, num_sms(x.device))
+    shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device), per)
+    _norm_rope_kernel[(triton.cdiv(n, per),)](rows, out, weight if weight is not None else rows, cos_r, sin_r, n,
+                                              rows.stride(0), rows.stride(1), out.stride(0), cos_r.stride(0), heads,
+                                              eps if eps is not None else 0.0, shape, num_warps=8 if bd >= 4096 else 4)
     return out.view(x.shape)
