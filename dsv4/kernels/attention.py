@@ -294,7 +294,7 @@ def wide_plan(tokens: int, heads: int, head_dim: int, keys: int, packed: bool, s
         return None
     programs = tokens * -(-heads // WIDE_HEADS)
     if split is None:
-        split = max(0, min(-(-keys // SHARE_KEYS), sms // programs) - 1)
+        split = attention_split(programs, keys, sms, per_sm=1)
     if 2 * programs * (split + 1) < sms:
         return None
     return AttentionPlan(WIDE_HEADS, 32, 8, split)
@@ -359,13 +359,13 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     return o
 
 
-def attention_split(programs: int, keys: int, sms: int) -> int:
+def attention_split(programs: int, keys: int, sms: int, per_sm: int = 2) -> int:
     """Programs over a token's keys besides the first, for a launch of `programs` (token, head block) programs whose
-    tokens see up to `keys` keys (window and entries): none once the launch fills the GPU; else shares of at least
-    SHARE_KEYS keys, as many as keep the launch within two programs per SM."""
-    if not keys or programs >= sms:
+    tokens see up to `keys` keys (window and entries): shares of at least SHARE_KEYS keys, as many as keep the launch
+    within `per_sm` programs per SM; none once the launch fills the GPU."""
+    if programs >= sms:
         return 0
-    return max(0, min(-(-keys // SHARE_KEYS), (2 * sms) // programs) - 1)
+    return max(0, min(-(-keys // SHARE_KEYS), (per_sm * sms) // programs) - 1)
 
 
 @triton.jit
