@@ -80,16 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     plain_engine = Engine(model, enforce_eager=True, **kw)
     plain_engine.graphs = None                   # plain steps: kernels planned for the exact batch
     outputs["plain"] = generate(plain_engine, prompts, args.new)
+    seconds = time.perf_counter() - t
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "layers": args.layers, "format": args.format, "prompt_lengths": lengths, "new": args.new,
-           "compute_dtype": str(dtype), "seconds": None, "against_auto": {}}
+           "compute_dtype": str(dtype), "seconds": seconds, "against_auto": {}}
     print(f"{'cache':12s} | first differing step per request | same steps | max |dlogprob| | mean |dlogprob|")
     for name in ("plain", *CACHES[1:]):
         row = compare(outputs[name], outputs["auto"])
         res["against_auto"][name] = row
         print(f"{name:12s} | {str(row['first_difference']):32s} | {row['same_steps']:10d} | "
               f"{row['max_logprob_diff']:14.4f} | {row['mean_logprob_diff']:15.4f}", flush=True)
-    res["seconds"] = time.perf_counter() - t
     res["auto_logprobs"] = [lps for _, lps in outputs["auto"]]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
