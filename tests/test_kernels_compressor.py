@@ -105,7 +105,67 @@ def test_decode_step_is_one_launch_and_a_longer_step_two(monkeypatch):
         assert len(grids) == (2 if step == 0 else step + 2), grids
         for name in ("entries", "prev_kv", "prev_score"):
             assert torch.allclose(getattr(mine, name), getattr(theirs, name), atol=2e-5, rtol=1e-5), (step, name)
-    assert grids[2:] == [(2, 1), (2, 1)]
+    assert grids[2:] == [(2, 1, 1), (2, 1, 1)]
+
+
+def test_two_compressors_step_in_the_same_launches(monkeypatch):
+    """A CSA layer's two compressors (the attention's and the indexer's: other head dims, the indexer's keys in fp8)
+    stepped together (`second`) leave the states that two reference steps leave, over prefill chunks and decode
+    steps; a decode step is one launch of both (a third grid axis of 2)."""
+    grids = []
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(compressor, "_compress_kernel", Counting(compressor._compress_kernel))
+    g = torch.Generator().manual_seed(11)
+    ratio, runs, slots, num_pages = 4, RUNS[4], 4, 16
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    tables = {slot: tuple(perm[4 * i:4 * i + 4]) for i, (slot, _) in enumerate(runs)}
+    big = fresh_state(slots, num_pages, ratio, 64, g)
+    small = fresh_state(slots, num_pages, ratio, 32, g)
+    small = CompressorState(small.open_kv, small.open_score, small.prev_kv, small.prev_score,
+                            torch.zeros(num_pages, PAGE // ratio, 32, dtype=torch.float8_e4m3fn),
+                            torch.zeros(num_pages, PAGE // ratio))
+    mine = (big, small)
+    theirs = (clone(big), CompressorState(*(t.clone() for t in (small.open_kv, small.open_score, small.prev_kv,
+                                                                small.prev_score, small.entries, small.entry_scales))))
+    weights = (torch.rand(64, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5)
+    apes = (torch.randn(ratio, 128, generator=g), torch.randn(ratio, 64, generator=g))
+    done = {slot: 0 for slot, _ in runs}
+    for step in range(max(len(lengths) for _, lengths in runs)):
+        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
+        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
+                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
+        N = sum(n for _, n in live)
+        rows = [(torch.randn(N, w, generator=g), torch.randn(N, w, generator=g) * 2) for w in (128, 64)]
+        angle = torch.rand(N, 8, generator=g) * 6
+        before = len(grids)
+        compressor.compress(*rows[0], apes[0], steps, mine[0], ratio, angle.cos(), angle.sin(), weights[0], 1e-6,
+                            second=ref.SecondCompressor(*rows[1], apes[1], mine[1], weights[1], 1e-5))
+        windows = (N - 1) // ratio + 1               # the default bound on the windows a sequence closes
+        assert grids[before:] == ([(len(live), 1, 2)] if windows == 1 else
+                                  [(len(live), windows, 2), (len(live), 1, 2)]), (step, grids)
+        for i, eps in ((0, 1e-6), (1, 1e-5)):
+            ref.compress(*rows[i], apes[i], steps, theirs[i], ratio, angle.cos(), angle.sin(), weights[i], eps)
+        for s, n in live:
+            done[s] += n
+        for i in (0, 1):
+            for name in ("prev_kv", "prev_score"):
+                assert torch.allclose(getattr(mine[i], name), getattr(theirs[i], name), atol=2e-5, rtol=1e-5)
+            for s, _ in live:
+                rows_open = done[s] % ratio
+                assert torch.equal(mine[i].open_kv[s, :rows_open], theirs[i].open_kv[s, :rows_open]), (step, i)
+        assert torch.allclose(mine[0].entries, theirs[0].entries, atol=2e-5, rtol=1e-5), step
+        a = mine[1].entries.float() * mine[1].entry_scales[..., None]
+        b = theirs[1].entries.float() * theirs[1].entry_scales[..., None]
+        assert torch.allclose(a, b, atol=1e-6, rtol=0.07), step
+    assert int((theirs[1].entry_scales > 0).sum()) == sum(done[s] // ratio for s in done) > 0
 
 
 def test_index_picks_match_the_reference():

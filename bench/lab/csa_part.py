@@ -7,7 +7,7 @@ decode step makes after its projections (`model.attention.Attention._cached`), o
 caches filled to the context:
 
     compressor.compress      the attention compressor's step (width 2 x head_dim, ratio 4, overlapping windows)
-    compressor.compress      the indexer compressor's step (width 2 x index_head_dim)
+                             and the indexer compressor's (width 2 x index_head_dim) in the same launch
     norm_rope                the indexer's queries rotated
     indexer.index_picks      scores of every visible key, then the top-k (index_topk)
     attention.sparse_attention  window + picked entries, the ring written in the launch (and the split's combine)
@@ -36,6 +36,7 @@ from common import Timer, lab_parser, median_us, record_failure  # noqa: E402
 
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import attention, compressor, indexer, norm_rope  # noqa: E402
+from dsv4.kernels.ref import SecondCompressor  # noqa: E402
 from dsv4.kernels.steps import StepTokens  # noqa: E402
 from dsv4.model.state import CompressorState  # noqa: E402
 from dsv4.runtime.cache import PAGE_TOKENS  # noqa: E402
@@ -84,7 +85,7 @@ def main():
     norm_iw = torch.rand(ID, device=dev, generator=gen) + 0.5
     ape_c = torch.randn(RATIO, 2 * D, device=dev, generator=gen)
     ape_i = torch.randn(RATIO, 2 * ID, device=dev, generator=gen)
-    names = ("compress", "index compress", "index queries", "index picks", "attention")
+    names = ("compressors", "index queries", "index picks", "attention")
     print(f"{label:5s} {'B':>4s} {'context':>8s} | {'part us':>8s} {'target':>7s} | "
           + " ".join(f"{n:>14s}" for n in names))
     rows = []
@@ -102,18 +103,16 @@ def main():
                 """The part's calls in the model's order (only: just that one, reading `picks` computed before)."""
                 s = x["steps"]
                 if only in (None, 0):
+                    second = SecondCompressor(x["kv_i"], x["score_i"], ape_i, index_state, norm_iw, cfg.rms_norm_eps)
                     compressor.compress(x["kv_c"], x["score_c"], ape_c, s, main_state, RATIO, x["cos"], x["sin"],
-                                        norm_w, cfg.rms_norm_eps, 1)
-                if only in (None, 1):
-                    compressor.compress(x["kv_i"], x["score_i"], ape_i, s, index_state, RATIO, x["cos"], x["sin"],
-                                        norm_iw, cfg.rms_norm_eps, 1)
+                                        norm_w, cfg.rms_norm_eps, 1, second=second)
                 iq = x["iq"]
-                if only in (None, 2):
+                if only in (None, 1):
                     iq = norm_rope.norm_rope(iq, x["cos"], x["sin"])
-                if only in (None, 3):
+                if only in (None, 2):
                     picks = indexer.index_picks(iq, x["weights"], index_state.entries, s, cfg.index_topk, RATIO,
                                                 ID ** -0.5, max_keys, cfg.index_n_heads ** -0.5)
-                if only in (None, 4):
+                if only in (None, 3):
                     attention.sparse_attention(x["q"], x["kv"], ring, main_state.entries, picks, s, RATIO, sinks,
                                                D ** -0.5, max_keys, update_ring=True)
                 return picks

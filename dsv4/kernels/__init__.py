@@ -34,7 +34,8 @@ class Ops:
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
     # a compressor's step for every sequence (kv, gate logits [N, width], ape [ratio, width], StepTokens, state,
-    # ratio, cos, sin [N, r/2], norm weight, eps) -> None, state updated in place; the indexer's picks (q [N, H, hd],
+    # ratio, cos, sin [N, r/2], norm weight, eps, max_windows, second: another compressor's `ref.SecondCompressor`
+    # of the same step, stepped with it) -> None, states updated in place; the indexer's picks (q [N, H, hd],
     # weights [N, H], entries, StepTokens, topk, ratio, scale, max_keys, weight_scale, entry_scales: fp8 keys' scales)
     # -> [N, topk]
     compress: Callable = ref.compress

@@ -17,7 +17,9 @@ window j - 1 (from prev when that window closed before the step) with one online
 RMSNorm and the rope at j m on the trailing channels, and writes entry j to row j mod E of page pages[j // E].
 `_keep`, program b, then keeps the Ca half of the last window that closed and the rows of the window left open; it
 runs after every entry is pooled, since both read the rows it overwrites: in a second launch, or in the same program
-after a barrier where the grid has one window a sequence (`_compress_kernel`).
+after a barrier where the grid has one window a sequence (`_compress_kernel`). A second compressor of the same step,
+ratio and rope (a CSA layer's indexer compressor, `second`) runs in the same launches on a third grid axis: one launch
+a decode step for both, which then run side by side.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from .attention import sequence_tokens
 from .norm_rope import bf16_bits, e4m3_codes, fp8_kv_blocks, norm_rope_row
-from .ref import kv_row_bytes
+from .ref import SecondCompressor, kv_row_bytes
 from .steps import StepTokens
 
 
@@ -111,11 +113,23 @@ def _pool_rows(acc, mx, den, T, S, slot, start, first, pos, r, prev_rows, ch, L:
 
 
 @triton.jit
-def _compress_kernel(T, steps, S, N, eps, L: tl.constexpr, EMIT: tl.constexpr, KEEP: tl.constexpr):
+def _compress_kernel(T, steps, S, N, eps, L: tl.constexpr, EMIT: tl.constexpr, KEEP: tl.constexpr, T2, S2, eps2,
+                     L2: tl.constexpr):
     """EMIT: program (b, w) pools window start // M + w of sequence b if it closes in the step (`_emit`). KEEP:
     program b keeps the state (`_keep`). Both in one launch where no sequence closes more than one window (grid
     (B, 1)): program b alone reads and writes sequence b's state, and the barrier orders its pooling's reads of the
-    open rows before their overwrite."""
+    open rows before their overwrite. With a second compressor (L2 not None), programs (b, w, 1) step it as programs
+    (b, w, 0) step the first: the two touch disjoint states."""
+    if L2 is None:
+        _compressor_step(T, steps, S, N, eps, L, EMIT, KEEP)
+    elif tl.program_id(2) == 0:
+        _compressor_step(T, steps, S, N, eps, L, EMIT, KEEP)
+    else:
+        _compressor_step(T2, steps, S2, N, eps2, L2, EMIT, KEEP)
+
+
+@triton.jit
+def _compressor_step(T, steps, S, N, eps, L: tl.constexpr, EMIT: tl.constexpr, KEEP: tl.constexpr):
     b = tl.program_id(0)
     if EMIT:
         _emit(T, steps, S, N, eps, b, tl.program_id(1), L)
@@ -234,14 +248,41 @@ def _keep(T, steps, S, N, b, L: tl.constexpr):
 
 def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: StepTokens, state, ratio: int,
              cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, eps: float,
-             max_windows: int | None = None) -> None:
+             max_windows: int | None = None, second: SecondCompressor | None = None) -> None:
     """`ref.compress` in one launch, or two when max_windows > 1 (module docstring). max_windows: a bound on the
     windows any sequence closes in the step (the emit grid's second axis); by default the step's token count bounds
-    it."""
+    it. second: another compressor of the same step, ratio and rope, stepped in the same launches (a third grid
+    axis of 2)."""
     N = kv.shape[0]
     B = steps.slot.shape[0]
     if N == 0:
         return
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))      # row strides
+    first = _launch_args(kv, score, ape, state, ratio, cos, sin, weight, steps.pages.stride(0))
+    other = (None, None, None)
+    if second is not None:
+        if second.kv.shape[0] != N:
+            raise ValueError(f"compress: the second compressor has {second.kv.shape[0]} rows, the first {N}")
+        other = _launch_args(second.kv, second.score, second.ape, second.state, ratio, cos, sin, second.weight,
+                             steps.pages.stride(0))
+    eps2 = eps if second is None else second.eps
+    if max_windows is None:
+        max_windows = (N - 1) // ratio + 1
+    jobs = 1 if second is None else 2
+    tensors, strides, shape = first
+    if max_windows == 1:        # decode: one launch
+        _compress_kernel[(B, 1, jobs)](tensors, steps, strides, N, eps, shape, True, True, other[0], other[1], eps2,
+                                       other[2], num_warps=4)
+        return
+    _compress_kernel[(B, max_windows, jobs)](tensors, steps, strides, N, eps, shape, True, False, other[0], other[1],
+                                             eps2, other[2], num_warps=4)
+    _compress_kernel[(B, 1, jobs)](tensors, steps, strides, N, eps, shape, False, True, other[0], other[1], eps2,
+                                   other[2], num_warps=4)
+
+
+def _launch_args(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state, ratio: int, cos: torch.Tensor,
+                 sin: torch.Tensor, weight: torch.Tensor, pages_seq: int) -> tuple[Tensors, Strides, Shape]:
+    """One compressor's kernel arguments, its shapes checked."""
     m, (_, E, row) = ratio, state.entries.shape
     overlap = state.prev_kv is not None
     width = kv.shape[1]
@@ -254,21 +295,15 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
                          f"{kv_row_bytes(hd, state.packed_nope)} bytes; got head_dim {hd}, rows of {row}")
     if ape.shape != (m, width) or ape.dtype != torch.float32:
         raise ValueError(f"compress: ape must be fp32 [{m}, {width}], got {ape.dtype} {tuple(ape.shape)}")
-    if max_windows is None:
-        max_windows = (N - 1) // m + 1
     prev_kv = state.prev_kv if overlap else state.open_kv
     prev_score = state.prev_score if overlap else state.open_score
-    kv, score, cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score, cos, sin))   # row strides
+    kv, score = (t if t.stride(-1) == 1 else t.contiguous() for t in (kv, score))   # row strides
     fp8 = state.entry_scales is not None
     scales = state.entry_scales if fp8 else torch.empty(1, dtype=torch.float32, device=kv.device)
     tensors = Tensors(kv, score, ape.contiguous(), cos, sin, weight, state.open_kv, state.open_score, prev_kv,
                       prev_score, state.entries, scales)
     strides = Strides(kv.stride(0), score.stride(0), cos.stride(0), state.open_kv.stride(0), prev_kv.stride(0),
-                      steps.pages.stride(0), row)
+                      pages_seq, row)
     rb = min(m, 16 if hd <= 256 else 8)
     shape = Shape(m, hd, width, overlap, E, cos.shape[1], rb, min(width, 4096 // rb), fp8, state.packed_nope)
-    if max_windows == 1:        # decode: one launch
-        _compress_kernel[(B, 1)](tensors, steps, strides, N, eps, shape, True, True, num_warps=4)
-        return
-    _compress_kernel[(B, max_windows)](tensors, steps, strides, N, eps, shape, True, False, num_warps=4)
-    _compress_kernel[(B,)](tensors, steps, strides, N, eps, shape, False, True, num_warps=4)
+    return tensors, strides, shape

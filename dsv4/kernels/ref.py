@@ -6,6 +6,8 @@ Each function has the same signature as its Triton twin. Reference math dequanti
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -209,9 +211,20 @@ def compress_finish(pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return apply_rope(rms_norm(pooled, weight, eps), cos, sin)
 
 
+class SecondCompressor(NamedTuple):
+    """`compress`'s second compressor: its step rows, ape, state, norm weight and eps (the first's arguments of the
+    same names)."""
+    kv: torch.Tensor
+    score: torch.Tensor
+    ape: torch.Tensor
+    state: object
+    weight: torch.Tensor
+    eps: float
+
+
 def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: StepTokens, state, ratio: int,
              cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, eps: float,
-             max_windows: int | None = None) -> None:
+             max_windows: int | None = None, second: SecondCompressor | None = None) -> None:
     """One step of a compressor for every sequence of a ragged step (`kernels.compressor.compress`'s contract).
 
     kv [N, width] (compute dtype) and score [N, width] (the gate logits) are the step's projected rows; a row at
@@ -223,7 +236,13 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     packed_nope). Per sequence: the open rows and its tokens form its windows;
     each window that closes gives one entry (pooled, normed, roped) written to its page; the Ca half of the last
     closed window and the rows of the new open window are kept. max_windows: a bound on the windows any sequence
-    closes in the step (the kernel's grid; unused here)."""
+    closes in the step (the kernel's grid; unused here). second: another compressor of the same step, ratio and
+    rope (a CSA layer's indexer compressor), stepped after this one (the kernel runs both in the same launches)."""
+    if second is not None:
+        compress(kv, score, ape, steps, state, ratio, cos, sin, weight, eps, max_windows)
+        compress(second.kv, second.score, second.ape, steps, second.state, ratio, cos, sin, second.weight,
+                 second.eps, max_windows)
+        return
     overlap = state.prev_kv is not None
     hd, per_page = kv.shape[-1] // (2 if overlap else 1), state.entries.shape[1]
     m = ratio

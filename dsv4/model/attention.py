@@ -20,8 +20,8 @@ prefill (keys = this chunk) and a cached step (keys = window ring + chunk, entri
 the flattened tokens of a ragged `SeqBatch` ([1, N, d]) and `state` the layer's `LayerState` (views the
 runtime owns; see state.py). Projections, norms and rope run on all N tokens at once, and so does the
 rest, through `Ops` (Triton kernels on the GPU, `kernels.ref` elsewhere), for sequence i with `start` cached tokens:
-* compressor (and the indexer's): `ops.compress` pools the open rows + the step's rows with the saved Ca half and
-  writes the entries of the windows that close into the sequence's pages;
+* compressor (and the indexer's, in the same call): `ops.compress` pools the open rows + the step's rows with the
+  saved Ca half and writes the entries of the windows that close into the sequence's pages;
 * indexer: `ops.index_picks` scores each token against every key its sequence has emitted, top-k;
 * attention: `ops.sparse_attention` over the ring (row r holds position `ring_positions(start)[r]`, -1 = empty),
   the step's rows and the entries (HCA all visible ones, CSA the picks); `ops.write_ring` then keeps each
@@ -35,7 +35,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..formats import FP8_BLOCK, QWeight
-from ..kernels.ref import attend, causal_entry_bias, picked_entry_bias, window_bias
+from ..kernels.ref import SecondCompressor, attend, causal_entry_bias, picked_entry_bias, window_bias
 from .compressor import Compressor
 from .indexer import Indexer
 from .linear import Builder, QLinear, grouped_linear
@@ -170,11 +170,14 @@ class Attention(nn.Module):
             else:
                 rows = [p(x[0]) for p in self.dense_projections()]
             window = ropes.at(self.rope, self.ratio)                      # both compressors' (CSA: ratio 4)
-            self._compress(self.compressor, state.compressor, rows[0], rows[1], window, batch)
+            second = None                                                 # CSA: the indexer's, in the same launch
+            if self.indexer is not None:
+                ic = self.indexer.compressor
+                second = SecondCompressor(rows[2], rows[3], ic.ape, state.indexer, ic.norm.weight, ic.norm.eps)
+            self._compress(self.compressor, state.compressor, rows[0], rows[1], window, batch, second)
             entries = state.compressor.entries
             if self.indexer is not None:
                 ix = self.indexer
-                self._compress(ix.compressor, state.indexer, rows[2], rows[3], window, batch)
                 iq = ix.rotated_queries(qr, *ropes.at(self.rope), product=index_q)
                 picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4), ix.head_scale, state.indexer.entry_scales)
@@ -187,11 +190,14 @@ class Attention(nn.Module):
             self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
 
-    def _compress(self, compressor: Compressor, cstate, kv, score, window, batch: SeqBatch) -> None:
-        """kv, score [N, width]: the step's rows of the compressor's wkv and wgate (ape not added)."""
+    def _compress(self, compressor: Compressor, cstate, kv, score, window, batch: SeqBatch,
+                  second: SecondCompressor | None = None) -> None:
+        """kv, score [N, width]: the step's rows of the compressor's wkv and wgate (ape not added); `second`: another
+        compressor of the same ratio stepped with it (`Ops.compress`)."""
         cos, sin = window
         self.ops.compress(kv, score, compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
-                          compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio))
+                          compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio),
+                          second=second)
 
 
 def stackable(a: QLinear, b: QLinear) -> bool:
