@@ -21,6 +21,8 @@ that format's storage), then
   (`idle_before_per_layer`);
 * `--repeats R` (one GPU): each decode case on R fresh engines (new pools, new graphs), whose step times differ;
   the case is the median engine's record (the lower one for even R), every engine's step kept (`step_ms_runs`);
+* `--sequence` (CUDA): each decode case's profiled step also as its kernels in order (name, start, duration), where
+  a layer's time goes launch by launch;
 * `--kv-cache-dtype fp8` / `fp8-indexer`: the attention's entries (584-byte packed rows) and the indexer's keys, or
   the keys only, cached in fp8 (the floor counts their bytes so);
 * with `--tensor-parallel-size N` (`--enable-expert-parallel`): the same on a parallel `dsv4.LLM` of N ranks, one
@@ -154,7 +156,8 @@ def admit_at_context(engine: Engine, batch: int, context: int, gen: torch.Genera
 def profile_step(engine: Engine, device: torch.device) -> dict:
     """Kernel launches, the GPU's busy time (the union of its kernels' intervals) and its share of the profiled
     step's wall time, its idle time between the first kernel's start and the last one's end, and where that idle
-    time falls: before which kernels, by name (CUDA); ATen ops per step elsewhere."""
+    time falls: before which kernels, by name; the step's kernels in order (`sequence`: name, start and duration in
+    us from the first one's start) (CUDA); ATen ops per step elsewhere."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -185,7 +188,10 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
         t[0] += e.time_range.end - e.time_range.start
         t[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    return {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
+    t0 = kernels[0][0] if kernels else 0.0
+    return {"sequence": [[e.name[:70], round(start - t0, 1), round(stop - start, 1)] for e, (start, stop) in
+                         zip(gpu, kernels)],
+            "kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
             "gpu_us": busy, "idle_us": sum(t for t, _ in idle.values()),
             "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
             "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()},
@@ -257,6 +263,8 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
                 seqs = admit_at_context(engine, batch, context, gen)
                 try:
                     case.update(time_steps(engine, seqs, args.steps, device))
+                    if not args.sequence:
+                        case.pop("sequence", None)
                 except Exception:
                     res["errors"].append(f"decode {case}: {traceback.format_exc()[-1500:]}")
                     continue
@@ -396,6 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "--tensor-parallel-size > 1; default: small ones through the symmetric-memory one-shot kernel)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="fp8: the attention's entries and the indexer's keys in fp8; fp8-indexer: the keys only")
+    ap.add_argument("--sequence", action="store_true", help="keep each decode case's profiled step as its kernels "
+                    "in order in the JSON (`sequence`: name, start and duration in us)")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -451,6 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                    args.kv_cache_dtype) for _ in range(args.repeats)),
                                       key=lambda r: r["step_ms"])
                         case.update(runs[(len(runs) - 1) // 2])         # the median engine's record
+                        if not args.sequence:
+                            case.pop("sequence", None)
                         if args.repeats > 1:
                             case["step_ms_runs"] = [r["step_ms"] for r in runs]
                     except CacheCapacityError as e:

@@ -5,7 +5,8 @@
     TRITON_INTERPRET=1 python bench/run_all.py --toy   # CPU dry run at toy shapes (checks the script itself)
 
 Sections: environment; copy bandwidth; parallel precompile; correctness against `kernels.ref` on fresh random
-inputs at V4-Flash and V4-Pro shapes (poisoned outputs, bit-exact dequantization, MoE, routing, W4A4); a
+inputs at V4-Flash and V4-Pro shapes (poisoned outputs, bit-exact dequantization, MoE, routing, W4A4, then the
+engine's kernels); `engine`, the engine's kernels' checks alone (not in the default sections); a
 decode config sweep; the linear table (M = 1 .. 4096 vs cuBLAS bf16); the MoE layer table (1 .. 512 tokens
 vs the bytes of the experts they touch); the tiny-model logits check. Writes results.json and table.txt.
 """
@@ -254,7 +255,11 @@ def compressor_indexer_norms(run: Run, record) -> None:
     dev, gen = run.device, run.gen
     starts, lengths, num_pages, steps = ragged_pages(run)
     B, N = len(starts), sum(lengths)
-    for ratio, hd in ((4, 32), (128, 32), (4, 16)) if run.toy else ((4, 512), (128, 512), (4, 128)):
+    angle = torch.rand(N, 4 if run.toy else 32, device=dev, generator=gen) * 6         # the rope's 64 channels
+    closing = {ratio: sum((s + n) // ratio - s // ratio for s, n in zip(starts, lengths)) for ratio in (4, 128)}
+
+    def case(ratio, hd):
+        """A compressor's state (and its fp32 copy for the reference), step rows, norm weight and ape."""
         width = hd * (2 if ratio == 4 else 1)
         state = CompressorState(
             torch.randn(B + 1, ratio, width, device=dev, generator=gen).bfloat16(),
@@ -266,20 +271,34 @@ def compressor_indexer_norms(run: Run, record) -> None:
                                    for f in ("open_kv", "open_score", "prev_kv", "prev_score", "entries")))
         kv = torch.randn(N, width, device=dev, generator=gen).bfloat16()
         score = (torch.randn(N, width, device=dev, generator=gen) * 2).bfloat16()    # the gate's bf16 logits
-        angle = torch.rand(N, 4 if run.toy else 32, device=dev, generator=gen) * 6     # the rope's 64 channels
-        weight = torch.rand(hd, device=dev, generator=gen) + 0.5
-        ape = torch.randn(ratio, width, device=dev, generator=gen)
+        return (state, theirs, kv, score, torch.rand(hd, device=dev, generator=gen) + 0.5,
+                torch.randn(ratio, width, device=dev, generator=gen))
+
+    def check(what, ratio, hd, state, theirs):
+        written = int((state.entries.abs().sum(-1) > 0).sum())
+        record(f"{what}ratio {ratio} hd {hd}: {written} entries of steps {lengths} at {starts}",
+               rel_err(state.entries, theirs.entries) if closing[ratio] else 0.0, 1e-2,
+               exact=torch.equal(state.open_score, theirs.open_score), written=written == closing[ratio])
+        if ratio == 4:
+            record(f"{what}ratio 4 hd {hd}: the Ca half kept", rel_err(state.prev_kv, theirs.prev_kv), 1e-2,
+                   exact=torch.equal(state.prev_score, theirs.prev_score))
+
+    shapes = ((4, 32), (128, 32), (4, 16)) if run.toy else ((4, 512), (128, 512), (4, 128))
+    for ratio, hd in shapes:
+        state, theirs, kv, score, weight, ape = case(ratio, hd)
         run.ops.compress(kv, score, ape, steps, state, ratio, angle.cos(), angle.sin(), weight, 1e-6,
                          -(-max(lengths) // ratio))
         ref.compress(kv.float(), score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        closing = sum((s + n) // ratio - s // ratio for s, n in zip(starts, lengths))
-        written = int((state.entries.abs().sum(-1) > 0).sum())
-        record(f"compress ratio {ratio} hd {hd}: {written} entries of steps {lengths} at {starts}",
-               rel_err(state.entries, theirs.entries) if closing else 0.0, 1e-2,
-               exact=torch.equal(state.open_score, theirs.open_score), written=written == closing)
-        if ratio == 4:
-            record(f"compress ratio 4 hd {hd}: the Ca half kept", rel_err(state.prev_kv, theirs.prev_kv), 1e-2,
-                   exact=torch.equal(state.prev_score, theirs.prev_score))
+        check("compress ", ratio, hd, state, theirs)
+    # a CSA layer's two compressors (the attention's, the indexer's) stepped in the same launches
+    dims = [hd for ratio, hd in shapes if ratio == 4]                # CSA's and its indexer's head dims
+    first, second = case(4, dims[0]), case(4, dims[1])
+    state, _, kv, score, weight, ape = first
+    run.ops.compress(kv, score, ape, steps, state, 4, angle.cos(), angle.sin(), weight, 1e-6, -(-max(lengths) // 4),
+                     second=ref.SecondCompressor(*second[2:4], second[5], second[0], second[4], 1e-6))
+    for hd, (state, theirs, kv, score, weight, ape) in zip(dims, (first, second)):
+        ref.compress(kv.float(), score, ape, steps, theirs, 4, angle.cos(), angle.sin(), weight, 1e-6)
+        check(f"compress pair (hd {dims[0]} + {dims[1]}) ", 4, hd, state, theirs)
     Hi, hdi, topk = (4, 16, 5) if run.toy else (64, 128, 512)
     q = torch.randn(N, Hi, hdi, device=dev, generator=gen).bfloat16()
     w = torch.randn(N, Hi, device=dev, generator=gen)
@@ -428,19 +447,48 @@ def fp8_cache(run: Run, record) -> None:
     record(f"attention HCA over packed fp8 entries H={H} D={D} (against the reference)", rel_err(got, want), 2e-2)
 
 
-def correctness(run: Run):
-    from dsv4.kernels import w4a4
-    from dsv4.formats import QWeight, stage_activation
-    rows = []
-    run.res["correctness"] = rows
-    dev, gen = run.device, run.gen
-
+def recorder(rows: list):
+    """record(what, err, bound, exact=None, written=None): one check's row into `rows`, printed."""
     def record(what, err, bound, exact=None, written=None):
         ok = err <= bound and (exact is None or exact) and (written is None or written)
         rows.append(dict(check=what, rel_err=err, bound=bound, exact=exact, all_written=written, ok=ok))
         print(f"  {'ok ' if ok else 'BAD'} {what}: rel_err {err:.2e} (bound {bound:g})"
               + ("" if exact is None else f" exact={exact}") + ("" if written is None else f" written={written}"),
               flush=True)
+    return record
+
+
+def engine_checks(run: Run, record) -> None:
+    """The engine's kernels after the linears (attention, mHC, compressors, indexer, norm / rope, sampling, the fp8
+    cache) against their references."""
+    attention_and_mhc(run, record)         # a fault in them (the CUDA context is lost) leaves the checks before
+    compressor_indexer_norms(run, record)  # recorded
+    sampling_and_fp8_keys(run, record)
+    fp8_cache(run, record)
+
+
+def report_failures(run: Run, rows: list, key: str) -> None:
+    bad = [r["check"] for r in rows if not r["ok"]]
+    run.res[f"{key}_failures"] = bad
+    print(f"{key}: {len(rows) - len(bad)}/{len(rows)} ok", flush=True)
+
+
+def engine(run: Run):
+    """The `engine` section: `engine_checks` alone (the correctness section runs them after the linears and MoE),
+    for a call whose time is short."""
+    rows = []
+    run.res["engine"] = rows
+    engine_checks(run, recorder(rows))
+    report_failures(run, rows, "engine")
+
+
+def correctness(run: Run):
+    from dsv4.kernels import w4a4
+    from dsv4.formats import QWeight, stage_activation
+    rows = []
+    run.res["correctness"] = rows
+    dev, gen = run.device, run.gen
+    record = recorder(rows)
 
     sh = run.models[0] if run.toy else FLASH
     big = run.models[-1]
@@ -633,13 +681,8 @@ def correctness(run: Run):
         record(f"stage_activation M={m}", 0.0, 0.0,
                exact=bool(torch.equal(q, rq) and torch.equal(sf.view(torch.uint8), rsf.view(torch.uint8))))
         record(f"linear_w4a4 M={m}", rel_err(run.ops.linear_w4a4(x, w), ref.linear_w4a4(x, w)), 1e-2)
-    attention_and_mhc(run, record)         # the engine's kernels after the linears: a fault in them (the CUDA context
-    compressor_indexer_norms(run, record)  # is lost) leaves the linear and MoE checks recorded
-    sampling_and_fp8_keys(run, record)
-    fp8_cache(run, record)
-    bad = [r["check"] for r in rows if not r["ok"]]
-    run.res["correctness_failures"] = bad
-    print(f"correctness: {len(rows) - len(bad)}/{len(rows)} ok", flush=True)
+    engine_checks(run, record)             # last: a fault in them leaves the linear and MoE checks recorded
+    report_failures(run, rows, "correctness")
 
 
 def time_linear(run: Run, fmt, n, k, m, cfg=None, rotate=True, groups=0):
@@ -891,6 +934,9 @@ def table(run: Run) -> str:
              f"copy bandwidth: {r.get('copy_gbps', 0):.0f} GB/s (read+write)"]
     c = r.get("correctness", [])
     lines.append(f"correctness: {sum(x['ok'] for x in c)}/{len(c)} ok; failures: {r.get('correctness_failures')}")
+    if "engine" in r:
+        e = r["engine"]
+        lines.append(f"engine checks: {sum(x['ok'] for x in e)}/{len(e)} ok; failures: {r.get('engine_failures')}")
     lines.append(f"launch overhead in a CUDA graph (us/launch): {r.get('launch_us')}")
     for x in r.get("sweep", []):
         lines.append(f"sweep {x['variant']:24s} {x['shape']:16s} {x['fmt']:5s} {x['us']:8.1f} us {x['gbps']:6.0f} GB/s")
@@ -953,7 +999,7 @@ def main():
     run = Run(args)
     want = set(args.sections.split(","))
     plan = [("env", env), ("copy", copy_bw), ("precompile", precompile), ("correctness", correctness),
-            ("model", model_check), ("precompile", precompile_join), ("copy", launch_overhead), ("sweep", sweep),
+            ("engine", engine), ("model", model_check), ("precompile", precompile_join), ("copy", launch_overhead), ("sweep", sweep),
             ("moe", moe_table), ("prefill", prefill_compare), ("crossover", crossover), ("linear", linear_table)]
     for name, fn in plan:
         if name in want:
