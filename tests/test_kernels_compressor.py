@@ -166,6 +166,11 @@ def test_two_compressors_step_in_the_same_launches(monkeypatch):
         b = theirs[1].entries.float() * theirs[1].entry_scales[..., None]
         assert torch.allclose(a, b, atol=1e-6, rtol=0.07), step
     assert int((theirs[1].entry_scales > 0).sum()) == sum(done[s] // ratio for s in done) > 0
+    with pytest.raises(ValueError, match="second compressor has 2 rows, the first 3"):
+        compressor.compress(rows[0][0][:3], rows[0][1][:3], apes[0], steps, mine[0], ratio, angle.cos()[:3],
+                            angle.sin()[:3], weights[0], 1e-6,
+                            second=ref.SecondCompressor(rows[1][0][:2], rows[1][1][:2], apes[1], mine[1],
+                                                        weights[1], 1e-5))
 
 
 def test_index_picks_match_the_reference():

@@ -41,6 +41,7 @@ from .steps import StepTokens
 
 WIDE_HEADS = 64     # heads a program of a launch with enough tokens (`plan_attention`; docs/tuning.md#attention-plan)
 SHARE_KEYS = 128    # the fewest keys a share of a key split takes (`attention_split`, `wide_plan`; same section)
+COMBINE_UNROLL = 4  # partials `_combine_kernel` reads at once (docs/tuning.md#attention-plan)
 
 
 class Tensors(NamedTuple):
@@ -230,22 +231,29 @@ def _key_shares(n, part, W: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr):
-    """Token t, heads of block hb: merge the 1 + SPLIT partials with the sink (which joins only the denominator)."""
+def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, UNROLL: tl.constexpr):
+    """Token t, heads of block hb: merge the 1 + SPLIT partials with the sink (which joins only the denominator).
+    The partials are read UNROLL at a time, their loads issued together rather than one round trip each; those past
+    SPLIT load as weight 0 and add exact zeros."""
     t, hb = tl.program_id(0), tl.program_id(1)
     h = hb * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
     hm = h < H
     base = (t.to(tl.int64) * H + h) * (SPLIT + 1)
     top = tl.load(T.sinks + h, mask=hm, other=0.0)
-    for s in range(0, SPLIT + 1):
-        top = tl.maximum(top, tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf")))
+    for s0 in range(0, SPLIT + 1, UNROLL):
+        for i in tl.static_range(UNROLL):
+            ok = hm & (h * 0 + s0 + i <= SPLIT)
+            top = tl.maximum(top, tl.load(T.part_ml + (base + s0 + i) * 2, mask=ok, other=float("-inf")))
     den = tl.exp(tl.load(T.sinks + h, mask=hm, other=0.0) - top)
     acc = tl.zeros([BH, D], tl.float32)
-    for s in range(0, SPLIT + 1):
-        w = tl.exp(tl.load(T.part_ml + (base + s) * 2, mask=hm, other=float("-inf")) - top)
-        den += w * tl.load(T.part_ml + (base + s) * 2 + 1, mask=hm, other=0.0)
-        acc += w[:, None] * tl.load(T.part_o + (base + s)[:, None] * D + d[None, :], mask=hm[:, None], other=0.0)
+    for s0 in range(0, SPLIT + 1, UNROLL):
+        for i in tl.static_range(UNROLL):
+            s = s0 + i
+            ok = hm & (h * 0 + s <= SPLIT)
+            w = tl.exp(tl.load(T.part_ml + (base + s) * 2, mask=ok, other=float("-inf")) - top)
+            den += w * tl.load(T.part_ml + (base + s) * 2 + 1, mask=ok, other=0.0)
+            acc += w[:, None] * tl.load(T.part_o + (base + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
     o = acc / den[:, None]
     tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
              mask=hm[:, None])
@@ -355,7 +363,7 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
                                                                        num_warps=plan.warps)
     if plan.split:
         bh = 8 if D > 256 else 16
-        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, plan.split, D, bh, num_warps=4)
+        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, plan.split, D, bh, COMBINE_UNROLL, num_warps=4)
     return o
 
 

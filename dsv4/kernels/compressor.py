@@ -265,19 +265,15 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
             raise ValueError(f"compress: the second compressor has {second.kv.shape[0]} rows, the first {N}")
         other = _launch_args(second.kv, second.score, second.ape, second.state, ratio, cos, sin, second.weight,
                              steps.pages.stride(0))
-    eps2 = eps if second is None else second.eps
+    second_args = (*other[:2], eps if second is None else second.eps, other[2])
     if max_windows is None:
         max_windows = (N - 1) // ratio + 1
     jobs = 1 if second is None else 2
+    launches = ([((B, 1, jobs), True, True)] if max_windows == 1 else          # decode: one launch
+                [((B, max_windows, jobs), True, False), ((B, 1, jobs), False, True)])
     tensors, strides, shape = first
-    if max_windows == 1:        # decode: one launch
-        _compress_kernel[(B, 1, jobs)](tensors, steps, strides, N, eps, shape, True, True, other[0], other[1], eps2,
-                                       other[2], num_warps=4)
-        return
-    _compress_kernel[(B, max_windows, jobs)](tensors, steps, strides, N, eps, shape, True, False, other[0], other[1],
-                                             eps2, other[2], num_warps=4)
-    _compress_kernel[(B, 1, jobs)](tensors, steps, strides, N, eps, shape, False, True, other[0], other[1], eps2,
-                                   other[2], num_warps=4)
+    for grid, emit, keep in launches:
+        _compress_kernel[grid](tensors, steps, strides, N, eps, shape, emit, keep, *second_args, num_warps=4)
 
 
 def _launch_args(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state, ratio: int, cos: torch.Tensor,
