@@ -47,6 +47,22 @@ def compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
         yield step, live
 
 
+def launch_grids(monkeypatch) -> list:
+    """The grid of every `_compress_kernel` launch from now on, in order."""
+    grids = []
+
+    class Counting:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(compressor, "_compress_kernel", Counting(compressor._compress_kernel))
+    return grids
+
+
 # Each sequence: (slot, lengths of its successive steps); a step takes every sequence that still has one.
 RUNS = {
     4: [(1, (1, 1, 1, 1, 1, 2)), (3, (7, 1, 1, 5, 9)), (0, (13, 3, 1, 1, 6)), (2, (1, 6, 1, 1, 1, 1))],
@@ -82,17 +98,7 @@ def test_compress_matches_the_reference_step_after_step(ratio, hd):
 def test_decode_step_is_one_launch_and_a_longer_step_two(monkeypatch):
     """A step where no sequence can close two windows (tokens <= ratio) pools and keeps the state in one launch; the
     state of both kinds of step is the reference's (the step-after-step test above runs both kinds too)."""
-    grids = []
-
-    class Counting:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(compressor, "_compress_kernel", Counting(compressor._compress_kernel))
+    grids = launch_grids(monkeypatch)
     g = torch.Generator().manual_seed(7)
     ratio, hd = 4, 32
     tables = {0: (3, 1), 1: (0, 2)}
@@ -112,17 +118,7 @@ def test_two_compressors_step_in_the_same_launches(monkeypatch):
     """A CSA layer's two compressors (the attention's and the indexer's: other head dims, the indexer's keys in fp8)
     stepped together (`second`) leave the states that two reference steps leave, over prefill chunks and decode
     steps; a decode step is one launch of both (a third grid axis of 2)."""
-    grids = []
-
-    class Counting:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return self.kernel[grid]
-
-    monkeypatch.setattr(compressor, "_compress_kernel", Counting(compressor._compress_kernel))
+    grids = launch_grids(monkeypatch)
     g = torch.Generator().manual_seed(11)
     ratio, runs, slots, num_pages = 4, RUNS[4], 4, 16
     perm = torch.randperm(num_pages, generator=g).tolist()
