@@ -170,7 +170,7 @@ class Attention(nn.Module):
             else:
                 rows = [p(x[0]) for p in self.dense_projections()]
             window = ropes.at(self.rope, self.ratio)                      # both compressors' (CSA: ratio 4)
-            second = None                                                 # CSA: the indexer's, in the same launch
+            second = None           # CSA: the indexer's (ratio 4, as the layer's), stepped in the same launch
             if self.indexer is not None:
                 ic = self.indexer.compressor
                 second = SecondCompressor(rows[2], rows[3], ic.ape, state.indexer, ic.norm.weight, ic.norm.eps)
