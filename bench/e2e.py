@@ -153,11 +153,11 @@ def admit_at_context(engine: Engine, batch: int, context: int, gen: torch.Genera
     return seqs
 
 
-def profile_step(engine: Engine, device: torch.device) -> dict:
+def profile_step(engine: Engine, device: torch.device, sequence: bool = False) -> dict:
     """Kernel launches, the GPU's busy time (the union of its kernels' intervals) and its share of the profiled
     step's wall time, its idle time between the first kernel's start and the last one's end, and where that idle
-    time falls: before which kernels, by name; the step's kernels in order (`sequence`: name, start and duration in
-    us from the first one's start) (CUDA); ATen ops per step elsewhere."""
+    time falls: before which kernels, by name; with `sequence`, the step's kernels in order (name, start and duration
+    in us from the first one's start) (CUDA); ATen ops per step elsewhere."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -188,14 +188,16 @@ def profile_step(engine: Engine, device: torch.device) -> dict:
         t[0] += e.time_range.end - e.time_range.start
         t[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
-    t0 = kernels[0][0] if kernels else 0.0
-    return {"sequence": [[e.name[:70], round(start - t0, 1), round(stop - start, 1)] for e, (start, stop) in
-                         zip(gpu, kernels)],
-            "kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
-            "gpu_us": busy, "idle_us": sum(t for t, _ in idle.values()),
-            "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
-            "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()},
-            "idle_before_all": {n: [round(t, 1), c] for n, (t, c) in idle.items()}}
+    out = {"kernel_launches": len(kernels), "gpu_busy": busy / wall_us if wall_us else 0.0,
+           "gpu_us": busy, "idle_us": sum(t for t, _ in idle.values()),
+           "kernels": [dict(name=n, us=round(t, 1), count=c) for n, (t, c) in top],
+           "kernels_all": {n: [round(t, 1), c] for n, (t, c) in by_name.items()},
+           "idle_before_all": {n: [round(t, 1), c] for n, (t, c) in idle.items()}}
+    if sequence and kernels:
+        t0 = kernels[0][0]
+        out["sequence"] = [[e.name[:70], round(start - t0, 1), round(stop - start, 1)]
+                           for e, (start, stop) in zip(gpu, kernels)]
+    return out
 
 
 def failed(seqs) -> None:
@@ -206,17 +208,18 @@ def failed(seqs) -> None:
 
 
 def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False,
-                kv_cache_dtype: str = "auto") -> dict:
+                kv_cache_dtype: str = "auto", sequence: bool = False) -> dict:
     t = time.perf_counter()
     engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager, kv_cache_dtype)
-    out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device)}
+    out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device, sequence)}
     del engine
     gc.collect()                          # its pools go before the next case's are allocated
     return out
 
 
-def time_steps(engine: Engine, seqs: list, steps: int, device) -> dict:
-    """A warm-up step, then the median of `steps` timed decode steps, then one profiled step."""
+def time_steps(engine: Engine, seqs: list, steps: int, device, sequence: bool = False) -> dict:
+    """A warm-up step, then the median of `steps` timed decode steps, then one profiled step (`profile_step`;
+    `sequence`: its kernels in order too)."""
     engine.step()                         # warm-up (compiles kernels on first use)
     failed(seqs)
     times = []
@@ -227,7 +230,7 @@ def time_steps(engine: Engine, seqs: list, steps: int, device) -> dict:
         sync(device)
         times.append(time.perf_counter() - t)
     out = {"step_ms": statistics.median(times) * 1e3, "graph_memory": engine.graph_memory}
-    out.update(profile_step(engine, device))
+    out.update(profile_step(engine, device, sequence))
     if "gpu_us" in out:                   # the profiled step's kernel time over the timed step's (the profiler slows
         out["gpu_busy"] = min(1.0, out["gpu_us"] / (out["step_ms"] * 1e3))   # the step it watches)
     failed(seqs)
@@ -262,9 +265,7 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
                             tensor_parallel_size=args.tensor_parallel_size)
                 seqs = admit_at_context(engine, batch, context, gen)
                 try:
-                    case.update(time_steps(engine, seqs, args.steps, device))
-                    if not args.sequence:
-                        case.pop("sequence", None)
+                    case.update(time_steps(engine, seqs, args.steps, device, args.sequence))
                 except Exception:
                     res["errors"].append(f"decode {case}: {traceback.format_exc()[-1500:]}")
                     continue
@@ -458,11 +459,9 @@ def main(argv: list[str] | None = None) -> dict:
                     case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s)
                     try:
                         runs = sorted((time_decode(model, batch, context, args.steps, device, gen, mode == "eager",
-                                                   args.kv_cache_dtype) for _ in range(args.repeats)),
+                                                   args.kv_cache_dtype, args.sequence) for _ in range(args.repeats)),
                                       key=lambda r: r["step_ms"])
                         case.update(runs[(len(runs) - 1) // 2])         # the median engine's record
-                        if not args.sequence:
-                            case.pop("sequence", None)
                         if args.repeats > 1:
                             case["step_ms_runs"] = [r["step_ms"] for r in runs]
                     except CacheCapacityError as e:

@@ -294,8 +294,9 @@ def compressor_indexer_norms(run: Run, record) -> None:
     dims = [hd for ratio, hd in shapes if ratio == 4]                # CSA's and its indexer's head dims
     first, second = case(4, dims[0]), case(4, dims[1])
     state, _, kv, score, weight, ape = first
+    state2, _, kv2, score2, weight2, ape2 = second
     run.ops.compress(kv, score, ape, steps, state, 4, angle.cos(), angle.sin(), weight, 1e-6, -(-max(lengths) // 4),
-                     second=ref.SecondCompressor(*second[2:4], second[5], second[0], second[4], 1e-6))
+                     second=ref.SecondCompressor(kv2, score2, ape2, state2, weight2, 1e-6))
     for hd, (state, theirs, kv, score, weight, ape) in zip(dims, (first, second)):
         ref.compress(kv.float(), score, ape, steps, theirs, 4, angle.cos(), angle.sin(), weight, 1e-6)
         check(f"compress pair (hd {dims[0]} + {dims[1]}) ", 4, hd, state, theirs)
@@ -999,8 +1000,9 @@ def main():
     run = Run(args)
     want = set(args.sections.split(","))
     plan = [("env", env), ("copy", copy_bw), ("precompile", precompile), ("correctness", correctness),
-            ("engine", engine), ("model", model_check), ("precompile", precompile_join), ("copy", launch_overhead), ("sweep", sweep),
-            ("moe", moe_table), ("prefill", prefill_compare), ("crossover", crossover), ("linear", linear_table)]
+            ("engine", engine), ("model", model_check), ("precompile", precompile_join), ("copy", launch_overhead),
+            ("sweep", sweep), ("moe", moe_table), ("prefill", prefill_compare), ("crossover", crossover),
+            ("linear", linear_table)]
     for name, fn in plan:
         if name in want:
             run.section(fn.__name__, lambda fn=fn: fn(run))

@@ -29,21 +29,27 @@ def clone(state):
                            c(state.entries))
 
 
-def compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
-    """One ragged step after another of `runs` (random rows) through the kernel into `mine` and the reference into
-    `theirs`; `done` (slot -> tokens so far) advances; yields (step, its live (slot, tokens)) after each."""
-    width = mine.open_kv.shape[-1]
+def ragged_steps(runs, tables, done):
+    """One ragged step after another of `runs`: yields (step, its live (slot, tokens), its StepTokens, its token
+    count), `done` (slot -> tokens so far) already advanced past it."""
     for step in range(max(len(lengths) for _, lengths in runs)):
         live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
         steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
                                  tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
-        N = sum(n for _, n in live)
+        for s, n in live:
+            done[s] += n
+        yield step, live, steps, sum(n for _, n in live)
+
+
+def compress_runs(runs, tables, mine, theirs, ratio, ape, weight, done, g):
+    """`ragged_steps` of `runs` (random rows) through the kernel into `mine` and the reference into `theirs`; yields
+    (step, its live (slot, tokens)) after each."""
+    width = mine.open_kv.shape[-1]
+    for step, live, steps, N in ragged_steps(runs, tables, done):
         kv, score = torch.randn(N, width, generator=g), torch.randn(N, width, generator=g) * 2
         angle = torch.rand(N, 8, generator=g) * 6
         compressor.compress(kv, score, ape, steps, mine, ratio, angle.cos(), angle.sin(), weight, 1e-6)
         ref.compress(kv, score, ape, steps, theirs, ratio, angle.cos(), angle.sin(), weight, 1e-6)
-        for s, n in live:
-            done[s] += n
         yield step, live
 
 
@@ -134,11 +140,7 @@ def test_two_compressors_step_in_the_same_launches(monkeypatch):
     weights = (torch.rand(64, generator=g) + 0.5, torch.rand(32, generator=g) + 0.5)
     apes = (torch.randn(ratio, 128, generator=g), torch.randn(ratio, 64, generator=g))
     done = {slot: 0 for slot, _ in runs}
-    for step in range(max(len(lengths) for _, lengths in runs)):
-        live = [(slot, lengths[step]) for slot, lengths in runs if step < len(lengths)]
-        steps = StepTokens.build(tuple(s for s, _ in live), tuple(done[s] for s, _ in live),
-                                 tuple(n for _, n in live), tuple(tables[s] for s, _ in live), "cpu")
-        N = sum(n for _, n in live)
+    for step, live, steps, N in ragged_steps(runs, tables, done):
         rows = [(torch.randn(N, w, generator=g), torch.randn(N, w, generator=g) * 2) for w in (128, 64)]
         angle = torch.rand(N, 8, generator=g) * 6
         before = len(grids)
@@ -149,8 +151,6 @@ def test_two_compressors_step_in_the_same_launches(monkeypatch):
                                   [(len(live), windows, 2), (len(live), 1, 2)]), (step, grids)
         for i, eps in ((0, 1e-6), (1, 1e-5)):
             ref.compress(*rows[i], apes[i], steps, theirs[i], ratio, angle.cos(), angle.sin(), weights[i], eps)
-        for s, n in live:
-            done[s] += n
         for i in (0, 1):
             for name in ("prev_kv", "prev_score"):
                 assert torch.allclose(getattr(mine[i], name), getattr(theirs[i], name), atol=2e-5, rtol=1e-5)

@@ -243,7 +243,7 @@ def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.conste
     top = tl.load(T.sinks + h, mask=hm, other=0.0)
     for s0 in range(0, SPLIT + 1, UNROLL):
         for i in tl.static_range(UNROLL):
-            ok = hm & (h * 0 + s0 + i <= SPLIT)
+            ok = hm & (h * 0 + s0 + i <= SPLIT)         # (a mask of the heads' shape: the interpreter's s0 is an int)
             top = tl.maximum(top, tl.load(T.part_ml + (base + s0 + i) * 2, mask=ok, other=float("-inf")))
     den = tl.exp(tl.load(T.sinks + h, mask=hm, other=0.0) - top)
     acc = tl.zeros([BH, D], tl.float32)

@@ -258,22 +258,22 @@ def compress(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, steps: St
     if N == 0:
         return
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))      # row strides
-    first = _launch_args(kv, score, ape, state, ratio, cos, sin, weight, steps.pages.stride(0))
-    other = (None, None, None)
+    tensors, strides, shape = _launch_args(kv, score, ape, state, ratio, cos, sin, weight, steps.pages.stride(0))
+    tensors2 = strides2 = shape2 = None                 # no second compressor: the kernel's L2 None
     if second is not None:
         if second.kv.shape[0] != N:
             raise ValueError(f"compress: the second compressor has {second.kv.shape[0]} rows, the first {N}")
-        other = _launch_args(second.kv, second.score, second.ape, second.state, ratio, cos, sin, second.weight,
-                             steps.pages.stride(0))
-    second_args = (*other[:2], eps if second is None else second.eps, other[2])
+        tensors2, strides2, shape2 = _launch_args(second.kv, second.score, second.ape, second.state, ratio, cos, sin,
+                                                  second.weight, steps.pages.stride(0))
+    eps2 = eps if second is None else second.eps
     if max_windows is None:
         max_windows = (N - 1) // ratio + 1
     jobs = 1 if second is None else 2
     launches = ([((B, 1, jobs), True, True)] if max_windows == 1 else          # decode: one launch
                 [((B, max_windows, jobs), True, False), ((B, 1, jobs), False, True)])
-    tensors, strides, shape = first
     for grid, emit, keep in launches:
-        _compress_kernel[grid](tensors, steps, strides, N, eps, shape, emit, keep, *second_args, num_warps=4)
+        _compress_kernel[grid](tensors, steps, strides, N, eps, shape, emit, keep, tensors2, strides2, eps2, shape2,
+                               num_warps=4)
 
 
 def _launch_args(kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, state, ratio: int, cos: torch.Tensor,
