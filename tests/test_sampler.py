@@ -230,6 +230,57 @@ def test_top_k_and_min_p_rows_past_the_chunked_rounds():
         assert torch.equal(got, want), (chunks, rounds)
 
 
+def test_a_refused_winner_gives_way_to_the_runner_up():
+    """Rows whose Gumbel winner w (score 20) the filters refuse and whose runner-up r (score 19) they keep, beside a
+    kept decoy d (score 18.5) that a wrong runner-up would draw: r in w's lane (d in the next lane), r in the next
+    lane (d in w's lane), r in the last chunk (d in w's chunk); and rows whose runner-up is refused too, so that a
+    search finds the third token t (score 18) above the decoy (17.5). Scores are set through the logits, x = score -
+    the row's noise g (every other token scores 0); the kept tokens' noise is at least 5 below w's and within 1.5 of
+    each other, so their logits end near each other and far above w's. The reference's tokens are r and t; the
+    kernel's equal them over 1-3 chunks and 0-3 chunked rounds (chunks: [0, 5000); [0, 4096) and [4096, 5000);
+    three of at most 2048)."""
+    V = 5000
+    filters = [SamplingParams(top_p=0.98), SamplingParams(top_k=2), SamplingParams(min_p=0.05),
+               SamplingParams(top_k=3, top_p=0.9)]
+    lane = lambda w: [w ^ 2048]                                             # noqa: E731
+    next_lane = lambda w: [w + 1, w - 1, w + 2, w - 2]                      # noqa: E731
+    places = {"w's lane": (lane, next_lane), "the next lane": (next_lane, lane),
+              "the last chunk": (lambda w: range(4096, V), lambda w: range(0, 4096)),
+              "refused too": (lambda w: range(4096, V), lambda w: range(0, 4096))}
+    rows, params, counters, want = [], [], [], []
+    for place, (r_near, d_near) in places.items():
+        for counter in range(100):
+            g = ref.gumbel(row_keys(torch.tensor([0]), torch.tensor([counter])), V)[0]
+            w = int(g[:4096].argmax())
+            low = [i for i in range(V) if g[i] < g[w] - 5]
+            r = next((i for i in r_near(w) if i in low), None)
+            d = next((i for i in d_near(w) if i in low and i != r and abs(float(g[i] - g[r])) < 1.5), None) \
+                if r is not None else None
+            if d is None:
+                continue
+            x = -g.clone()
+            x[w] = 20.0 - g[w]
+            if place == "refused too":           # the runner-up: the second-largest noise, a low logit
+                t, r = r, int(g.argsort(descending=True)[1])
+                x[r], x[t], x[d] = 19.0 - g[r], 18.0 - g[t], 17.5 - g[d]
+            else:
+                t = None
+                x[r], x[d] = 19.0 - g[r], 18.5 - g[d]
+            for f in filters:
+                rows.append(x)
+                params.append(f)
+                counters.append(counter)
+                want.append(r if t is None else t)
+            break
+        else:
+            raise AssertionError(f"no row with the runner-up in {place}")
+    x = torch.stack(rows)
+    batch = build(params, counters, vocab_size=V)
+    assert sample_reference(x, batch).token_ids.tolist() == want
+    for chunks, rounds in ((1, ROUNDS), (2, ROUNDS), (3, ROUNDS), (3, 0), (2, 1)):
+        assert torch.equal(kernel_tokens(x, batch, chunks, rounds), torch.tensor(want)), (chunks, rounds)
+
+
 def test_chunks_combine_to_the_lowest_id_of_equal_maxima():
     """The first pass split over chunks: a greedy row whose largest logit is in three chunks takes the lowest id (a
     top-k 1 row keeps the three tied tokens and draws one); a chunk of only -inf logits loses; a row of only -inf

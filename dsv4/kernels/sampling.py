@@ -11,22 +11,27 @@ lowest id.
 
 Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums and maxima, reduced after the pass.
 1. `_chunk_kernel`, one program per (row, chunk of whole blocks; `plan_chunks`): argmax of the logits, max x, and
-   the Gumbel winner over every token, the first candidate; a top-k row also histograms the top byte of the ordered
-   keys of x. `_sample_kernel` (one program per row) combines the chunks; a greedy row stops here.
+   the Gumbel winner over every token, the first candidate; with a filter also the runner-up (the winner over every
+   token but the winner); a top-k row also histograms the top byte of the ordered keys of x. `_sample_kernel` (one
+   program per row) combines the chunks; a greedy row stops here.
 2. A top-k row: three more passes over chunks (`_radix_kernel`) finish the radix select of the top_k-th largest key
    (`radix.radix_state`: each program redoes the bytes so far from the summed histograms).
 3. Rejection (FlashInfer's sampling design): a candidate in the kept set is the answer, because the winner over a
    set that holds the kept set is, when it lies in the kept set, the winner over the kept set. A rejected candidate
    takes every token with an x at most its own out (the kept set is an upper set), and the next candidate is the
-   winner over the tokens above it. A pass sums T and the candidate's mass above it, finds the next candidate, and
-   weighs three pivot keys between lo (nothing at or below it can be drawn) and hi (everything above it is kept):
-   the bracket narrows fourfold a pass, so a row ends within about 18 passes whatever its logits, and a candidate
-   above hi is taken without a pass. No token with x <= max x - G_SPAN can win (g lies in [-2.86, 17.33]), which is
-   where lo starts. Without top-p a candidate that passes min-p and top-k is the answer. The first ROUNDS passes run
-   over chunks (`_pass_kernel`: every program replays the rounds before from their integer sums and lowest-id
-   maxima, which combine exactly); a row not done after them makes its own passes in `_sample_kernel`.
-A row reads its logits once without filters, twice with top-p (the candidate is usually kept), four or five times
-with top-k. Nothing is read back to the host; the launches are the same for any rows, as a CUDA graph needs.
+   winner over the tokens above it. The runner-up stands in for a winner that min-p or top-k refuses, and without
+   top-p a candidate that passes them is the answer. With top-p the first pass is a check: it sums T and the masses
+   above the candidate and above the runner-up, and takes the first of them that is kept (the top-p share keeps
+   the winner with probability about top_p, and one of the two with about 1 - (1 - top_p)^2). A search pass after
+   it sums T and the candidate's mass above it, finds the next candidate, and weighs three pivot keys between lo
+   (nothing at or below it can be drawn) and hi (everything above it is kept): the bracket narrows fourfold a pass,
+   so a row ends within about 18 passes whatever its logits, and a candidate above hi is taken without a pass. No
+   token with x <= max x - G_SPAN can win (g lies in [-2.86, 17.33]), which is where lo starts. The first ROUNDS
+   passes run over chunks (`_pass_kernel`: every program replays the rounds before from their integer sums and
+   lowest-id maxima, which combine exactly); a row not done after them makes its own passes in `_sample_kernel`.
+A row reads its logits once without filters, twice with top-p (the check nearly always ends it), four or five times
+with top-k. A check pass costs about a quarter of a search pass's instructions a logit (no noise, no pivots).
+Nothing is read back to the host; the launches are the same for any rows, as a CUDA graph needs.
 """
 
 from __future__ import annotations
@@ -149,12 +154,48 @@ def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.conste
 
 
 @triton.jit
+def _track(score, j, win_s, win_j, run_s, run_j):
+    """Each lane's winner and runner-up (score, id) after tokens j of scores `score` (ids rising lane by lane)."""
+    up = score > win_s
+    second = (up == 0) & (score > run_s)
+    run_j = tl.where(up, win_j, tl.where(second, j, run_j))
+    run_s = tl.where(up, win_s, tl.where(second, score, run_s))
+    return tl.where(up, score, win_s), tl.where(up, j, win_j), run_s, run_j
+
+
+@triton.jit
+def _top_two(win_s, win_j, run_s, run_j, V):
+    """The lanes' winner (score, lowest id) and runner-up: the best of the other lanes' winners and the winning
+    lane's runner-up (ids V: none)."""
+    w = tl.max(win_s, axis=0)
+    w_j = tl.min(tl.where(win_s == w, win_j, V), axis=0)
+    alt_s = tl.where(win_j == w_j, run_s, win_s)
+    alt_j = tl.where(win_j == w_j, run_j, win_j)
+    r = tl.max(alt_s, axis=0)
+    return w, w_j, r, tl.min(tl.where(alt_s == r, alt_j, V), axis=0)
+
+
+@triton.jit
+def _combined_two(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Over row b's chunks, the winner (slot) and runner-up (slot + 1) of stat_x / stat_i [B, S, SLOTS] -> (winner's
+    score, id, runner-up's score, id; V: none)."""
+    q = tl.arange(0, CHUNKS_PAD)
+    at = (b * chunks + q) * SLOTS + slot
+    w_x = tl.load(stat_x + at, mask=q < chunks, other=float("-inf"))
+    w_i = tl.load(stat_i + at, mask=q < chunks, other=V)
+    r_x = tl.load(stat_x + at + 1, mask=q < chunks, other=float("-inf"))
+    r_i = tl.load(stat_i + at + 1, mask=q < chunks, other=V)
+    return _top_two(w_x, w_i, r_x, r_i, V)
+
+
+@triton.jit
 def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.constexpr, SLOTS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  RUNNER_UP: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
-    and (a sampled row) the Gumbel winner over every token (score, lowest id) and, for top-k, the histogram of the
-    keys' top byte. stat_x fp32 / stat_i int32 [B, S, SLOTS]: slots 0 and 1 (max logit, winner's score) / their ids
-    (V where the chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
+    and (a sampled row) the Gumbel winner over every token (score, lowest id), with RUNNER_UP the runner-up (the
+    winner over the chunk's other tokens), and, for top-k, the histogram of the keys' top byte. stat_x fp32 / stat_i
+    int32 [B, S, SLOTS]: slots 0, 1 and 2 (max logit, winner's score, runner-up's score) / their ids (V where the
+    chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row = logits + b * stride
@@ -165,6 +206,8 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.const
     top_j = tl.full([BLOCK], V, tl.int32)
     win_s = tl.full([BLOCK], float("-inf"), tl.float32)
     win_j = tl.full([BLOCK], V, tl.int32)
+    run_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_j = tl.full([BLOCK], V, tl.int32)
     h = tl.zeros([256], tl.int32)
     start = s * chunk
     end = tl.minimum(start + chunk, V)
@@ -178,18 +221,24 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.const
         if sampled:
             x = lg * r
             score = tl.where(valid, x + _gumbel(j, low, high), float("-inf"))
-            up = score > win_s
-            win_j = tl.where(up, j, win_j)
-            win_s = tl.where(up, score, win_s)
+            if RUNNER_UP:
+                win_s, win_j, run_s, run_j = _track(score, j, win_s, win_j, run_s, run_j)
+            else:
+                up = score > win_s
+                win_j = tl.where(up, j, win_j)
+                win_s = tl.where(up, score, win_s)
             if radix:
                 h += tl.histogram(byte_of(_key(x), 1), 256, mask=valid)
     m = tl.max(top_l, axis=0)
-    w = tl.max(win_s, axis=0)
     at = (b * tl.num_programs(1) + s) * SLOTS
     tl.store(stat_x + at, m)
-    tl.store(stat_x + at + 1, w)
     tl.store(stat_i + at, tl.min(tl.where(top_l == m, top_j, V), axis=0))
-    tl.store(stat_i + at + 1, tl.min(tl.where(win_s == w, win_j, V), axis=0))
+    w, w_j, r_s, r_j = _top_two(win_s, win_j, run_s, run_j, V)
+    tl.store(stat_x + at + 1, w)
+    tl.store(stat_i + at + 1, w_j)
+    if RUNNER_UP:
+        tl.store(stat_x + at + 2, r_s)
+        tl.store(stat_i + at + 2, r_j)
     if F.TOP_K:
         store_hist(hist, b, h, 1)
 
@@ -220,35 +269,67 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
 
 
 @triton.jit
-def _start(row, c, r, m_x, kth, floor_e, drop, G_SPAN: tl.constexpr):
-    """Step 3's state at candidate c: (its key, whether it passes min-p and top-k, done, lo, hi)."""
-    c_x = tl.load(row + c) * r
-    c_key = _key(c_x)
-    c_ok = (c_key >= kth) & (tl.exp(c_x - m_x) >= floor_e)
-    done = c_ok & (drop == 0.0)
-    return c_key, c_ok, done, _key(m_x - G_SPAN), _key(m_x)    # keys <= lo: not drawn; keys > hi: kept
+def _allowed(x, m_x, kth, floor_e):
+    """Whether x passes min-p and top-k, and its key."""
+    key = _key(x)
+    return (key >= kth) & (tl.exp(x - m_x) >= floor_e), key
+
+
+@triton.jit
+def _pair(row, r, c, c_ok, s, s_ok, lo, V):
+    """A candidate c and a runner-up s (ids; V: none) with whether each may be drawn if its key is above lo -> (c,
+    c_key, c_ok, s, s_key, s_ok): the runner-up stands in for a candidate that may not be."""
+    c = tl.where(c < V, c, 0)
+    s = tl.where(s < V, s, 0)
+    c_key = _key(tl.load(row + c) * r)
+    s_key = _key(tl.load(row + s) * r)
+    c_ok = c_ok & (c_key > lo)
+    s_ok = s_ok & (s_key > lo)
+    promote = (c_ok == 0) & s_ok
+    return (tl.where(promote, s, c), tl.where(promote, s_key, c_key), c_ok | s_ok, s, s_key,
+            s_ok & (promote == 0))
 
 
 @triton.jit
 def _pivots(c_ok, c_key, lo, hi):
-    """A pass's floor (a token at or below it is not the next candidate) and its three pivot keys."""
+    """A search pass's floor (a token at or below it is not the next candidate) and its three pivot keys."""
     return tl.where(c_ok, tl.maximum(lo, c_key), lo), lo + (hi - lo) // 4, lo + (hi - lo) // 2, hi - (hi - lo) // 4
 
 
 @triton.jit
-def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_key, p1, p2, p3, V,
-          BLOCK: tl.constexpr):
-    """A rejection pass over the tokens [start, end): (T, the masses above c_key, p1, p2, p3, and the next candidate:
-    the Gumbel winner above floor_key (score, lowest id; V: none)). Each lane sums its own masses and keeps its own
-    best score (its first id of it), reduced once after the pass."""
+def _check_pass(row, start, end, r, m_x, kth, floor_e, c_key, s_key, BLOCK: tl.constexpr):
+    """A check pass over the tokens [start, end): (T, the masses above c_key, the masses above s_key)."""
+    offs = tl.arange(0, BLOCK)
+    lane_total = tl.zeros([BLOCK], tl.int64)
+    lane_c = tl.zeros([BLOCK], tl.int64)
+    lane_s = tl.zeros([BLOCK], tl.int64)
+    for j0 in range(start, end, BLOCK):
+        j = j0 + offs
+        x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
+        ok, key = _allowed(x, m_x, kth, floor_e)
+        m = tl.where(ok & (j < end), tl.math.ceil(tl.exp(x - m_x) * _MASS_SCALE), 0.0).to(tl.int64)
+        lane_total += m
+        lane_c += tl.where(key > c_key, m, 0)
+        lane_s += tl.where(key > s_key, m, 0)
+    return tl.sum(lane_total, axis=0), tl.sum(lane_c, axis=0), tl.sum(lane_s, axis=0)
+
+
+@triton.jit
+def _search_pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_key, p1, p2, p3, V,
+                 BLOCK: tl.constexpr):
+    """A search pass over the tokens [start, end): (T, the masses above c_key, p1, p2, p3, and the next candidate
+    and its runner-up: the Gumbel winner above floor_key and the winner over the rest (score, lowest id; V: none)).
+    Each lane sums its own masses and keeps its own best scores, reduced once after the pass."""
     offs = tl.arange(0, BLOCK)
     lane_total = tl.zeros([BLOCK], tl.int64)
     lane_c = tl.zeros([BLOCK], tl.int64)
     lane_1 = tl.zeros([BLOCK], tl.int64)
     lane_2 = tl.zeros([BLOCK], tl.int64)
     lane_3 = tl.zeros([BLOCK], tl.int64)
-    lane_s = tl.full([BLOCK], float("-inf"), tl.float32)
-    lane_i = tl.full([BLOCK], V, tl.int32)
+    win_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    win_j = tl.full([BLOCK], V, tl.int32)
+    run_s = tl.full([BLOCK], float("-inf"), tl.float32)
+    run_j = tl.full([BLOCK], V, tl.int32)
     for j0 in range(start, end, BLOCK):
         j = j0 + offs
         x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
@@ -264,23 +345,39 @@ def _pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_k
             lane_3 += tl.where(key > p3, m, 0)
         drawable = allowed & (key > floor_key)
         if tl.max(drawable.to(tl.int32), axis=0) > 0:
-            s = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
-            up = s > lane_s
-            lane_i = tl.where(up, j, lane_i)
-            lane_s = tl.where(up, s, lane_s)
-    next_s = tl.max(lane_s, axis=0)
-    next_i = tl.min(tl.where(lane_s == next_s, lane_i, V), axis=0)
+            score = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
+            win_s, win_j, run_s, run_j = _track(score, j, win_s, win_j, run_s, run_j)
+    w, w_j, r_s, r_j = _top_two(win_s, win_j, run_s, run_j, V)
     return (tl.sum(lane_total, axis=0), tl.sum(lane_c, axis=0), tl.sum(lane_1, axis=0), tl.sum(lane_2, axis=0),
-            tl.sum(lane_3, axis=0), next_s, next_i)
+            tl.sum(lane_3, axis=0), w, w_j, r_s, r_j)
 
 
 @triton.jit
-def _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s, next_i,
-          V):
-    """After a pass: accept the candidate, or narrow the bracket (top-p rows) and take the next candidate ->
-    (c, c_ok, c_key, lo, hi, done)."""
+def _limit(total, drop):
+    """A token stays iff the masses above it are below this."""
+    return total - tl.floor(total.to(tl.float64) * drop).to(tl.int64)
+
+
+@triton.jit
+def _after_check(c, c_key, s, s_key, s_ok, lo, drop, total, over_c, over_s):
+    """After a check pass: take the candidate, else the runner-up, else no candidate, the bracket's floor above both
+    (the kept set is an upper set) -> (c, c_ok, c_key, lo, done)."""
+    limit = _limit(total, drop)
+    take_c = over_c < limit
+    take_s = (take_c == 0) & s_ok & (over_s < limit)
+    done = take_c | take_s
+    lo = tl.where(done, lo, tl.maximum(lo, c_key))
+    lo = tl.where(done | (s_ok == 0), lo, tl.maximum(lo, s_key))
+    return tl.where(take_s, s, c), done, tl.where(take_s, s_key, c_key), lo, done
+
+
+@triton.jit
+def _after_search(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s,
+                  next_i, run_s, run_i, V):
+    """After a search pass: take the candidate, or narrow the bracket (top-p rows) and take the next candidate and
+    its runner-up -> (c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, check: the next pass is a check)."""
     topp = drop > 0.0
-    limit = total - tl.floor(total.to(tl.float64) * drop).to(tl.int64)     # a token stays iff over it < limit
+    limit = _limit(total, drop)
     accept = c_ok & ((topp == 0) | (c_key > hi) | (over_c < limit))
     move = (accept == 0) & topp
     lo = tl.where(move & c_ok, tl.maximum(lo, c_key), lo)
@@ -290,112 +387,147 @@ def _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_
     hi = tl.where(move & (over_3 < limit), tl.minimum(hi, p3), hi)
     hi = tl.where(move & (over_2 < limit), tl.minimum(hi, p2), hi)
     hi = tl.where(move & (over_1 < limit), tl.minimum(hi, p1), hi)
-    c = tl.where(accept, c, tl.where(next_i < V, next_i, 0))
-    c_key = _key(tl.load(row + c) * r)
-    c_ok = tl.where(accept, c_ok, (next_s > float("-inf")) & (c_key > lo))
-    return c, c_ok, c_key, lo, hi, accept | (c_ok & ((topp == 0) | (c_key > hi)))
+    n, n_key, n_ok, s, s_key, s_ok = _pair(row, r, next_i, next_s > float("-inf"), run_i, run_s > float("-inf"), lo,
+                                           V)
+    s_ok = s_ok & (accept == 0)
+    c = tl.where(accept, c, n)
+    c_key = tl.where(accept, c_key, n_key)
+    c_ok = tl.where(accept, c_ok, n_ok)
+    done = accept | (c_ok & ((topp == 0) | (c_key > hi)))
+    return c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, (done == 0) & c_ok & topp
 
 
 @triton.jit
 def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor_e, drop, HAS_TOP_K: tl.constexpr,
                      SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
-    """Step 3's start from the chunks' stats: (c, m_x, kth, c_key, c_ok, done, lo, hi)."""
+    """Step 3's start from the chunks' stats: (c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi). With
+    top-p the first pass checks an allowed candidate and runner-up."""
     max_l, top_id = _combined(stat_x, stat_i, b, chunks, V, 0, SLOTS, CHUNKS_PAD)
-    best, c = _combined(stat_x, stat_i, b, chunks, V, 1, SLOTS, CHUNKS_PAD)
-    c = tl.where(c < V, c, 0)
+    best, c, s_x, s = _combined_two(stat_x, stat_i, b, chunks, V, 1, SLOTS, CHUNKS_PAD)
     m_x = max_l * r
     kth = tl.zeros([], tl.int64)                        # keys >= kth pass top-k
     if HAS_TOP_K:
         if k < V:
             kth, need = radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
-    c_key, c_ok, done, lo, hi = _start(row, c, r, m_x, kth, floor_e, drop, G_SPAN)
-    return c, m_x, kth, c_key, c_ok, done, lo, hi
+    c_ok, c_key = _allowed(tl.load(row + tl.where(c < V, c, 0)) * r, m_x, kth, floor_e)
+    s_ok, s_key = _allowed(tl.load(row + tl.where(s < V, s, 0)) * r, m_x, kth, floor_e)
+    c, c_key, c_ok, s, s_key, s_ok = _pair(row, r, c, c_ok, s, s_ok & (s_x > float("-inf")), -1, V)
+    topp = drop > 0.0
+    lo = _key(m_x - G_SPAN)             # keys <= lo: not drawn; keys > hi: kept
+    return c, m_x, kth, c_key, c_ok, s, s_key, s_ok, c_ok & topp, c_ok & (topp == 0), lo, _key(m_x)
 
 
 @triton.jit
-def _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, done, lo, hi, TAKE: tl.constexpr,
-            ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Step 3's first TAKE rounds from their chunks' sums (mass int64 [B, ROUNDS, S, 5]) and next candidates (stat
-    slot 2 + round) -> (c, c_ok, c_key, done, lo, hi, the rounds a row not yet done took)."""
+def _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi,
+            TAKE: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Step 3's first TAKE rounds from their chunks' sums (mass int64 [B, ROUNDS, S, 5]) and a search's next
+    candidates (stat slots 3 + 2 round, its runner-up the slot after) -> the state after them and the rounds a row
+    not yet done took."""
     taken = tl.zeros([], tl.int32)
     q = tl.arange(0, CHUNKS_PAD)
     for rnd in tl.static_range(TAKE):
         if done == 0:
-            floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             at = ((b * ROUNDS + rnd) * chunks + q) * 5
             total = tl.sum(tl.load(mass + at, mask=q < chunks, other=0), axis=0)
             over_c = tl.sum(tl.load(mass + at + 1, mask=q < chunks, other=0), axis=0)
             over_1 = tl.sum(tl.load(mass + at + 2, mask=q < chunks, other=0), axis=0)
-            over_2 = tl.sum(tl.load(mass + at + 3, mask=q < chunks, other=0), axis=0)
-            over_3 = tl.sum(tl.load(mass + at + 4, mask=q < chunks, other=0), axis=0)
-            next_s, next_i = _combined(stat_x, stat_i, b, chunks, V, 2 + rnd, 2 + ROUNDS, CHUNKS_PAD)
-            c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
-                                                 over_1, over_2, over_3, next_s, next_i, V)
+            if check:
+                c, c_ok, c_key, lo, done = _after_check(c, c_key, s, s_key, s_ok, lo, drop, total, over_c, over_1)
+                check = tl.zeros([], tl.int1)
+            else:
+                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+                over_2 = tl.sum(tl.load(mass + at + 3, mask=q < chunks, other=0), axis=0)
+                over_3 = tl.sum(tl.load(mass + at + 4, mask=q < chunks, other=0), axis=0)
+                next_s, next_i, run_s, run_i = _combined_two(stat_x, stat_i, b, chunks, V, 3 + 2 * rnd, SLOTS,
+                                                             CHUNKS_PAD)
+                c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, check = _after_search(
+                    row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s,
+                    next_i, run_s, run_i, V)
             taken += 1
-    return c, c_ok, c_key, done, lo, hi, taken
+    return c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi, taken
 
 
 @triton.jit
 def _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, TOP_K: tl.constexpr,
-               TAKE: tl.constexpr, ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
-    """A sampled row's step 3 after its first TAKE rounds over chunks: (c, m_x, kth, c_key, c_ok, done, lo, hi, the
-    rounds it took)."""
-    c, m_x, kth, c_key, c_ok, done, lo, hi = _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k,
-                                                               floor_e, drop, TOP_K, 2 + ROUNDS, CHUNKS_PAD, G_SPAN)
-    c, c_ok, c_key, done, lo, hi, taken = _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key,
-                                                  done, lo, hi, TAKE, ROUNDS, CHUNKS_PAD)
-    return c, m_x, kth, c_key, c_ok, done, lo, hi, taken
+               TAKE: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+               G_SPAN: tl.constexpr):
+    """A sampled row's step 3 after its first TAKE rounds over chunks: (c, m_x, kth, c_key, c_ok, s, s_key, s_ok,
+    check, done, lo, hi, the rounds it took)."""
+    c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi = _first_candidate(
+        row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor_e, drop, TOP_K, SLOTS, CHUNKS_PAD, G_SPAN)
+    c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi, taken = _replay(
+        row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi, TAKE,
+        ROUNDS, SLOTS, CHUNKS_PAD)
+    return c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi, taken
 
 
 @triton.jit
 def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, P, F: tl.constexpr, ROUND: tl.constexpr,
-                 ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr):
+                 ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                 G_SPAN: tl.constexpr):
     """Step 3's pass ROUND over chunks, program (row b, chunk s) of a sampled row not done after the rounds before
-    (replayed from their sums): the chunk's sums (mass [b, ROUND, s]) and next candidate (stat slot 2 + ROUND)."""
+    (replayed from their sums): the chunk's sums (mass [b, ROUND, s]) and, for a search, its next candidate and
+    runner-up (stat slots 3 + 2 ROUND and the one after)."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
     row = logits + b * stride
     r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
     if sampled:
-        c, m_x, kth, c_key, c_ok, done, lo, hi, taken = _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks,
-                                                                    V, r, k, floor_e, drop, F.TOP_K, ROUND, ROUNDS,
-                                                                    CHUNKS_PAD, G_SPAN)
+        c, m_x, kth, c_key, c_ok, spare, s_key, s_ok, check, done, lo, hi, taken = _row_state(
+            row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, F.TOP_K, ROUND, ROUNDS, SLOTS,
+            CHUNKS_PAD, G_SPAN)
         if done == 0:
-            floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
             start = s * chunk
-            sums = _pass(row, start, tl.minimum(start + chunk, V), r, low, high, m_x, kth, floor_e, drop > 0.0,
-                         c_key, floor_key, p1, p2, p3, V, BLOCK)
+            end = tl.minimum(start + chunk, V)
             at = ((b * ROUNDS + ROUND) * chunks + s) * 5
-            for q in tl.static_range(5):
-                tl.store(mass + at + q, sums[q])
-            tl.store(stat_x + (b * chunks + s) * (2 + ROUNDS) + 2 + ROUND, sums[5])
-            tl.store(stat_i + (b * chunks + s) * (2 + ROUNDS) + 2 + ROUND, sums[6])
+            if check:
+                total, over_c, over_s = _check_pass(row, start, end, r, m_x, kth, floor_e, c_key, s_key, BLOCK)
+                tl.store(mass + at, total)
+                tl.store(mass + at + 1, over_c)
+                tl.store(mass + at + 2, over_s)
+            else:
+                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+                sums = _search_pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key,
+                                    p1, p2, p3, V, BLOCK)
+                for q in tl.static_range(5):
+                    tl.store(mass + at + q, sums[q])
+                slot = (b * chunks + s) * SLOTS + 3 + 2 * ROUND
+                tl.store(stat_x + slot, sums[5])
+                tl.store(stat_i + slot, sums[6])
+                tl.store(stat_x + slot + 1, sums[7])
+                tl.store(stat_i + slot + 1, sums[8])
 
 
 @triton.jit
 def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, chunks, P, F: tl.constexpr,
-                   ROUNDS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr, G_SPAN: tl.constexpr,
-                   MAX_PASSES: tl.constexpr):
-    """Row b: a greedy row's argmax from the chunks; a sampled row's step 3 from the chunks' first candidate, its
-    first ROUNDS rounds taken from `_pass_kernel`'s chunks, any later one over the whole row."""
+                   ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                   G_SPAN: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Row b: a greedy row's argmax from the chunks; a sampled row's step 3 from the chunks' winner and runner-up,
+    its first ROUNDS rounds taken from `_pass_kernel`'s chunks, any later one over the whole row."""
     b = tl.program_id(0).to(tl.int64)
     row = logits + b * stride
     r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
     if sampled:
-        c, m_x, kth, c_key, c_ok, done, lo, hi, passes = _row_state(row, stat_x, stat_i, hist, state, mass, b,
-                                                                     chunks, V, r, k, floor_e, drop, F.TOP_K, ROUNDS,
-                                                                     ROUNDS, CHUNKS_PAD, G_SPAN)
+        c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi, passes = _row_state(
+            row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, F.TOP_K, ROUNDS, ROUNDS,
+            SLOTS, CHUNKS_PAD, G_SPAN)
         while (done == 0) & (passes < MAX_PASSES):
-            floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
-            total, over_c, over_1, over_2, over_3, next_s, next_i = _pass(
-                row, 0, V, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V, BLOCK)
-            c, c_ok, c_key, lo, hi, done = _step(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c,
-                                                 over_1, over_2, over_3, next_s, next_i, V)
+            if check:
+                total, over_c, over_s = _check_pass(row, 0, V, r, m_x, kth, floor_e, c_key, s_key, BLOCK)
+                c, c_ok, c_key, lo, done = _after_check(c, c_key, s, s_key, s_ok, lo, drop, total, over_c, over_s)
+                check = tl.zeros([], tl.int1)
+            else:
+                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
+                total, over_c, over_1, over_2, over_3, next_s, next_i, run_s, run_i = _search_pass(
+                    row, 0, V, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V, BLOCK)
+                c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, check = _after_search(
+                    row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s,
+                    next_i, run_s, run_i, V)
             passes += 1
         token = c
     else:
-        max_l, token = _combined(stat_x, stat_i, b, chunks, V, 0, 2 + ROUNDS, CHUNKS_PAD)
+        max_l, token = _combined(stat_x, stat_i, b, chunks, V, 0, SLOTS, CHUNKS_PAD)
     tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
 
 
@@ -417,25 +549,27 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     chunk = BLOCK * triton.cdiv(triton.cdiv(V, BLOCK), chunks)    # whole blocks; the last chunk may be shorter
     chunks = triton.cdiv(V, chunk)
     dev = logits.device
-    rounds = rounds if min_p is not None or top_k is not None or drop_share is not None else 0
-    stat_x = torch.empty(B, chunks, 2 + rounds, dtype=torch.float32, device=dev)
-    stat_i = torch.empty(B, chunks, 2 + rounds, dtype=torch.int32, device=dev)
+    F = Filters(min_p is not None, top_k is not None, drop_share is not None)
+    filtered = F.MIN_P or F.TOP_K or F.TOP_P
+    rounds = rounds if filtered else 0
+    slots = 3 + 2 * rounds if filtered else 2   # max logit, winner, runner-up; a search's next two
+    stat_x = torch.empty(B, chunks, slots, dtype=torch.float32, device=dev)
+    stat_i = torch.empty(B, chunks, slots, dtype=torch.int32, device=dev)
     hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if top_k is not None else stat_i
     state = torch.empty(B, 4, 2, dtype=torch.int64, device=dev) if top_k is not None else out
     mass = torch.empty(B, rounds, chunks, 5, dtype=torch.int64, device=dev) if rounds else out
     dummy = inv_temperature
     P = Rows(inv_temperature, greedy, dummy if min_p is None else min_p, dummy if top_k is None else top_k,
              dummy if drop_share is None else drop_share, seeds, counters)
-    F = Filters(min_p is not None, top_k is not None, drop_share is not None)
     pad = triton.next_power_of_2(chunks)
-    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, P, F, 2 + rounds, BLOCK,
-                               num_warps=8)
+    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, P, F, slots, filtered,
+                               BLOCK, num_warps=8)
     if F.TOP_K:
         for p in (2, 3, 4):
             _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, P, p, pad, BLOCK, num_warps=8)
     for rnd in range(rounds):
         _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk, P, F, rnd,
-                                  rounds, pad, BLOCK, G_SPAN, num_warps=8)
+                                  rounds, slots, pad, BLOCK, G_SPAN, num_warps=8)
     _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunks, P, F, rounds,
-                         pad, BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
+                         slots, pad, BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
     return out
