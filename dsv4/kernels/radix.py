@@ -3,7 +3,9 @@
 stand for; pass p (1..4) histograms byte p (from the top) of the keys that share the bytes found so far, each chunk
 of a row in its own program, and every program of the next pass finds the next byte from the summed histograms.
 
-    hist   int32 [rows, 4, chunks, 256]   pass p's histogram of chunk s at [row, p - 1, s]
+    hist   int32 [rows, 4, chunks, 256]   pass p's histogram of chunk s at [row, p - 1, s]; a pass over the keys
+                                          that share earlier bytes may count them one by one (`count_bytes`) into a
+                                          histogram that a pass before cleared (`clear_hists`)
     state  int64 [rows, 4, 2]             after d bytes, at [row, d - 1]: (those bytes in place, how many keys that
                                           share them are still to be counted); chunk 0 of the pass that reads state
                                           d - 1 stores state d (no program writes what another reads)
@@ -95,3 +97,19 @@ def pass_prefix(hist, state, row, chunks, k, PASS: tl.constexpr, CHUNKS_PAD: tl.
 def store_hist(hist, row, h, PASS: tl.constexpr):
     """Pass PASS's histogram h [256] of the program's chunk (program (row, chunk): axis 1 numbers the chunks)."""
     tl.store(hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256 + tl.arange(0, 256), h)
+
+
+@triton.jit
+def clear_hists(hist, row, FIRST: tl.constexpr):
+    """Zeroes the histograms of passes FIRST..4 of the program's chunk, for `count_bytes`."""
+    for p in tl.static_range(FIRST, 5):
+        store_hist(hist, row, tl.zeros([256], tl.int32), p)
+
+
+@triton.jit
+def count_bytes(hist, row, key, mask, PASS: tl.constexpr):
+    """Adds the keys under mask to pass PASS's histogram of the program's chunk, bin byte PASS, one atomic add each.
+    A pass after the first counts only the keys that share the bytes found so far, few of a row: a relaxed atomic
+    for each of them takes fewer instructions than `tl.histogram`'s votes over every key."""
+    at = hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256 + byte_of(key, PASS)
+    tl.atomic_add(at, tl.full(key.shape, 1, tl.int32), mask=mask, sem="relaxed")

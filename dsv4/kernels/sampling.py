@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .host import num_sms
-from .radix import byte_of, chunks_for, pass_prefix, radix_state, shares_prefix, store_hist
+from .radix import byte_of, chunks_for, clear_hists, count_bytes, pass_prefix, radix_state, shares_prefix, store_hist
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
@@ -241,6 +241,7 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.const
         tl.store(stat_i + at + 2, r_j)
     if F.TOP_K:
         store_hist(hist, b, h, 1)
+        clear_hists(hist, b, 2)
 
 
 @triton.jit
@@ -248,7 +249,7 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
                   CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Step 2, pass PASS (2..4) for program (row b, chunk s) of a top-k row: the bytes so far from the earlier
     passes' histograms (chunk 0 stores them in state for the later passes), then the histogram of byte PASS of the
-    chunk's keys that share them."""
+    chunk's keys that share them, counted key by key into the histogram the first pass cleared."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -258,14 +259,12 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
         row = logits + b * stride
         r = tl.load(P.inv_temperature + b)
         offs = tl.arange(0, BLOCK)
-        h = tl.zeros([256], tl.int32)
         start = s * chunk
         end = tl.minimum(start + chunk, V)
         for j0 in range(start, end, BLOCK):
             j = j0 + offs
             key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
-            h += tl.histogram(byte_of(key, PASS), 256, mask=(j < end) & shares_prefix(key, prefix, PASS))
-        store_hist(hist, b, h, PASS)
+            count_bytes(hist, b, key, (j < end) & shares_prefix(key, prefix, PASS), PASS)
 
 
 @triton.jit
