@@ -215,7 +215,7 @@ def test_flat_and_peaked_rows_give_the_references_tokens():
 
 def test_top_k_and_min_p_rows_past_the_chunked_rounds():
     """Flat rows under top-k or min-p with top-p, which stay undone after the chunked rounds and make passes of their
-    own: the reference's tokens."""
+    own: the reference's tokens, with top-k's radix passes counting key by key and by histogram (counted_keys 0)."""
     g = torch.Generator().manual_seed(17)
     x = torch.randn(12, 5000, generator=g) * 1e-3
     x[:, 7] = float("-inf")
@@ -224,10 +224,10 @@ def test_top_k_and_min_p_rows_past_the_chunked_rounds():
               + [SamplingParams(top_k=40, min_p=0.999, top_p=0.5), SamplingParams(top_k=40)])
     batch = build(params, range(200, 212), vocab_size=5000)
     want = sample_reference(x, batch).token_ids
-    for chunks, rounds in ((1, 1), (3, 1), (3, ROUNDS)):
+    for chunks, rounds, counted_keys in ((1, 1, 0), (3, 1, 5000), (3, ROUNDS, 0), (3, ROUNDS, 5000)):
         got = sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                            batch.seeds, batch.counters, chunks=chunks, rounds=rounds)
-        assert torch.equal(got, want), (chunks, rounds)
+                            batch.seeds, batch.counters, chunks=chunks, rounds=rounds, counted_keys=counted_keys)
+        assert torch.equal(got, want), (chunks, rounds, counted_keys)
 
 
 def test_a_refused_winner_gives_way_to_the_runner_up():

@@ -6,8 +6,10 @@ target is <= 50 us a step at batch 64.
 
     python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--passes 5,8] [--out DIR]
     python bench/lab/sampler.py --toy                                                             # CPU dry run
+    python bench/lab/sampler.py --logits equal --batches 64         # every logit equal: top-k's worst case
 
-For each mix of sampling parameters and batch size: random logits (N(0, 3^2), a new set per rotated call), one
+For each mix of sampling parameters and batch size: random logits (N(0, 3^2), a new set per rotated call; with
+`--logits equal` every logit 0, where every key shares every byte of top-k's radix select and every token is kept), one
 batch of parameters, and the two samplers timed in turn, `--rounds` times; the median of each is printed with
 their ratio and how many rows drew a different token. The kernel's exp and log may differ from torch's in the last
 bit, which can move a token only at a near-tie (expect 0 rows in thousands); more than 1 % of the rows is an error.
@@ -57,6 +59,7 @@ def main():
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--passes", default="", help="other counts of chunked rejection passes to time, e.g. 5,8")
+    ap.add_argument("--logits", choices=("normal", "equal"), default="normal", help="N(0, 3^2) logits, or all 0")
     args = ap.parse_args()
     if args.toy:
         args.device, args.batches, args.vocab, args.rounds = "cpu", "1,8", 1000, 1
@@ -68,7 +71,8 @@ def main():
           f"| rows differ | graph")
     rows = []
     for b in map(int, args.batches.split(",")):
-        logits = [torch.randn(b, args.vocab, device=dev, generator=gen) * 3 for _ in range(rot)]
+        logits = [torch.randn(b, args.vocab, device=dev, generator=gen) * (3 if args.logits == "normal" else 0)
+                  for _ in range(rot)]
         for name, (params, all_filters) in mixes(b).items():
             batch = SamplingBatch.build(params, range(b), args.vocab, dev, unseeded_seed=7, all_filters=all_filters)
             samplers = dict(SAMPLERS)
@@ -77,8 +81,8 @@ def main():
             expected = sample_reference(logits[0], batch).token_ids
             differ = {sampler_name: int((fn(logits[0], batch).token_ids != expected).sum())
                       for sampler_name, fn in samplers.items() if sampler_name != "reference"}
-            row = dict(mix=name, B=b, V=args.vocab, rows_differ=max(differ.values()), rows_differ_by=differ,
-                       graph=dev.type == "cuda")
+            row = dict(mix=name, B=b, V=args.vocab, logits=args.logits, rows_differ=max(differ.values()),
+                       rows_differ_by=differ, graph=dev.type == "cuda")
             calls = {sampler_name: [lambda x=x, fn=fn, batch=batch: fn(x, batch) for x in logits]
                      for sampler_name, fn in samplers.items()}
             for sampler_name in samplers if row["graph"] else ():

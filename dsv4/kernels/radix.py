@@ -113,3 +113,10 @@ def count_bytes(hist, row, key, mask, PASS: tl.constexpr):
     for each of them takes fewer instructions than `tl.histogram`'s votes over every key."""
     at = hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256 + byte_of(key, PASS)
     tl.atomic_add(at, tl.full(key.shape, 1, tl.int32), mask=mask, sem="relaxed")
+
+
+@triton.jit
+def shared_keys(hist, row, chunks, prefix, PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """How many keys of the row share the prefix's bytes before byte PASS (2..4): pass PASS - 1's bin of them."""
+    h = summed_hist(hist, row, chunks, PASS - 1, CHUNKS_PAD)
+    return tl.sum(tl.where(tl.arange(0, 256) == byte_of(prefix, PASS - 1), h, 0), axis=0)

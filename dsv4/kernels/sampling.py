@@ -43,12 +43,14 @@ import triton
 import triton.language as tl
 
 from .host import num_sms
-from .radix import byte_of, chunks_for, clear_hists, count_bytes, pass_prefix, radix_state, shares_prefix, store_hist
+from .radix import (byte_of, chunks_for, clear_hists, count_bytes, pass_prefix, radix_state, shared_keys, shares_prefix,
+                    store_hist)
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
 G_SPAN = 21.0                 # x + g of a token with x <= max x - G_SPAN is below the top token's: it never wins
 MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
+COUNTED_KEYS = 4096           # a radix pass counts key by key up to this many keys of a row sharing the bytes so far
 ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
                               # is nearly always kept, and a step waits for its slowest row
                               # (docs/tuning.md#sampler-rounds)
@@ -245,11 +247,13 @@ def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.const
 
 
 @triton.jit
-def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
+def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr, COUNTED_KEYS: tl.constexpr,
                   CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """Step 2, pass PASS (2..4) for program (row b, chunk s) of a top-k row: the bytes so far from the earlier
     passes' histograms (chunk 0 stores them in state for the later passes), then the histogram of byte PASS of the
-    chunk's keys that share them, counted key by key into the histogram the first pass cleared."""
+    chunk's keys that share them: counted key by key into the histogram the first pass cleared where the row has at
+    most COUNTED_KEYS of them (a top-k row's usual case), else by `tl.histogram`'s votes over every key (many keys
+    on a few bins would queue their atomic adds: all of a row of equal logits)."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -261,10 +265,18 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr,
         offs = tl.arange(0, BLOCK)
         start = s * chunk
         end = tl.minimum(start + chunk, V)
-        for j0 in range(start, end, BLOCK):
-            j = j0 + offs
-            key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
-            count_bytes(hist, b, key, (j < end) & shares_prefix(key, prefix, PASS), PASS)
+        if shared_keys(hist, b, chunks, prefix, PASS, CHUNKS_PAD) <= COUNTED_KEYS:
+            for j0 in range(start, end, BLOCK):
+                j = j0 + offs
+                key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
+                count_bytes(hist, b, key, (j < end) & shares_prefix(key, prefix, PASS), PASS)
+        else:
+            h = tl.zeros([256], tl.int32)
+            for j0 in range(start, end, BLOCK):
+                j = j0 + offs
+                key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
+                h += tl.histogram(byte_of(key, PASS), 256, mask=(j < end) & shares_prefix(key, prefix, PASS))
+            store_hist(hist, b, h, PASS)
 
 
 @triton.jit
@@ -533,10 +545,10 @@ def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, ch
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
                   seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None,
-                  rounds: int = ROUNDS) -> torch.Tensor:
+                  rounds: int = ROUNDS, counted_keys: int = COUNTED_KEYS) -> torch.Tensor:
     """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
     programs take each row's chunked passes (by default `plan_chunks`'); rounds: rejection passes over chunks
-    before a row's own (with a filter)."""
+    before a row's own (with a filter); counted_keys: `_radix_kernel`'s bound on counting key by key."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
@@ -565,7 +577,8 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
                                BLOCK, num_warps=8)
     if F.TOP_K:
         for p in (2, 3, 4):
-            _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, P, p, pad, BLOCK, num_warps=8)
+            _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, P, p, counted_keys, pad, BLOCK,
+                                       num_warps=8)
     for rnd in range(rounds):
         _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk, P, F, rnd,
                                   rounds, slots, pad, BLOCK, G_SPAN, num_warps=8)
