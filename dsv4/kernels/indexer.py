@@ -21,9 +21,10 @@ visible entries (its position, when given: a row as wide as a long length bucket
 
 A row's program reads TOPK_ROW_BLOCK scores an iteration on TOPK_ROW_WARPS warps; with TOPK_ROW_TAIL, a remainder
 past the whole blocks of at most that many scores is read in one block of that size (a decode row at 8K context
-holds 2,049-2,050 visible scores: one block of 2048 and one of the tail, not two of 2048). Rows wider than
-TOPK_CHUNKED_KEYS take the radix select over (token, chunk) programs (`topk_chunks`), six launches: the four byte
-passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
+holds 2,049-2,050 visible scores: one block of 2048 and one of the tail, not two of 2048). A row of one block (and
+its tail) is read once and its passes run over the registers; longer rows are read again each pass (from L2). Rows
+wider than TOPK_CHUNKED_KEYS take the radix select over (token, chunk) programs (`topk_chunks`), six launches: the
+four byte passes (`_topk_radix_kernel`, `radix.radix_state`), a count of each chunk's keys above T and equal to T
 (`_topk_count_kernel`), and the write (`_topk_write_kernel`), where a chunk's picks start after those of the chunks
 before it and its ties after theirs.
 """
@@ -107,30 +108,54 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
                  BLOCK: tl.constexpr, TAIL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     row = scores + t * scores_t
+    out_row = out + t * out_t
     n = _visible(n, pos, t, RATIO)
     prefix = tl.zeros([], tl.int64)        # the bytes of T found so far
     need = tl.zeros([], tl.int32) + TOPK   # keys equal to the prefix still to take
-    finite = tl.zeros([], tl.int32)
+    zero = tl.zeros([], tl.int32)
     # blocks of BLOCK, but a remainder of at most TAIL scores in one block of TAIL: 2,049 scores cost a block of 2048
     # and one of TAIL, not two of 2048
     split = n
     if TAIL > 0:
         split = tl.where(n % BLOCK <= TAIL, n - n % BLOCK, n)
-    for p in tl.static_range(1, 5):
-        hist = _pass_hist(row, 0, split, prefix, p, BLOCK)
+    if split <= BLOCK:                      # one block (and the tail): read once, the passes over registers
+        ja = tl.arange(0, BLOCK)
+        key_a, valid_a = _ordered_keys(row, ja, split)
+        jb = split + tl.arange(0, TAIL if TAIL > 0 else 16)
+        key_b, valid_b = _ordered_keys(row, jb, n if TAIL > 0 else split)
+        finite = zero
+        for p in tl.static_range(1, 5):
+            hist = _block_hist(key_a, valid_a, prefix, p) + _block_hist(key_b, valid_b, prefix, p)
+            if p == 1:
+                finite = tl.sum(hist, axis=0)
+            prefix, need = next_byte(hist, prefix, need, p)
+        if finite <= TOPK:                  # every finite score is a pick
+            prefix = tl.zeros([], tl.int64)
+            need = zero
+        written, ties = _write_block(out_row, ja, key_a, valid_a, prefix, need, zero, zero)
+        written, ties = _write_block(out_row, jb, key_b, valid_b, prefix, need, written, ties)
+    else:
+        finite = zero
+        for p in tl.static_range(1, 5):
+            hist = _pass_hist(row, 0, split, prefix, p, BLOCK)
+            if TAIL > 0:
+                hist += _pass_hist(row, split, n, prefix, p, TAIL)
+            if p == 1:
+                finite = tl.sum(hist, axis=0)
+            prefix, need = next_byte(hist, prefix, need, p)
+        if finite <= TOPK:                  # every finite score is a pick
+            prefix = tl.zeros([], tl.int64)
+            need = zero
+        written, ties = _write_picks(row, out_row, 0, split, prefix, need, zero, zero, BLOCK)
         if TAIL > 0:
-            hist += _pass_hist(row, split, n, prefix, p, TAIL)
-        if p == 1:
-            finite = tl.sum(hist, axis=0)
-        prefix, need = next_byte(hist, prefix, need, p)
-    if finite <= TOPK:                      # every finite score is a pick
-        prefix = tl.zeros([], tl.int64)
-        need = tl.zeros([], tl.int32)
-    zero = tl.zeros([], tl.int32)
-    written, ties = _write_picks(row, out + t * out_t, 0, split, prefix, need, zero, zero, BLOCK)
-    if TAIL > 0:
-        written, ties = _write_picks(row, out + t * out_t, split, n, prefix, need, written, ties, TAIL)
-    _fill_after(out + t * out_t, written, TOPK)
+            written, ties = _write_picks(row, out_row, split, n, prefix, need, written, ties, TAIL)
+    _fill_after(out_row, written, TOPK)
+
+
+@triton.jit
+def _block_hist(key, valid, prefix, p: tl.constexpr):
+    """The histogram [256] of byte p of the finite keys of a block that share the prefix's bytes before it."""
+    return tl.histogram(byte_of(key, p), 256, mask=valid & shares_prefix(key, prefix, p))
 
 
 @triton.jit
@@ -140,23 +165,29 @@ def _pass_hist(row, start, end, prefix, p: tl.constexpr, BLOCK: tl.constexpr):
     hist = tl.zeros([256], tl.int32)
     for j0 in range(start, end, BLOCK):
         key, valid = _ordered_keys(row, j0 + tl.arange(0, BLOCK), end)
-        hist += tl.histogram(byte_of(key, p), 256, mask=valid & shares_prefix(key, prefix, p))
+        hist += _block_hist(key, valid, prefix, p)
     return hist
 
 
 @triton.jit
+def _write_block(out_row, j, key, valid, prefix, need, written, ties):
+    """Of a block's ids j, those with a key above prefix, and those with key prefix while the ties taken (`ties`
+    before the block) stay within need, stored in id order from out_row[written] -> (the picks written, the ties
+    seen) then."""
+    tie = valid & (key == prefix)
+    take = (valid & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), axis=0) <= need))
+    at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(out_row + at, j.to(tl.int64), mask=take)
+    return written + tl.sum(take.to(tl.int32), axis=0), ties + tl.sum(tie.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _write_picks(row, out_row, start, end, prefix, need, written, ties, BLOCK: tl.constexpr):
-    """The ids in [start, end) with a key above prefix, and those with key prefix while the ties taken (`ties` before
-    start) stay within need, stored in id order from out_row[written] -> (the picks written, the ties seen) then."""
+    """`_write_block` over the ids [start, end), read BLOCK at a time."""
     for j0 in range(start, end, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
         key, valid = _ordered_keys(row, j, end)
-        tie = valid & (key == prefix)
-        take = (valid & (key > prefix)) | (tie & (ties + tl.cumsum(tie.to(tl.int32), axis=0) <= need))
-        at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out_row + at, j.to(tl.int64), mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
-        ties += tl.sum(tie.to(tl.int32), axis=0)
+        written, ties = _write_block(out_row, j, key, valid, prefix, need, written, ties)
     return written, ties
 
 
