@@ -7,6 +7,7 @@ target is <= 50 us a step at batch 64.
     python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--passes 5,8] [--out DIR]
     python bench/lab/sampler.py --toy                                                             # CPU dry run
     python bench/lab/sampler.py --logits equal --batches 64         # every logit equal: top-k's worst case
+    python bench/lab/sampler.py --batches 64 --profile                  # + each launch's time (torch.profiler)
 
 For each mix of sampling parameters and batch size: random logits (N(0, 3^2), a new set per rotated call; with
 `--logits equal` every logit 0, where every key shares every byte of top-k's radix select and every token is kept), one
@@ -18,7 +19,9 @@ that fails is reported and the calls are then timed without a graph. Mixes: "pla
 "top-p 0.95", "top-k 50, top-p 0.95" (temperature 0.8), and "mixed, all filters" (rows with and without seeds,
 greedy and filtered, built with all_filters=True: the batch a CUDA graph of the decode step holds). `--passes`
 also times the kernel with other counts of rejection passes over chunks (`kernels.sampling.sample_tokens(rounds=)`,
-default `sampling.ROUNDS`) as "kernel, N passes", their tokens checked against the reference's too.
+default `sampling.ROUNDS`) as "kernel, N passes", their tokens checked against the reference's too. `--profile` (CUDA)
+also runs the kernel sampler 16 times, eagerly, under torch.profiler and prints each of a call's launches in order
+with its mean time (the JSON row's "launches").
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--passes", default="", help="other counts of chunked rejection passes to time, e.g. 5,8")
     ap.add_argument("--logits", choices=("normal", "equal"), default="normal", help="N(0, 3^2) logits, or all 0")
+    ap.add_argument("--profile", action="store_true", help="each launch's mean time under torch.profiler (CUDA)")
     args = ap.parse_args()
     if args.toy:
         args.device, args.batches, args.vocab, args.rounds = "cpu", "1,8", 1000, 1
@@ -104,6 +108,10 @@ def main():
             for sampler_name in list(samplers)[len(SAMPLERS):]:
                 print(f"{label:5s} {name:22s} {b:4d} {args.vocab:7d} | {sampler_name:>21s} "
                       f"{row[sampler_name]['us']:10.1f} | {differ[sampler_name]:11d}", flush=True)
+            if args.profile and dev.type == "cuda":
+                row["launches"] = launch_profile(lambda x, batch=batch: sample(x, batch), logits)
+                print(f"{label:5s} {name:22s} {b:4d} launches: "
+                      + ", ".join(f"{n} {us:.1f}" for n, us in row["launches"]), flush=True)
             rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,6 +119,24 @@ def main():
     bad = [f"{r['mix']} B={r['B']}: {r['rows_differ']} rows" for r in rows if r["rows_differ"] > 0.01 * r["B"]]
     if bad:
         raise SystemExit(f"sample and sample_reference drew different tokens in more than 1 % of the rows: {bad}")
+
+
+def launch_profile(fn, logits: list[torch.Tensor], calls: int = 16) -> list[tuple[str, float]]:
+    """Each of a call's CUDA launches in order -> (kernel name, mean us over `calls` eager calls of fn over the rotated
+    logits); copies and fills left out."""
+    from torch.profiler import ProfilerActivity, profile
+    for x in logits:
+        fn(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(calls):
+            fn(logits[i % len(logits)])
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith(("Memcpy", "Memset"))]
+    per_call = len(events) // calls
+    return [(events[i].name.split("_kernel")[0].lstrip("_"),
+             statistics.mean(e.device_time_total for e in events[i:per_call * calls:per_call]))
+            for i in range(per_call)]
 
 
 def _kernel_draw(logits, batch, passes: int):

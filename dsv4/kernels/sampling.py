@@ -50,7 +50,8 @@ from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 BLOCK = 2048                  # logits per iteration of a pass
 G_SPAN = 21.0                 # x + g of a token with x <= max x - G_SPAN is below the top token's: it never wins
 MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
-COUNTED_KEYS = 4096           # a radix pass counts key by key up to this many keys of a row sharing the bytes so far
+COUNTED_KEYS = 16384          # a radix pass counts key by key up to this many keys of a row sharing the bytes so far
+                              # (docs/tuning.md#sampler-rounds)
 ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
                               # is nearly always kept, and a step waits for its slowest row
                               # (docs/tuning.md#sampler-rounds)
@@ -253,7 +254,7 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr, 
     passes' histograms (chunk 0 stores them in state for the later passes), then the histogram of byte PASS of the
     chunk's keys that share them: counted key by key into the histogram the first pass cleared where the row has at
     most COUNTED_KEYS of them (a top-k row's usual case), else by `tl.histogram`'s votes over every key (many keys
-    on a few bins would queue their atomic adds: all of a row of equal logits)."""
+    on a few bins would queue their atomic adds: a row of equal logits, or a masked row whose k-th key is -inf)."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
