@@ -126,12 +126,8 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
         finite = zero
         for p in tl.static_range(1, 5):
             hist = _block_hist(key_a, valid_a, prefix, p) + _block_hist(key_b, valid_b, prefix, p)
-            if p == 1:
-                finite = tl.sum(hist, axis=0)
-            prefix, need = next_byte(hist, prefix, need, p)
-        if finite <= TOPK:                  # every finite score is a pick
-            prefix = tl.zeros([], tl.int64)
-            need = zero
+            prefix, need, finite = _row_byte(hist, prefix, need, finite, p)
+        prefix, need = _threshold(prefix, need, finite, TOPK)
         written, ties = _write_block(out_row, ja, key_a, valid_a, prefix, need, zero, zero)
         written, ties = _write_block(out_row, jb, key_b, valid_b, prefix, need, written, ties)
     else:
@@ -140,16 +136,30 @@ def _topk_kernel(scores, out, n, scores_t, out_t, pos, RATIO: tl.constexpr, TOPK
             hist = _pass_hist(row, 0, split, prefix, p, BLOCK)
             if TAIL > 0:
                 hist += _pass_hist(row, split, n, prefix, p, TAIL)
-            if p == 1:
-                finite = tl.sum(hist, axis=0)
-            prefix, need = next_byte(hist, prefix, need, p)
-        if finite <= TOPK:                  # every finite score is a pick
-            prefix = tl.zeros([], tl.int64)
-            need = zero
+            prefix, need, finite = _row_byte(hist, prefix, need, finite, p)
+        prefix, need = _threshold(prefix, need, finite, TOPK)
         written, ties = _write_picks(row, out_row, 0, split, prefix, need, zero, zero, BLOCK)
         if TAIL > 0:
             written, ties = _write_picks(row, out_row, split, n, prefix, need, written, ties, TAIL)
     _fill_after(out_row, written, TOPK)
+
+
+@triton.jit
+def _row_byte(hist, prefix, need, finite, p: tl.constexpr):
+    """`next_byte` of a row's select from byte p's histogram -> (prefix, need, the row's finite keys: the first
+    histogram's total)."""
+    if p == 1:
+        finite = tl.sum(hist, axis=0)
+    prefix, need = next_byte(hist, prefix, need, p)
+    return prefix, need, finite
+
+
+@triton.jit
+def _threshold(prefix, need, finite, TOPK: tl.constexpr):
+    """(T, the ties to take) after the four bytes: 0 and 0 where the row has at most TOPK finite keys, every one a
+    pick."""
+    every = finite <= TOPK
+    return tl.where(every, 0, prefix), tl.where(every, 0, need)
 
 
 @triton.jit
