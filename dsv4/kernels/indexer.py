@@ -241,7 +241,7 @@ def _topk_radix_kernel(scores, hist, state, n, scores_t, pos, chunk, RATIO: tl.c
     row = scores + t * scores_t
     prefix = tl.zeros([], tl.int64)
     if PASS > 1:
-        prefix = pass_prefix(hist, state, t, chunks, tl.full([], TOPK, tl.int32), PASS, CHUNKS_PAD)
+        prefix, shared = pass_prefix(hist, state, t, chunks, tl.full([], TOPK, tl.int32), PASS, CHUNKS_PAD)
     start, end = _chunk_span(n, pos, t, chunk, RATIO)
     store_hist(hist, t, _pass_hist(row, start, end, prefix, PASS, BLOCK), PASS)
 

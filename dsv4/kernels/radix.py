@@ -43,11 +43,20 @@ def radix_state(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: t
     """Row `row`'s select of the k-th largest key after DIGITS bytes: (the bytes in place, how many keys sharing them
     are still to be counted) from state DIGITS - 1 (the initial (0, k) for the first byte) and pass DIGITS's
     histograms, summed over the row's chunks."""
+    prefix, need, shared = _radix_step(hist, state, row, chunks, k, DIGITS, CHUNKS_PAD)
+    return prefix, need
+
+
+@triton.jit
+def _radix_step(hist, state, row, chunks, k, DIGITS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """`radix_state`'s (prefix, need), and how many keys of the row share that prefix (its byte's bin)."""
     prefix = tl.zeros([], tl.int64)
     need = k.to(tl.int64)
     if DIGITS > 1:
         prefix, need = load_state(state, row, DIGITS - 1)
-    return next_byte(summed_hist(hist, row, chunks, DIGITS, CHUNKS_PAD).to(tl.int64), prefix, need, DIGITS)
+    h = summed_hist(hist, row, chunks, DIGITS, CHUNKS_PAD).to(tl.int64)
+    prefix, need = next_byte(h, prefix, need, DIGITS)
+    return prefix, need, tl.sum(tl.where(tl.arange(0, 256) == byte_of(prefix, DIGITS), h, 0), axis=0)
 
 
 @triton.jit
@@ -85,18 +94,24 @@ def store_state(state, row, prefix, need, DIGITS: tl.constexpr):
 
 @triton.jit
 def pass_prefix(hist, state, row, chunks, k, PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """The bytes before byte PASS (2..4) that pass PASS's programs histogram under: from the earlier passes, chunk 0
-    of the row storing them as state PASS - 1 for the passes after."""
-    prefix, need = radix_state(hist, state, row, chunks, k, PASS - 1, CHUNKS_PAD)
+    """The bytes before byte PASS (2..4) that pass PASS's programs histogram under, and how many keys of the row
+    share them: from the earlier passes, chunk 0 of the row storing them as state PASS - 1 for the passes after."""
+    prefix, need, shared = _radix_step(hist, state, row, chunks, k, PASS - 1, CHUNKS_PAD)
     if tl.program_id(1) == 0:
         store_state(state, row, prefix, need, PASS - 1)
-    return prefix
+    return prefix, shared
 
 
 @triton.jit
 def store_hist(hist, row, h, PASS: tl.constexpr):
-    """Pass PASS's histogram h [256] of the program's chunk (program (row, chunk): axis 1 numbers the chunks)."""
-    tl.store(hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256 + tl.arange(0, 256), h)
+    """Pass PASS's histogram h [256] of the program's chunk."""
+    tl.store(_chunk_hist(hist, row, PASS) + tl.arange(0, 256), h)
+
+
+@triton.jit
+def _chunk_hist(hist, row, PASS: tl.constexpr):
+    """Where pass PASS's histogram of the program's chunk starts (program (row, chunk): axis 1 numbers the chunks)."""
+    return hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256
 
 
 @triton.jit
@@ -111,12 +126,6 @@ def count_bytes(hist, row, key, mask, PASS: tl.constexpr):
     """Adds the keys under mask to pass PASS's histogram of the program's chunk, bin byte PASS, one atomic add each.
     A pass after the first counts only the keys that share the bytes found so far, few of a row: a relaxed atomic
     for each of them takes fewer instructions than `tl.histogram`'s votes over every key."""
-    at = hist + ((row * 4 + PASS - 1) * tl.num_programs(1) + tl.program_id(1)) * 256 + byte_of(key, PASS)
-    tl.atomic_add(at, tl.full(key.shape, 1, tl.int32), mask=mask, sem="relaxed")
+    tl.atomic_add(_chunk_hist(hist, row, PASS) + byte_of(key, PASS), tl.full(key.shape, 1, tl.int32), mask=mask,
+                  sem="relaxed")
 
-
-@triton.jit
-def shared_keys(hist, row, chunks, prefix, PASS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """How many keys of the row share the prefix's bytes before byte PASS (2..4): pass PASS - 1's bin of them."""
-    h = summed_hist(hist, row, chunks, PASS - 1, CHUNKS_PAD)
-    return tl.sum(tl.where(tl.arange(0, 256) == byte_of(prefix, PASS - 1), h, 0), axis=0)

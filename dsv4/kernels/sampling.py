@@ -43,8 +43,7 @@ import triton
 import triton.language as tl
 
 from .host import num_sms
-from .radix import (byte_of, chunks_for, clear_hists, count_bytes, pass_prefix, radix_state, shared_keys, shares_prefix,
-                    store_hist)
+from .radix import byte_of, chunks_for, clear_hists, count_bytes, pass_prefix, radix_state, shares_prefix, store_hist
 from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
@@ -260,46 +259,54 @@ def _radix_kernel(logits, hist, state, V, stride, chunk, P, PASS: tl.constexpr, 
     chunks = tl.num_programs(1)
     k = tl.minimum(tl.load(P.top_k + b), V).to(tl.int32)
     if (tl.load(P.greedy + b) == 0) & (k < V):
-        prefix = pass_prefix(hist, state, b, chunks, k, PASS, CHUNKS_PAD)
+        prefix, shared = pass_prefix(hist, state, b, chunks, k, PASS, CHUNKS_PAD)
         row = logits + b * stride
         r = tl.load(P.inv_temperature + b)
-        offs = tl.arange(0, BLOCK)
         start = s * chunk
         end = tl.minimum(start + chunk, V)
-        if shared_keys(hist, b, chunks, prefix, PASS, CHUNKS_PAD) <= COUNTED_KEYS:
+        if shared <= COUNTED_KEYS:         # two loops, not a branch in one: the counting loop stays short
             for j0 in range(start, end, BLOCK):
-                j = j0 + offs
-                key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
-                count_bytes(hist, b, key, (j < end) & shares_prefix(key, prefix, PASS), PASS)
+                key, mask = _sharing_keys(row, j0, end, r, prefix, PASS, BLOCK)
+                count_bytes(hist, b, key, mask, PASS)
         else:
             h = tl.zeros([256], tl.int32)
             for j0 in range(start, end, BLOCK):
-                j = j0 + offs
-                key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
-                h += tl.histogram(byte_of(key, PASS), 256, mask=(j < end) & shares_prefix(key, prefix, PASS))
+                key, mask = _sharing_keys(row, j0, end, r, prefix, PASS, BLOCK)
+                h += tl.histogram(byte_of(key, PASS), 256, mask=mask)
             store_hist(hist, b, h, PASS)
 
 
 @triton.jit
-def _allowed(x, m_x, kth, floor_e):
-    """Whether x passes min-p and top-k, and its key."""
-    key = _key(x)
-    return (key >= kth) & (tl.exp(x - m_x) >= floor_e), key
+def _sharing_keys(row, j0, end, r, prefix, PASS: tl.constexpr, BLOCK: tl.constexpr):
+    """The keys of x at tokens [j0, j0 + BLOCK) and which of them (below end) share the prefix's bytes before byte
+    PASS."""
+    j = j0 + tl.arange(0, BLOCK)
+    key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
+    return key, (j < end) & shares_prefix(key, prefix, PASS)
 
 
 @triton.jit
-def _pair(row, r, c, c_ok, s, s_ok, lo, V):
-    """A candidate c and a runner-up s (ids; V: none) with whether each may be drawn if its key is above lo -> (c,
-    c_key, c_ok, s, s_key, s_ok): the runner-up stands in for a candidate that may not be."""
-    c = tl.where(c < V, c, 0)
-    s = tl.where(s < V, s, 0)
-    c_key = _key(tl.load(row + c) * r)
-    s_key = _key(tl.load(row + s) * r)
-    c_ok = c_ok & (c_key > lo)
-    s_ok = s_ok & (s_key > lo)
+def _allowed(x, m_x, kth, floor_e):
+    """Whether x passes min-p and top-k, its key and exp(x - max x)."""
+    key = _key(x)
+    e = tl.exp(x - m_x)
+    return (key >= kth) & (e >= floor_e), key, e
+
+
+@triton.jit
+def _pair(c, c_key, c_ok, s, s_key, s_ok):
+    """A candidate and a runner-up (ids, keys, whether each may be drawn) -> the same, the runner-up standing in for
+    a candidate that may not be."""
     promote = (c_ok == 0) & s_ok
     return (tl.where(promote, s, c), tl.where(promote, s_key, c_key), c_ok | s_ok, s, s_key,
             s_ok & (promote == 0))
+
+
+@triton.jit
+def _x_at(row, r, i, V):
+    """Token i's x (i clamped to 0 where it is V: none), and the clamped id."""
+    i = tl.where(i < V, i, 0)
+    return tl.load(row + i) * r, i
 
 
 @triton.jit
@@ -318,8 +325,8 @@ def _check_pass(row, start, end, r, m_x, kth, floor_e, c_key, s_key, BLOCK: tl.c
     for j0 in range(start, end, BLOCK):
         j = j0 + offs
         x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
-        ok, key = _allowed(x, m_x, kth, floor_e)
-        m = tl.where(ok & (j < end), tl.math.ceil(tl.exp(x - m_x) * _MASS_SCALE), 0.0).to(tl.int64)
+        ok, key, e = _allowed(x, m_x, kth, floor_e)
+        m = tl.where(ok & (j < end), tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
         lane_total += m
         lane_c += tl.where(key > c_key, m, 0)
         lane_s += tl.where(key > s_key, m, 0)
@@ -345,9 +352,8 @@ def _search_pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, 
     for j0 in range(start, end, BLOCK):
         j = j0 + offs
         x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
-        key = _key(x)
-        e = tl.exp(x - m_x)
-        allowed = (j < end) & (key >= kth) & (e >= floor_e)
+        allowed, key, e = _allowed(x, m_x, kth, floor_e)
+        allowed = allowed & (j < end)
         if topp:
             m = tl.where(allowed, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
             lane_total += m
@@ -399,8 +405,12 @@ def _after_search(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_
     hi = tl.where(move & (over_3 < limit), tl.minimum(hi, p3), hi)
     hi = tl.where(move & (over_2 < limit), tl.minimum(hi, p2), hi)
     hi = tl.where(move & (over_1 < limit), tl.minimum(hi, p1), hi)
-    n, n_key, n_ok, s, s_key, s_ok = _pair(row, r, next_i, next_s > float("-inf"), run_i, run_s > float("-inf"), lo,
-                                           V)
+    n_x, n = _x_at(row, r, next_i, V)
+    s_x, s = _x_at(row, r, run_i, V)
+    n_key = _key(n_x)
+    s_key = _key(s_x)
+    n, n_key, n_ok, s, s_key, s_ok = _pair(n, n_key, (next_s > float("-inf")) & (n_key > lo), s, s_key,
+                                           (run_s > float("-inf")) & (s_key > lo))
     s_ok = s_ok & (accept == 0)
     c = tl.where(accept, c, n)
     c_key = tl.where(accept, c_key, n_key)
@@ -415,15 +425,17 @@ def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor
     """Step 3's start from the chunks' stats: (c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi). With
     top-p the first pass checks an allowed candidate and runner-up."""
     max_l, top_id = _combined(stat_x, stat_i, b, chunks, V, 0, SLOTS, CHUNKS_PAD)
-    best, c, s_x, s = _combined_two(stat_x, stat_i, b, chunks, V, 1, SLOTS, CHUNKS_PAD)
+    best, c, s_score, s = _combined_two(stat_x, stat_i, b, chunks, V, 1, SLOTS, CHUNKS_PAD)
     m_x = max_l * r
     kth = tl.zeros([], tl.int64)                        # keys >= kth pass top-k
     if HAS_TOP_K:
         if k < V:
             kth, need = radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
-    c_ok, c_key = _allowed(tl.load(row + tl.where(c < V, c, 0)) * r, m_x, kth, floor_e)
-    s_ok, s_key = _allowed(tl.load(row + tl.where(s < V, s, 0)) * r, m_x, kth, floor_e)
-    c, c_key, c_ok, s, s_key, s_ok = _pair(row, r, c, c_ok, s, s_ok & (s_x > float("-inf")), -1, V)
+    c_x, c = _x_at(row, r, c, V)
+    s_x, s = _x_at(row, r, s, V)
+    c_ok, c_key, c_e = _allowed(c_x, m_x, kth, floor_e)
+    s_ok, s_key, s_e = _allowed(s_x, m_x, kth, floor_e)
+    c, c_key, c_ok, s, s_key, s_ok = _pair(c, c_key, c_ok, s, s_key, s_ok & (s_score > float("-inf")))
     topp = drop > 0.0
     lo = _key(m_x - G_SPAN)             # keys <= lo: not drawn; keys > hi: kept
     return c, m_x, kth, c_key, c_ok, s, s_key, s_ok, c_ok & topp, c_ok & (topp == 0), lo, _key(m_x)
