@@ -4,6 +4,7 @@ Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in i
 
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 --pair --tiled --gcol --shared fp8
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py --sampler       # the sampler's passes, per logit
 
 Needs the Triton release the device runs (3.6: a wheel unpacked into a folder on PYTHONPATH; its bundled
 ptxas and cuobjdump do the rest). Prints instructions per weight element in the innermost loop that holds
@@ -29,7 +30,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4.kernels import gemv, moe_pair, policy  # noqa: E402
+from dsv4.kernels import gemv, moe_pair, policy, sampling  # noqa: E402
 from dsv4.kernels.gemv_launch import Io, Layout, Stored, Units  # noqa: E402
 from dsv4.kernels.host import Operand  # noqa: E402
 from dsv4.kernels.policy import GemvConfig  # noqa: E402
@@ -133,7 +134,8 @@ def compile_qgemm(fmt: str, rows: int, epi: int, bm: int = 16, bn: int = 128, bk
                           options={"num_warps": warps, "num_stages": stages})
 
 
-def loop_counts(cubin: bytes):
+def dump(cubin: bytes) -> tuple[list[tuple[int, str]], str]:
+    """A cubin's SASS as (address, instruction) pairs, and cuobjdump's resource usage text."""
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -141,8 +143,12 @@ def loop_counts(cubin: bytes):
         sass = subprocess.run([str(tools / "cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True).stdout
         usage = subprocess.run([str(tools / "cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                                text=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           (re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    return [(int(m.group(1), 16), m.group(2).strip()) for m in
+            (re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in sass.splitlines()) if m], usage
+
+
+def loop_counts(cubin: bytes):
+    ins, usage = dump(cubin)
     best = None
     for addr, text in ins:  # the innermost backward branch whose body holds an MMA
         m = re.search(r"BRA (0x[0-9a-f]+)", text)
@@ -154,6 +160,41 @@ def loop_counts(cubin: bytes):
                   if best and best[0] <= a <= best[1])
     regs = re.findall(r"REG:(\d+)", usage)
     return ops, sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL"))), regs[0] if regs else "?"
+
+
+SAMPLER_TYPES = dict(logits="*fp32", stat_x="*fp32", stat_i="*i32", hist="*i32", state="*i64", mass="*i64",
+                     out="*i64", P=sampling.Rows("*fp32", "*i1", "*fp32", "*i64", "*fp64", "*i64", "*i64"))
+SAMPLER_CASES = [   # (what, kernel, filters (min-p, top-k, top-p), its constexprs besides F and BLOCK)
+    ("first pass, top-p", "_chunk_kernel", (False, False, True), dict(SLOTS=9, RUNNER_UP=True)),
+    ("first pass, every filter", "_chunk_kernel", (True, True, True), dict(SLOTS=9, RUNNER_UP=True)),
+    ("round 0, top-p (a check)", "_pass_kernel", (False, False, True), dict(ROUND=0)),
+    ("round 1, top-p (a search)", "_pass_kernel", (False, False, True), dict(ROUND=1)),
+    ("round 0, every filter (check; search)", "_pass_kernel", (True, True, True), dict(ROUND=0)),
+    ("radix pass 2 (counted; votes)", "_radix_kernel", None, dict(PASS=2, COUNTED_KEYS=sampling.COUNTED_KEYS)),
+]
+
+
+def sampler_counts() -> None:
+    """The SASS instructions a logit of each loop of the sampler's passes (`kernels/sampling.py`: BLOCK logits an
+    iteration on 8 warps), as the docs quote them."""
+    for what, name, filters, consts in SAMPLER_CASES:
+        fn = getattr(sampling, name)
+        consts = dict(consts, BLOCK=sampling.BLOCK)
+        if filters is not None:
+            consts["F"] = sampling.Filters(*filters)
+        if name == "_pass_kernel":
+            consts.update(ROUNDS=sampling.ROUNDS, SLOTS=3 + 2 * sampling.ROUNDS, CHUNKS_PAD=4, G_SPAN=sampling.G_SPAN)
+        if name == "_radix_kernel":
+            consts["CHUNKS_PAD"] = 4
+        sig = {n: "constexpr" if n in consts else SAMPLER_TYPES.get(n, "i32") for n in fn.arg_names}
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        ins, usage = dump(k.asm["cubin"])
+        loops = [sum(1 for a, _ in ins if int(m.group(1), 16) <= a <= addr) for addr, t in ins
+                 if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
+        per_logit = sampling.BLOCK / (8 * 32)
+        regs = re.findall(r"REG:(\d+)", usage)
+        print(f"{what}: instructions a logit in its loops {[round(n / per_logit, 1) for n in loops]}; registers "
+              f"{regs[0] if regs else '?'}")
 
 
 def main():
@@ -175,7 +216,11 @@ def main():
                     "counts its tightest MMA loop)")
     ap.add_argument("--qgemm", action="store_true", help="the fused tiles (`compile_qgemm`, aligned as at V4's "
                     "shapes; formats may include dense) at BM 16, --bn, BK 128, split-K, --warps, --stages")
+    ap.add_argument("--sampler", action="store_true", help="the sampler's passes instead (`sampler_counts`)")
     args = ap.parse_args()
+    if args.sampler:
+        sampler_counts()
+        return
     for fmt in args.formats:
         if args.qgemm:
             k = compile_qgemm(fmt, policy.ROWS_DENSE, 0, 16, args.bn, 128, True, args.warps, args.stages, True)
