@@ -7,7 +7,7 @@ import functools
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -238,6 +238,16 @@ def bench_start(toy: bool) -> tuple[torch.device, torch.Generator, Timer, float]
     copy = 1.0 if toy else copy_bandwidth(dev)
     print(f"copy bandwidth {copy:.0f} GB/s")
     return dev, torch.Generator(device=dev).manual_seed(0), Timer(dev), copy
+
+
+def on_one_stream(model: torch.nn.Module) -> None:
+    """Every module's `Ops` table with `beside` (`kernels.Ops`) running its work at once on the current stream: the
+    model without its second stream, for comparisons."""
+    from dsv4.kernels import Ops, in_order
+    for module in model.modules():
+        ops = getattr(module, "ops", None)
+        if isinstance(ops, Ops):
+            module.ops = replace(ops, beside=in_order)
 
 
 def dummy_bench_model(model: str, layers: int, fmt: str, device: str | None):

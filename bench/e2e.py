@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import on_one_stream  # noqa: E402
 from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import ops_for  # noqa: E402
@@ -407,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="fp8: the attention's entries and the indexer's keys in fp8; fp8-indexer: the keys only")
     ap.add_argument("--sequence", action="store_true", help="keep each decode case's profiled step as its kernels "
                     "in order in the JSON (`sequence`: name, start and duration in us)")
+    ap.add_argument("--one-stream", action="store_true", help="every layer's `Ops.beside` work (the compressors) "
+                    "on the step's one stream, not beside the query products on a second")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -424,7 +427,9 @@ def main(argv: list[str] | None = None) -> dict:
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
     res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-               kv_cache_dtype=args.kv_cache_dtype, one_rank_of=args.one_rank_of)
+               kv_cache_dtype=args.kv_cache_dtype, one_rank_of=args.one_rank_of, one_stream=args.one_stream)
+    if args.one_stream and args.tensor_parallel_size > 1:
+        raise SystemExit("--one-stream changes the model of this process: not with --tensor-parallel-size")
     if args.one_rank_of > 1 and args.tensor_parallel_size > 1:
         raise SystemExit("--one-rank-of runs one rank of a layout on one GPU: not with --tensor-parallel-size")
     for fmt in args.format.split(","):
@@ -452,6 +457,8 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             if device.type == "cuda":
                 model.prepare_for_kernels_()
+            if args.one_stream:
+                on_one_stream(model)
             sync(device)
             build_s = time.perf_counter() - t
             for batch in ints(args.batch):

@@ -9,7 +9,9 @@ a different key split or tile rounds differently, which can flip a near-tie of d
     python bench/graph_check.py --model tiny --out DIR          # CPU: the runner's padded path without capture
     python bench/graph_check.py --tensor-parallel-size 2 --out DIR   # two GPUs: every rank replays its graphs
 
-On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
+On CUDA it also runs the eager engine once more with every layer's `Ops.beside` work (the compressors) on the one
+stream (`one_stream_identical`): the second stream must change no token (a missing wait would let attention read
+entries the compressors have not written yet). On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
 (its padded static-buffer path), the comparison the tests make. With --tensor-parallel-size N the two engines are
 parallel `dsv4.LLM`s of dummy weights (the same seed: the same weights), their decode graphs captured on every rank
 (one-shot all-reduce inside them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1
@@ -28,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import dummy_bench_model  # noqa: E402
+from common import dummy_bench_model, on_one_stream  # noqa: E402
 
 from dsv4.runtime.cache import KVCache  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         plain_engine.graphs = None
         plain = generate(plain_engine, prompts, list(new))
     graphed = generate(graphed_engine, prompts, list(new))
+    one_stream = None
+    if device.type == "cuda":
+        on_one_stream(model)
+        one_stream = generate(Engine(model, enforce_eager=True, **kw), prompts, list(new))
     same = [a == b for a, b in zip(eager, graphed)]
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "layers": args.layers, "format": args.format, "captured": device.type == "cuda",
@@ -89,11 +95,14 @@ def main(argv: list[str] | None = None) -> int:
            "first_difference": first_differences(eager, graphed), "seconds": time.perf_counter() - t}
     if plain is not None:
         res |= {"plain_identical": plain == graphed, "plain_first_difference": first_differences(plain, graphed)}
+    if one_stream is not None:
+        res |= {"one_stream_identical": one_stream == eager,
+                "one_stream_first_difference": first_differences(one_stream, eager)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "graph_check.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res), flush=True)
-    return 0 if res["identical"] else 1
+    return 0 if res["identical"] and res.get("one_stream_identical", True) else 1
 
 
 def parallel_check(args) -> int:

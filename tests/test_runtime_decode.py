@@ -7,6 +7,8 @@ pass both HCA boundaries (128, 256) and the window (128); see runtime_fixtures f
 that keep indexer tie-breaking out of the comparison.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -114,6 +116,29 @@ def test_ragged_batch_equals_sequences_alone(models):
         err = rel_err(torch.cat(outs[i]), alone)
         print(f"\n  sequence of {seq.shape[1]} in a ragged batch vs alone: max rel err {err:.2e}")
         assert err < TOL
+
+
+def test_compressors_beside_the_queries_join_before_their_results_are_read(monkeypatch):
+    """A cached step's compressors run on `Ops.beside`'s second stream once their products are one dense weight (the
+    device placement's `fuse_projections_`). Run as late as that stream may (at the join), they give the logits
+    they give run at once, bit for bit, through prefill chunks and decode steps across CSA and HCA window closes:
+    nothing reads their states or rows before the join, and nothing they read changes before it."""
+    model = dsv4.load(rf.variant("wide"))
+    layers = [layer.attn for layer in model.layers if layer.attn.compressor is not None]
+    assert layers and all(attn.fuse_projections_() for attn in layers)
+    ids = torch.tensor([rf.prompt_ids(140, seed=3)])
+    chunks = [7, 1, 1, 1, 2, 110] + [1] * 18                          # decode steps across 124, 128, 132, ...
+    at_once = run_chunks(model, KVCache(model.config, 1, 2, torch.float32), ids, chunks)
+    joined = []
+
+    def at_join(x, work):
+        joined.append(None)
+        return work                                # the join runs the work
+    for attn in layers:
+        monkeypatch.setattr(attn, "ops", replace(attn.ops, beside=at_join))
+    late = run_chunks(model, KVCache(model.config, 1, 2, torch.float32), ids, chunks)
+    assert len(joined) == len(layers) * len(chunks)
+    assert torch.equal(late, at_once)
 
 
 def test_ring_positions():

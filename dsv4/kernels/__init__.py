@@ -19,6 +19,12 @@ from ..formats import QWeight
 from . import emulation, ref
 
 
+def in_order(x: torch.Tensor, work: Callable) -> Callable:
+    """`Ops.beside` on one stream: work() now; its join returns the result."""
+    out = work()
+    return lambda: out
+
+
 @dataclass(frozen=True)
 class Ops:
     name: str
@@ -53,6 +59,11 @@ class Ops:
     hc_post: Callable = ref.hc_post
     hc_head: Callable = ref.hc_head
     hc_post_pre: Callable = ref.hc_post_pre
+    # work beside the current stream: (x, work) -> join. work() is queued on a second CUDA stream after what the
+    # current stream has queued so far (x: on its device) and runs beside what follows; join() makes the current
+    # stream wait for it and returns work's result. Off CUDA, work() runs at once. work must not launch split-K
+    # kernels (their semaphores are one stream's): dense products (cuBLAS) and `compress` launch none
+    beside: Callable = in_order
     w4a4: bool = False        # NVFP4 weights with an input_scale run the W4A4 emulation (Blackwell numerics)
     reads_tiled: bool = False  # the kernels read tile-major weights (the loader stores them so on CUDA)
 
@@ -86,7 +97,8 @@ class Ops:
                   hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
                   hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
                   hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)),
-                  hc_post_pre=partial(mhc.hc_post_pre, fallback=fallback(ref.hc_post_pre)), reads_tiled=True)
+                  hc_post_pre=partial(mhc.hc_post_pre, fallback=fallback(ref.hc_post_pre)), beside=side.start,
+                  reads_tiled=True)
         return emulation.variant(ops) if w4a4 else ops
 
     def emulates(self, w: QWeight) -> bool:

@@ -13,6 +13,7 @@ strict table an error.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -120,8 +121,9 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 
 
 class Side:
-    """A second CUDA stream on which `moe` runs the shared expert beside the routed experts, as `mlp` with split-K
-    semaphores of its own (kernels running at the same time on two streams must not share them). `fallback` /
+    """A second CUDA stream: `moe` runs the shared expert on it beside the routed experts, as `mlp` with split-K
+    semaphores of its own (kernels running at the same time on two streams must not share them), and `start` runs
+    other work on it (`Ops.beside`: a layer's compressors beside its query products). `fallback` /
     `linear_fallback`: `mlp`'s and its down projection's, as the Ops table's. Owned by the `Ops` table, one stream
     per device, created on first use."""
 
@@ -139,6 +141,27 @@ class Side:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
+    def start(self, x: torch.Tensor, work: Callable[[], Any]) -> Callable[[], Any]:
+        """`Ops.beside`: work() queued on the side stream after what the current stream has queued so far, running
+        beside what the current stream queues next; returns the join, which makes the current stream wait for the
+        side stream and returns work's result, its tensors (allocated on the side stream) recorded as used by the
+        current stream. Works inside a CUDA graph capture (fork and join are event waits). Off CUDA, work() runs
+        at once."""
+        if not x.is_cuda:
+            out = work()
+            return lambda: out
+        main, side = torch.cuda.current_stream(x.device), self.stream(x.device)
+        side.wait_stream(main)   # x and what the work reads are ready
+        with torch.cuda.stream(side):
+            out = work()
+
+        def join():
+            main.wait_stream(side)
+            for t in _tensors(out):
+                t.record_stream(main)
+            return out
+        return join
+
     def beside(self, x: torch.Tensor, shared: tuple[QWeight, QWeight], limit: float, routed) -> torch.Tensor:
         """routed() on the current stream while the shared expert of x runs on the side stream; their sum
         (`ref.moe`'s order: each output rounded, then added). Works inside a CUDA graph capture (fork and join
@@ -153,6 +176,15 @@ class Side:
         main.wait_stream(side)
         y_shared.record_stream(main)   # allocated on the side stream, read here
         return out.add_(y_shared)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors in a result: a tensor, or a (nested) tuple or list of them and other values."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors(item)]
+    return []
 
 
 def moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: QWeight, w2: QWeight, limit: float,

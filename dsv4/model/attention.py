@@ -118,6 +118,14 @@ class Attention(nn.Module):
         ropes = ropes or StepRope(positions)
         cos, sin = ropes.at(self.rope)                                    # [B, S, rope/2]
         ops = self.ops                                                    # norm + rope: one kernel each
+        compressed = None                      # a cached step's compressors, running beside the products below
+        if state is not None:
+            if B != 1 or batch is None or batch.num_tokens != S:
+                got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
+                raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
+                                 f"{tuple(x.shape)} and {got}")
+            batch = batch.on(x.device)
+            compressed = self._start_compressors(x, ropes, state, batch)
         if self.x_query_kv is not None:                                  # wq_a and wkv in one product
             xq, xkv = ops.linear(x, self.x_query_kv).split((self.wq_a.out_features, self.wkv.out_features), -1)
         else:
@@ -136,11 +144,7 @@ class Attention(nn.Module):
         if state is None:
             o = self._prefill(x, qr, q, kv, positions)
         else:
-            if B != 1 or batch is None or batch.num_tokens != S:
-                got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
-                raise ValueError(f"cached attention takes the flattened tokens of a SeqBatch as [1, N, d]; got x "
-                                 f"{tuple(x.shape)} and {got}")
-            o = self._cached(x, qr, q, kv, ropes, state, batch, index_q)
+            o = self._cached(qr, q, kv, ropes, state, batch, index_q, compressed)
         o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
@@ -156,25 +160,43 @@ class Attention(nn.Module):
             kv, bias = torch.cat((kv, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
-    def _cached(self, x, qr, q, kv, ropes: StepRope, state: LayerState, batch: SeqBatch,
-                index_q: torch.Tensor | None = None) -> torch.Tensor:
-        """The compressors and the indexer's picks for every sequence at once (`ops.compress`, `ops.index_picks`),
-        then attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows
-        and the paged entries; then the rings. index_q: the indexer's wq_b(qr) where the caller computed it."""
-        batch = batch.on(x.device)
-        steps = batch.tokens
-        entries = picks = None
-        if self.compressor is not None:
+    def _start_compressors(self, x, ropes: StepRope, state: LayerState, batch: SeqBatch):
+        """A cached step's compressors (CSA: with the indexer's, in the same launch): the dense products of x, then
+        `ops.compress` for every sequence at once. Where the products are one dense weight (`fuse_projections_`:
+        cuBLAS, no split-K semaphores) they run on the `Ops.beside` stream, beside the query and kv products that
+        follow on this one (those read x alone, and nothing reads the compressors' states before the join); else
+        now. Returns the join (it gives the products' rows: the indexer reads its weights_proj rows after it), or
+        None without a compressor."""
+        if self.compressor is None:
+            return None
+        window = ropes.at(self.rope, self.ratio)     # both compressors' (CSA: ratio 4); made here, on this stream
+
+        def work():
             if self.x_dense is not None:                                  # kv, score (, index kv, score, weights)
                 rows = self.ops.linear(x[0], QWeight("dense", self.x_dense)).split(self.x_dense_widths, -1)
             else:
                 rows = [p(x[0]) for p in self.dense_projections()]
-            window = ropes.at(self.rope, self.ratio)                      # both compressors' (CSA: ratio 4)
             second = None           # CSA: the indexer's (ratio 4, as the layer's), stepped in the same launch
             if self.indexer is not None:
                 ic = self.indexer.compressor
                 second = SecondCompressor(rows[2], rows[3], ic.ape, state.indexer, ic.norm.weight, ic.norm.eps)
             self._compress(self.compressor, state.compressor, rows[0], rows[1], window, batch, second)
+            return tuple(rows)
+        if self.x_dense is None:
+            rows = work()
+            return lambda: rows
+        return self.ops.beside(x, work)
+
+    def _cached(self, qr, q, kv, ropes: StepRope, state: LayerState, batch: SeqBatch,
+                index_q: torch.Tensor | None = None, compressed=None) -> torch.Tensor:
+        """The indexer's picks for every sequence at once (`ops.index_picks`) once the compressors (`compressed`,
+        the join `_start_compressors` returned) are done, then attention for every token of the step in one
+        `ops.sparse_attention` over the rings, the step's rows and the paged entries; then the rings. index_q: the
+        indexer's wq_b(qr) where the caller computed it."""
+        steps = batch.tokens
+        entries = picks = None
+        if compressed is not None:
+            rows = compressed()
             entries = state.compressor.entries
             if self.indexer is not None:
                 ix = self.indexer
