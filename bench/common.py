@@ -241,13 +241,17 @@ def bench_start(toy: bool) -> tuple[torch.device, torch.Generator, Timer, float]
 
 
 def on_one_stream(model: torch.nn.Module) -> None:
-    """Every module's `Ops` table with `beside` (`kernels.Ops`) running its work at once on the current stream: the
-    model without its second stream, for comparisons."""
-    from dsv4.kernels import Ops, in_order
+    """The model without its second stream, for comparisons: every module's `Ops` table without `beside` (work
+    started beside runs at once, on the current stream), and each CSA layer's query products fused as a table
+    without a second stream has them (`Transformer.fuse_projections_`)."""
+    from dsv4.kernels import Ops
+    from dsv4.model.attention import Attention
     for module in model.modules():
         ops = getattr(module, "ops", None)
         if isinstance(ops, Ops):
-            module.ops = replace(ops, beside=in_order)
+            module.ops = replace(ops, beside=None)
+        if isinstance(module, Attention) and module.x_query_kv is not None:
+            module.fuse_queries_()
 
 
 def dummy_bench_model(model: str, layers: int, fmt: str, device: str | None):

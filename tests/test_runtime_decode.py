@@ -118,27 +118,58 @@ def test_ragged_batch_equals_sequences_alone(models):
         assert err < TOL
 
 
-def test_compressors_beside_the_queries_join_before_their_results_are_read(monkeypatch):
-    """A cached step's compressors run on `Ops.beside`'s second stream once their products are one dense weight (the
-    device placement's `fuse_projections_`). Run as late as that stream may (at the join), they give the logits
-    they give run at once, bit for bit, through prefill chunks and decode steps across CSA and HCA window closes:
-    nothing reads their states or rows before the join, and nothing they read changes before it."""
+class LateStream:
+    """`Ops.beside` as a second stream that runs its work as late as it may: in the order started, at the first
+    join that needs it. A result is read beside (`Pending.value`) only by later work, which runs after it."""
+
+    def __init__(self):
+        self.queue, self.started, self.table = [], 0, None
+
+    def __call__(self, x, work):
+        self.started += 1
+        done = {}
+        self.queue.append((work, done))
+
+        def join():
+            while "out" not in done:
+                w, d = self.queue.pop(0)
+                d["out"] = w(self.table)
+            return done["out"]
+        return _Beside(done), join
+
+
+class _Beside:
+    """A LateStream work's result as later work reads it (its work has run by then)."""
+
+    def __init__(self, done):
+        self.done = done
+
+    def __getitem__(self, i):
+        return self.done["out"][i]
+
+
+@pytest.mark.parametrize("fuse_queries", [False, True])
+def test_work_started_beside_joins_before_its_results_are_read(monkeypatch, fuse_queries):
+    """A cached step's compressors and (where the indexer's query product is its own) picks start beside the query
+    products (`Ops.start`, a second stream on CUDA). Run as late as that stream may (at the join), they give the
+    logits they give run at once, bit for bit, through prefill chunks and decode steps across CSA and HCA window
+    closes: nothing reads their states or results before the join, and nothing they read changes before it."""
     model = dsv4.load(rf.variant("wide"))
     layers = [layer.attn for layer in model.layers if layer.attn.compressor is not None]
-    assert layers and all(attn.fuse_projections_() for attn in layers)
+    csa = sum(1 for attn in layers if attn.indexer is not None)
+    assert csa and all(attn.fuse_projections_() for attn in layers)
+    if fuse_queries:
+        assert all(attn.fuse_queries_() for attn in layers if attn.indexer is not None)
     ids = torch.tensor([rf.prompt_ids(140, seed=3)])
     chunks = [7, 1, 1, 1, 2, 110] + [1] * 18                          # decode steps across 124, 128, 132, ...
     at_once = run_chunks(model, KVCache(model.config, 1, 2, torch.float32), ids, chunks)
-    joined = []
-
-    def at_join(x, work):
-        joined.append(None)
-        return work                                # the join runs the work
+    late = LateStream()
+    late.table = replace(layers[0].ops, beside=late)
     for attn in layers:
-        monkeypatch.setattr(attn, "ops", replace(attn.ops, beside=at_join))
-    late = run_chunks(model, KVCache(model.config, 1, 2, torch.float32), ids, chunks)
-    assert len(joined) == len(layers) * len(chunks)
-    assert torch.equal(late, at_once)
+        monkeypatch.setattr(attn, "ops", late.table)
+    got = run_chunks(model, KVCache(model.config, 1, 2, torch.float32), ids, chunks)
+    assert late.started == (len(layers) + (0 if fuse_queries else csa)) * len(chunks) and not late.queue
+    assert torch.equal(got, at_once)
 
 
 def test_ring_positions():

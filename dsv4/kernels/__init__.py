@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -19,10 +19,11 @@ from ..formats import QWeight
 from . import emulation, ref
 
 
-def in_order(x: torch.Tensor, work: Callable) -> Callable:
-    """`Ops.beside` on one stream: work() now; its join returns the result."""
-    out = work()
-    return lambda: out
+class Pending(NamedTuple):
+    """Work started beside the current stream (`Ops.start`): its result, which only later work beside it may read
+    before the join, and the join, which makes the current stream wait for the work and returns the result."""
+    value: Any
+    join: Callable[[], Any]
 
 
 @dataclass(frozen=True)
@@ -59,11 +60,9 @@ class Ops:
     hc_post: Callable = ref.hc_post
     hc_head: Callable = ref.hc_head
     hc_post_pre: Callable = ref.hc_post_pre
-    # work beside the current stream: (x, work) -> join. work() is queued on a second CUDA stream after what the
-    # current stream has queued so far (x: on its device) and runs beside what follows; join() makes the current
-    # stream wait for it and returns work's result. Off CUDA, work() runs at once. work must not launch split-K
-    # kernels (their semaphores are one stream's): dense products (cuBLAS) and `compress` launch none
-    beside: Callable = in_order
+    # a second CUDA stream for `start`: (x, work) -> (work's result, its join), work(that stream's table) queued
+    # there (`dispatch.Side.start`); None: work runs at once, in order
+    beside: Callable | None = None
     w4a4: bool = False        # NVFP4 weights with an input_scale run the W4A4 emulation (Blackwell numerics)
     reads_tiled: bool = False  # the kernels read tile-major weights (the loader stores them so on CUDA)
 
@@ -81,25 +80,37 @@ class Ops:
         def fallback(reference: Callable) -> Callable:
             return refuse_fallback if strict else reference
 
-        scratch = Scratch()   # split-K semaphores and the plans, owned by this table
-        linear = partial(dispatch.linear, fallback=fallback(ref.linear), scratch=scratch)
-        mlp = partial(dispatch.mlp, fallback=fallback(ref.mlp), linear=linear, scratch=scratch)
-        side = dispatch.Side(fallback(ref.mlp), fallback(ref.linear))   # the MoE's shared expert on a second stream
-        ops = cls("triton-strict" if strict else "triton", linear,
-                  partial(w4a4_kernels.linear_w4a4, fallback=fallback(ref.linear_w4a4), scratch=scratch), mlp,
-                  partial(moe.route, fallback=fallback(ref.route)),
-                  partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
-                  partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
-                  sparse_attention=partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)),
-                  write_ring=attention.write_ring,
-                  compress=compressor.compress, index_picks=indexer.index_picks, norm_rope=norm_rope.norm_rope,
-                  router_logits=partial(moe.router_logits, fallback=fallback(ref.router_logits)),
-                  hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
-                  hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
-                  hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)),
-                  hc_post_pre=partial(mhc.hc_post_pre, fallback=fallback(ref.hc_post_pre)), beside=side.start,
-                  reads_tiled=True)
-        return emulation.variant(ops) if w4a4 else ops
+        side = dispatch.Side(fallback(ref.mlp), fallback(ref.linear))   # the second stream
+
+        def table(beside) -> Ops:
+            scratch = Scratch()   # split-K semaphores and the plans, owned by this table
+            linear = partial(dispatch.linear, fallback=fallback(ref.linear), scratch=scratch)
+            mlp = partial(dispatch.mlp, fallback=fallback(ref.mlp), linear=linear, scratch=scratch)
+            ops = cls("triton-strict" if strict else "triton", linear,
+                      partial(w4a4_kernels.linear_w4a4, fallback=fallback(ref.linear_w4a4), scratch=scratch), mlp,
+                      partial(moe.route, fallback=fallback(ref.route)),
+                      partial(dispatch.moe, fallback=fallback(ref.moe), mlp_op=mlp, scratch=scratch, side=side),
+                      partial(dispatch.grouped_linear, fallback=fallback(ref.grouped_linear), scratch=scratch),
+                      sparse_attention=partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)),
+                      write_ring=attention.write_ring,
+                      compress=compressor.compress, index_picks=indexer.index_picks, norm_rope=norm_rope.norm_rope,
+                      router_logits=partial(moe.router_logits, fallback=fallback(ref.router_logits)),
+                      hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
+                      hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),
+                      hc_head=partial(mhc.hc_head, fallback=fallback(ref.hc_head)),
+                      hc_post_pre=partial(mhc.hc_post_pre, fallback=fallback(ref.hc_post_pre)), beside=beside,
+                      reads_tiled=True)
+            return emulation.variant(ops) if w4a4 else ops
+        return table(partial(side.start, table=table(None)))    # the second stream's work runs the inner table
+
+    def start(self, x: torch.Tensor, work: Callable[["Ops"], Any]) -> Pending:
+        """work(table) beside the current stream (x: on its device). With `beside`, it is queued on a second CUDA
+        stream after what this one has queued so far and runs beside what this one queues next, `table` the second
+        stream's Ops (split-K semaphores of its own); else it runs now, with this table."""
+        if self.beside is None:
+            out = work(self)
+            return Pending(out, lambda: out)
+        return Pending(*self.beside(x, work))
 
     def emulates(self, w: QWeight) -> bool:
         """Whether this table runs products with `w` as the W4A4 emulation."""

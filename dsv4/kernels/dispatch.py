@@ -141,26 +141,26 @@ class Side:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def start(self, x: torch.Tensor, work: Callable[[], Any]) -> Callable[[], Any]:
-        """`Ops.beside`: work() queued on the side stream after what the current stream has queued so far, running
-        beside what the current stream queues next; returns the join, which makes the current stream wait for the
-        side stream and returns work's result, its tensors (allocated on the side stream) recorded as used by the
-        current stream. Works inside a CUDA graph capture (fork and join are event waits). Off CUDA, work() runs
-        at once."""
+    def start(self, x: torch.Tensor, work: Callable, table) -> tuple:
+        """`Ops.start` on this stream: work(table) queued here after what the current stream has queued so far,
+        running beside what the current stream queues next -> (its result, the join: it makes the current stream
+        wait for this one and returns the result, its tensors (allocated on this stream) recorded as used by the
+        current stream). Works inside a CUDA graph capture (fork and join are event waits). Off CUDA, work runs
+        now."""
         if not x.is_cuda:
-            out = work()
-            return lambda: out
+            out = work(table)
+            return out, lambda: out
         main, side = torch.cuda.current_stream(x.device), self.stream(x.device)
         side.wait_stream(main)   # x and what the work reads are ready
         with torch.cuda.stream(side):
-            out = work()
+            out = work(table)
 
         def join():
             main.wait_stream(side)
             for t in _tensors(out):
                 t.record_stream(main)
             return out
-        return join
+        return out, join
 
     def beside(self, x: torch.Tensor, shared: tuple[QWeight, QWeight], limit: float, routed) -> torch.Tensor:
         """routed() on the current stream while the shared expert of x runs on the side stream; their sum

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..formats import FP8_BLOCK, QWeight
+from ..kernels import Ops, Pending
 from ..kernels.ref import SecondCompressor, attend, causal_entry_bias, picked_entry_bias, window_bias
 from .compressor import Compressor
 from .indexer import Indexer
@@ -101,7 +102,8 @@ class Attention(nn.Module):
 
     def fuse_queries_(self) -> bool:
         """On CSA layers, run wq_b and the indexer's wq_b (both products of qr) as one, wq_b's rows first, as
-        `fuse_query_kv_` does. Returns whether they are fused."""
+        `fuse_query_kv_` does; the indexer's picks then run after wq_b, not beside it (`_start_picks`). Returns
+        whether they are fused."""
         if self.qr_queries is None and self.indexer is not None and stackable(self.wq_b, self.indexer.wq_b):
             self.qr_queries = stack_rows_(self.wq_b, self.indexer.wq_b)
         return self.qr_queries is not None
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         ropes = ropes or StepRope(positions)
         cos, sin = ropes.at(self.rope)                                    # [B, S, rope/2]
         ops = self.ops                                                    # norm + rope: one kernel each
-        compressed = None                      # a cached step's compressors, running beside the products below
+        compressed = picks = None          # a cached step's compressors and picks, running beside the products
         if state is not None:
             if B != 1 or batch is None or batch.num_tokens != S:
                 got = "no batch" if batch is None else f"a batch of {batch.num_tokens} tokens"
@@ -131,6 +133,8 @@ class Attention(nn.Module):
         else:
             xq, xkv = self.wq_a(x), self.wkv(x)
         qr = ops.norm_rope(xq, None, None, self.q_norm.weight, self.q_norm.eps)
+        if state is not None and self.indexer is not None and self.qr_queries is None:
+            picks = self._start_picks(qr, ropes, state, batch, compressed)    # beside wq_b
         index_q = None                                                   # the indexer's wq_b(qr), where fused
         if self.qr_queries is not None and state is not None:            # wq_b and the indexer's in one product
             q, index_q = ops.linear(qr, self.qr_queries).split((self.wq_b.out_features,
@@ -144,7 +148,7 @@ class Attention(nn.Module):
         if state is None:
             o = self._prefill(x, qr, q, kv, positions)
         else:
-            o = self._cached(qr, q, kv, ropes, state, batch, index_q, compressed)
+            o = self._cached(qr, q, kv, ropes, state, batch, index_q, compressed, picks)
         o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
@@ -160,45 +164,55 @@ class Attention(nn.Module):
             kv, bias = torch.cat((kv, entries), dim=1), torch.cat((bias, entry_bias), dim=-1)
         return attend(q, kv, bias, self.attn_sink, self.head_dim ** -0.5)
 
-    def _start_compressors(self, x, ropes: StepRope, state: LayerState, batch: SeqBatch):
-        """A cached step's compressors (CSA: with the indexer's, in the same launch): the dense products of x, then
-        `ops.compress` for every sequence at once. Where the products are one dense weight (`fuse_projections_`:
-        cuBLAS, no split-K semaphores) they run on the `Ops.beside` stream, beside the query and kv products that
-        follow on this one (those read x alone, and nothing reads the compressors' states before the join); else
-        now. Returns the join (it gives the products' rows: the indexer reads its weights_proj rows after it), or
-        None without a compressor."""
+    def _start_compressors(self, x, ropes: StepRope, state: LayerState, batch: SeqBatch) -> Pending | None:
+        """A cached step's compressors (CSA: with the indexer's, in the same launch), started beside the query and
+        kv products that follow (`Ops.start`; they read x alone, and nothing reads the compressors' states before
+        the join): the dense products of x, then `ops.compress` for every sequence at once. The result is the
+        products' rows (the indexer reads its weights_proj rows); None without a compressor."""
         if self.compressor is None:
             return None
         window = ropes.at(self.rope, self.ratio)     # both compressors' (CSA: ratio 4); made here, on this stream
 
-        def work():
+        def work(ops):
             if self.x_dense is not None:                                  # kv, score (, index kv, score, weights)
-                rows = self.ops.linear(x[0], QWeight("dense", self.x_dense)).split(self.x_dense_widths, -1)
+                rows = ops.linear(x[0], QWeight("dense", self.x_dense)).split(self.x_dense_widths, -1)
             else:
-                rows = [p(x[0]) for p in self.dense_projections()]
+                rows = [ops.linear(x[0], p.qweight()) for p in self.dense_projections()]
             second = None           # CSA: the indexer's (ratio 4, as the layer's), stepped in the same launch
             if self.indexer is not None:
                 ic = self.indexer.compressor
                 second = SecondCompressor(rows[2], rows[3], ic.ape, state.indexer, ic.norm.weight, ic.norm.eps)
-            self._compress(self.compressor, state.compressor, rows[0], rows[1], window, batch, second)
+            self._compress(ops, self.compressor, state.compressor, rows[0], rows[1], window, batch, second)
             return tuple(rows)
-        if self.x_dense is None:
-            rows = work()
-            return lambda: rows
-        return self.ops.beside(x, work)
+        return self.ops.start(x, work)
+
+    def _start_picks(self, qr, ropes: StepRope, state: LayerState, batch: SeqBatch, compressed: Pending) -> Pending:
+        """The indexer's picks for every sequence at once, started beside wq_b's product of qr (`Ops.start`, after
+        the compressors there): its own query product of qr, rotated, then `ops.index_picks` over the keys the
+        compressors wrote, with their weights_proj rows."""
+        ix = self.indexer
+        cos, sin = ropes.at(self.rope)
+
+        def work(ops):
+            iq = ix.rotated_queries(qr, cos, sin, product=ops.linear(qr, ix.wq_b.qweight()))
+            return ops.index_picks(iq[0], compressed.value[4], state.indexer.entries, batch.tokens, ix.topk, 4,
+                                   ix.scale, batch.key_bound(4), ix.head_scale, state.indexer.entry_scales)
+        return self.ops.start(qr, work)
 
     def _cached(self, qr, q, kv, ropes: StepRope, state: LayerState, batch: SeqBatch,
-                index_q: torch.Tensor | None = None, compressed=None) -> torch.Tensor:
-        """The indexer's picks for every sequence at once (`ops.index_picks`) once the compressors (`compressed`,
-        the join `_start_compressors` returned) are done, then attention for every token of the step in one
-        `ops.sparse_attention` over the rings, the step's rows and the paged entries; then the rings. index_q: the
-        indexer's wq_b(qr) where the caller computed it."""
+                index_q: torch.Tensor | None = None, compressed: Pending | None = None,
+                picks: Pending | None = None) -> torch.Tensor:
+        """Attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows and
+        the paged entries, once the compressors (and, where started, the picks) have joined; then the rings. Where
+        the indexer's query product came with wq_b's (index_q, `fuse_queries_`), its picks run here."""
         steps = batch.tokens
-        entries = picks = None
+        entries = None
         if compressed is not None:
-            rows = compressed()
+            rows = compressed.join()
             entries = state.compressor.entries
-            if self.indexer is not None:
+            if picks is not None:
+                picks = picks.join()
+            elif self.indexer is not None:
                 ix = self.indexer
                 iq = ix.rotated_queries(qr, *ropes.at(self.rope), product=index_q)
                 picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
@@ -212,14 +226,15 @@ class Attention(nn.Module):
             self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
 
-    def _compress(self, compressor: Compressor, cstate, kv, score, window, batch: SeqBatch,
+    @staticmethod
+    def _compress(ops: Ops, compressor: Compressor, cstate, kv, score, window, batch: SeqBatch,
                   second: SecondCompressor | None = None) -> None:
         """kv, score [N, width]: the step's rows of the compressor's wkv and wgate (ape not added); `second`: another
         compressor of the same ratio stepped with it (`Ops.compress`)."""
         cos, sin = window
-        self.ops.compress(kv, score, compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
-                          compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio),
-                          second=second)
+        ops.compress(kv, score, compressor.ape, batch.tokens, cstate, compressor.ratio, cos[0], sin[0],
+                     compressor.norm.weight, compressor.norm.eps, -(-batch.max_length // compressor.ratio),
+                     second=second)
 
 
 def stackable(a: QLinear, b: QLinear) -> bool:

@@ -205,13 +205,15 @@ class Transformer(nn.Module):
 
     def fuse_projections_(self) -> int:
         """Each attention's projections in fewer products: the compressors' dense ones of x as one
-        (`Attention.fuse_projections_`), wq_a with wkv (`Attention.fuse_query_kv_`) and, on CSA layers, wq_b with the
-        indexer's (`Attention.fuse_queries_`); returns how many layers run the first fused. Logits may change in the
-        last bit (one GEMM's rounding instead of several)."""
+        (`Attention.fuse_projections_`), wq_a with wkv (`Attention.fuse_query_kv_`) and, on CSA layers whose Ops
+        table has no second stream, wq_b with the indexer's (`Attention.fuse_queries_`; with one, the indexer's
+        product and picks run there beside wq_b's); returns how many layers run the first fused. Logits may change
+        in the last bit (one GEMM's rounding instead of several)."""
         attentions = [m for m in self.modules() if isinstance(m, Attention)]
         for m in attentions:
             m.fuse_query_kv_()
-            m.fuse_queries_()
+            if m.ops.beside is None:
+                m.fuse_queries_()
         return sum(m.fuse_projections_() for m in attentions)
 
     def prepare_for_kernels_(self) -> None:
