@@ -240,17 +240,18 @@ def bench_start(toy: bool) -> tuple[torch.device, torch.Generator, Timer, float]
     return dev, torch.Generator(device=dev).manual_seed(0), Timer(dev), copy
 
 
-def on_one_stream(model: torch.nn.Module) -> None:
+def on_one_stream(model: torch.nn.Module, fuse_queries: bool) -> None:
     """The model without its second stream, for comparisons: every module's `Ops` table without `beside` (work
-    started beside runs at once, on the current stream), and each CSA layer's query products fused as a table
-    without a second stream has them (`Transformer.fuse_projections_`)."""
+    started beside runs at once, on the current stream); with fuse_queries, each placed CSA layer's query products
+    fused as on a table without a second stream (`Transformer.fuse_projections_`), else the same products as
+    before."""
     from dsv4.kernels import Ops
     from dsv4.model.attention import Attention
     for module in model.modules():
         ops = getattr(module, "ops", None)
         if isinstance(ops, Ops):
             module.ops = replace(ops, beside=None)
-        if isinstance(module, Attention) and module.x_query_kv is not None:
+        if fuse_queries and isinstance(module, Attention) and module.x_query_kv is not None:
             module.fuse_queries_()
 
 

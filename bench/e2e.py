@@ -408,8 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="fp8: the attention's entries and the indexer's keys in fp8; fp8-indexer: the keys only")
     ap.add_argument("--sequence", action="store_true", help="keep each decode case's profiled step as its kernels "
                     "in order in the JSON (`sequence`: name, start and duration in us)")
-    ap.add_argument("--one-stream", action="store_true", help="every layer's `Ops.beside` work (the compressors) "
-                    "on the step's one stream, not beside the query products on a second")
+    ap.add_argument("--one-stream", action="store_true", help="a layer's compressors and picks on the step's one "
+                    "stream, not beside the query products on a second (and the CSA layers' query products fused)")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
             if device.type == "cuda":
                 model.prepare_for_kernels_()
             if args.one_stream:
-                on_one_stream(model)
+                on_one_stream(model, fuse_queries=True)
             sync(device)
             build_s = time.perf_counter() - t
             for batch in ints(args.batch):

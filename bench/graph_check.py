@@ -9,9 +9,9 @@ a different key split or tile rounds differently, which can flip a near-tie of d
     python bench/graph_check.py --model tiny --out DIR          # CPU: the runner's padded path without capture
     python bench/graph_check.py --tensor-parallel-size 2 --out DIR   # two GPUs: every rank replays its graphs
 
-On CUDA it also runs the eager engine once more with every layer's `Ops.beside` work (the compressors) on the one
-stream (`one_stream_identical`): the second stream must change no token (a missing wait would let attention read
-entries the compressors have not written yet). On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
+On CUDA it also runs the eager engine once more with the work each layer starts beside its query products (the
+compressors, the indexer's picks) on the one stream (`one_stream_identical`): the second stream must change no token
+(a missing wait would let attention read entries the compressors have not written yet). On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
 (its padded static-buffer path), the comparison the tests make. With --tensor-parallel-size N the two engines are
 parallel `dsv4.LLM`s of dummy weights (the same seed: the same weights), their decode graphs captured on every rank
 (one-shot all-reduce inside them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     graphed = generate(graphed_engine, prompts, list(new))
     one_stream = None
     if device.type == "cuda":
-        on_one_stream(model)
+        on_one_stream(model, fuse_queries=False)
         one_stream = generate(Engine(model, enforce_eager=True, **kw), prompts, list(new))
     same = [a == b for a, b in zip(eager, graphed)]
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
