@@ -69,6 +69,12 @@ def model_line(root: str) -> str:
     return "?"
 
 
+def use_table(model: torch.nn.Module, table: Ops) -> None:
+    for m in model.modules():
+        if hasattr(m, "ops"):
+            m.ops = table
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=2)
@@ -84,8 +90,10 @@ def main(argv=None) -> dict:
 
     root = str(Path(__file__).resolve().parents[2])
     cfg = small_v4()
-    model = dummy_model(cfg, args.format, "cpu", torch.float32, Ops.reference())
-    model.prepare_for_kernels_()
+    table = Ops.triton()                                # the decode step's: the GPU's table (fallbacks are counted
+    model = dummy_model(cfg, args.format, "cpu", torch.float32, table)     # by their ATen ops, as on the GPU)
+    model.prepare_for_kernels_()                        # placed as for that table, then prefilled on the reference
+    use_table(model, Ops.reference())
     kw = dict(max_num_seqs=args.batch, max_model_len=args.context + 8, num_cache_pages=4 * args.batch,
               max_num_batched_tokens=512)
     engine = Engine(model, enforce_eager=True, **kw)
@@ -106,10 +114,7 @@ def main(argv=None) -> dict:
         gpu = Device(sms=132, gpu=True, interpreted=True)
         dispatch.device_info = lambda device: gpu
         attention_kernels.num_sms = gemv_launch.num_sms = lambda device: 132
-    table = Ops.triton()                                # the decode step: the GPU's table (fallbacks are counted
-    for m in model.modules():                           # by their ATen ops, as on the GPU)
-        if hasattr(m, "ops"):
-            m.ops = table
+    use_table(model, table)
 
     where = ["outside"]
     events: list[tuple[str, str, str]] = []
