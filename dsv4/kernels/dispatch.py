@@ -23,8 +23,8 @@ from . import gemm, gemv_launch, moe_pair, ref
 from .gemm import EPI_ROUTED, ROWS_DENSE, ROWS_PAIR, ROWS_SORTED
 from .host import Scratch, cached, device_info, readable
 from .moe import align, expert_blocks
-from .policy import (DECODE_TOKENS, UNREADABLE, Experts, Format, GemvConfig, Kernel, MoePlan, Routed, Shared,
-                     TileConfig, plan_linear, plan_moe)
+from .policy import (BESIDE_TOKENS, DECODE_TOKENS, UNREADABLE, Experts, Format, GemvConfig, Kernel, MoePlan, Routed,
+                     Shared, TileConfig, plan_linear, plan_moe)
 
 
 def _format(w: QWeight, x: torch.Tensor) -> Format:
@@ -145,9 +145,9 @@ class Side:
         """`Ops.start` on this stream: work(table) queued here after what the current stream has queued so far,
         running beside what the current stream queues next -> (its result, the join: it makes the current stream
         wait for this one and returns the result, its tensors (allocated on this stream) recorded as used by the
-        current stream). Works inside a CUDA graph capture (fork and join are event waits). Off CUDA, work runs
-        now."""
-        if not x.is_cuda:
+        current stream). Works inside a CUDA graph capture (fork and join are event waits). Off CUDA, and for x of
+        more than `BESIDE_TOKENS` rows (their products fill the GPU alone), work runs now, on the current stream."""
+        if not x.is_cuda or x.numel() > BESIDE_TOKENS * x.shape[-1]:
             out = work(table)
             return out, lambda: out
         main, side = torch.cuda.current_stream(x.device), self.stream(x.device)

@@ -434,6 +434,8 @@ DOWN_PDL_TOKENS = 2           # tuned on H200: docs/tuning.md#moe-pdl
 ROUTE_WARPS = 4               # tuned on H200: docs/tuning.md#route-warps
 SIDE_FROM_TOKENS = 4          # tuned on H200: docs/tuning.md#side-stream
 SIDE_SHARED_BYTES = 50e6      # tuned on H200: docs/tuning.md#side-stream
+BESIDE_TOKENS = 256           # a step of at most this many tokens runs `Ops.start`'s work on the second stream
+                              # (measured on H100 to 256, the largest decode batch: docs/tuning.md#beside)
 
 
 @dataclass(frozen=True)
