@@ -16,9 +16,12 @@ that format's storage), then
   graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
 * us per layer: the difference of two layer counts' decode step times, divided by the layer difference, and the
-  same of their profiled steps' kernel time (steadier: the wall times of two engines drift apart with the clocks),
+  same of their profiled steps' kernel time (steadier: the wall times of two engines drift apart with the clocks;
+  kernels of the second stream that overlap the first's count in full, so the sum then exceeds the time they take),
   in all and by kernel name (`kernels_per_layer`), and the GPU's idle time a layer, by the kernel it comes before
   (`idle_before_per_layer`);
+* `--one-stream`: a layer's compressors and indexer on the step's one stream, the CSA layers' query products fused
+  (the layout before round 45), for an A/B against the second stream (`Ops.start`);
 * `--repeats R` (one GPU): each decode case on R fresh engines (new pools, new graphs), whose step times differ;
   the case is the median engine's record (the lower one for even R), every engine's step kept (`step_ms_runs`);
 * `--sequence` (CUDA): each decode case's profiled step also as its kernels in order (name, start, duration), where

@@ -123,7 +123,7 @@ def mlp(x: torch.Tensor, w13: QWeight, w2: QWeight, limit: float, *, fallback=No
 class Side:
     """A second CUDA stream: `moe` runs the shared expert on it beside the routed experts, as `mlp` with split-K
     semaphores of its own (kernels running at the same time on two streams must not share them), and `start` runs
-    other work on it (`Ops.beside`: a layer's compressors beside its query products). `fallback` /
+    other work on it (`Ops.start`: a layer's compressors and indexer beside its query products). `fallback` /
     `linear_fallback`: `mlp`'s and its down projection's, as the Ops table's. Owned by the `Ops` table, one stream
     per device, created on first use."""
 
