@@ -21,7 +21,7 @@ that format's storage), then
   in all and by kernel name (`kernels_per_layer`), and the GPU's idle time a layer, by the kernel it comes before
   (`idle_before_per_layer`);
 * `--one-stream`: a layer's compressors and indexer on the step's one stream, the CSA layers' query products fused
-  (the layout before round 45), for an A/B against the second stream (`Ops.start`);
+  (as on a table without a second stream), for an A/B against the second stream (`Ops.start`);
 * `--repeats R` (one GPU): each decode case on R fresh engines (new pools, new graphs), whose step times differ;
   the case is the median engine's record (the lower one for even R), every engine's step kept (`step_ms_runs`);
 * `--sequence` (CUDA): each decode case's profiled step also as its kernels in order (name, start, duration), where

@@ -11,8 +11,9 @@ a different key split or tile rounds differently, which can flip a near-tie of d
 
 On CUDA it also runs the eager engine once more with the work each layer starts beside its query products (the
 compressors, the indexer's picks) on the one stream (`one_stream_identical`): the second stream must change no token
-(a missing wait would let attention read entries the compressors have not written yet). On the CPU no graph is captured: the eager engine steps plainly and the other gets the runner with capture=False
-(its padded static-buffer path), the comparison the tests make. With --tensor-parallel-size N the two engines are
+(a missing wait would let attention read entries the compressors have not written yet). On the CPU no graph is
+captured: the eager engine steps plainly and the other gets the runner with capture=False (its padded static-buffer
+path), the comparison the tests make. With --tensor-parallel-size N the two engines are
 parallel `dsv4.LLM`s of dummy weights (the same seed: the same weights), their decode graphs captured on every rank
 (one-shot all-reduce inside them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1
 if any token differs.

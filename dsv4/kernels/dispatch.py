@@ -141,19 +141,15 @@ class Side:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def start(self, x: torch.Tensor, work: Callable, table) -> tuple:
-        """`Ops.start` on this stream: work(table) queued here after what the current stream has queued so far,
-        running beside what the current stream queues next -> (its result, the join: it makes the current stream
-        wait for this one and returns the result, its tensors (allocated on this stream) recorded as used by the
-        current stream). Works inside a CUDA graph capture (fork and join are event waits). Off CUDA, and for x of
-        more than `BESIDE_TOKENS` rows (their products fill the GPU alone), work runs now, on the current stream."""
-        if not x.is_cuda or x.numel() > BESIDE_TOKENS * x.shape[-1]:
-            out = work(table)
-            return out, lambda: out
-        main, side = torch.cuda.current_stream(x.device), self.stream(x.device)
-        side.wait_stream(main)   # x and what the work reads are ready
+    def fork(self, device: torch.device, work: Callable[[], Any]) -> tuple:
+        """work() queued on this stream after what the current stream has queued so far, running beside what the
+        current stream queues next -> (its result, the join: it makes the current stream wait for this one and
+        returns the result, its tensors (allocated on this stream) recorded as used by the current stream). Works
+        inside a CUDA graph capture (fork and join are event waits)."""
+        main, side = torch.cuda.current_stream(device), self.stream(device)
+        side.wait_stream(main)   # what the work reads is ready
         with torch.cuda.stream(side):
-            out = work(table)
+            out = work()
 
         def join():
             main.wait_stream(side)
@@ -162,20 +158,22 @@ class Side:
             return out
         return out, join
 
+    def start(self, x: torch.Tensor, work: Callable, table) -> tuple:
+        """`Ops.start` on this stream: `fork` of work(table). Off CUDA, and for x of more than `BESIDE_TOKENS` rows
+        (their products fill the GPU alone), work runs now, on the current stream."""
+        if not x.is_cuda or x.numel() > BESIDE_TOKENS * x.shape[-1]:
+            out = work(table)
+            return out, lambda: out
+        return self.fork(x.device, partial(work, table))
+
     def beside(self, x: torch.Tensor, shared: tuple[QWeight, QWeight], limit: float, routed) -> torch.Tensor:
-        """routed() on the current stream while the shared expert of x runs on the side stream; their sum
-        (`ref.moe`'s order: each output rounded, then added). Works inside a CUDA graph capture (fork and join
-        are event waits). Off CUDA (the interpreter) one after the other."""
+        """routed() on the current stream while the shared expert of x runs on the side stream (`fork`); their sum
+        (`ref.moe`'s order: each output rounded, then added). Off CUDA (the interpreter) one after the other."""
         if not x.is_cuda:
             return routed().add_(self.mlp(x, *shared, limit))
-        main, side = torch.cuda.current_stream(x.device), self.stream(x.device)
-        side.wait_stream(main)   # x and the weights are ready
-        with torch.cuda.stream(side):
-            y_shared = self.mlp(x, *shared, limit)
+        _, join = self.fork(x.device, partial(self.mlp, x, *shared, limit))
         out = routed()
-        main.wait_stream(side)
-        y_shared.record_stream(main)   # allocated on the side stream, read here
-        return out.add_(y_shared)
+        return out.add_(join())
 
 
 def _tensors(out) -> list[torch.Tensor]:
