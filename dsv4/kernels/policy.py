@@ -435,7 +435,7 @@ ROUTE_WARPS = 4               # tuned on H200: docs/tuning.md#route-warps
 SIDE_FROM_TOKENS = 4          # tuned on H200: docs/tuning.md#side-stream
 SIDE_SHARED_BYTES = 50e6      # tuned on H200: docs/tuning.md#side-stream
 BESIDE_TOKENS = 256           # a step of at most this many tokens runs `Ops.start`'s work on the second stream
-                              # (measured on H100 to 256, the largest decode batch: docs/tuning.md#beside)
+                              # (tuned on H100: docs/tuning.md#beside)
 
 
 @dataclass(frozen=True)
