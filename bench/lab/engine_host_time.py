@@ -1,10 +1,10 @@
 """Question: How much host time does the engine spend on a decode step around the model, and which part of it does
 the device wait for?
 
-The engine (`runtime.engine.Engine`) with its decode runner replaced by a stub that returns logits at once, so what
-is timed is the host's work per decode step: scheduling, the runner's inputs (the stub skips them), launching the
-sampler, rendering the previous step's tokens (detokenization, stop checks, callbacks), reading the tokens back and
-accepting them. Rendering runs while the device computes the step (`Engine.step`), so the device waits only for the
+The engine (`runtime.engine.Engine`) with its decode runner's model replaced by a stub that returns logits at once,
+so what is timed is the host's work per decode step: scheduling, the runner's inputs (the step's ids, positions and
+slots into its buffer, and their copy), launching the sampler, rendering the previous step's tokens (detokenization,
+stop checks, callbacks), reading the tokens back and accepting them. Rendering runs while the device computes the step (`Engine.step`), so the device waits only for the
 rest: the column "device waits" is the step's time less rendering.
 
     python bench/lab/engine_host_time.py [--batches 1,64,256] [--steps 30] [--out DIR]
@@ -31,32 +31,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository:
 from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
+from dsv4.runtime.graphs import DecodeGraphs  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
 
-PARTS = ("schedule", "sampler launch", "render", "read back", "accept")
+PARTS = ("schedule", "runner inputs", "sampler launch", "render", "read back", "accept")
 
 
-class StubRunner:
-    """Stands in for `DecodeGraphs`: decode steps return fixed logits at once."""
-    memory = 0
+class StubRunner(DecodeGraphs):
+    """The decode runner without capture whose padded step returns fixed logits at once: its host work (the step's
+    inputs into the pinned buffer and their copy) is timed, the model is not."""
 
-    def __init__(self, vocab: int, rows: int):
-        self.logits = torch.zeros(rows, vocab)
+    def __init__(self, engine: Engine, batch: int):
+        super().__init__(engine.model, engine.cache.layers, batch, engine.max_model_len, pad_slot=batch,
+                         capture=False)
+        self.logits = torch.zeros(self.buckets[-1], engine.model.config.vocab_size)
 
-    def takes(self, plan) -> bool:
-        return all(n == 1 and s.num_pending == 1 for s, n in plan)
-
-    def run(self, seqs) -> torch.Tensor:
-        return self.logits[:len(seqs)]
-
-    def forget(self, slot: int) -> None:
-        pass
+    def _forward(self, bucket: int, length: int) -> torch.Tensor:
+        return self.logits[:bucket]
 
 
 def measure(model, batch: int, params: SamplingParams, steps: int) -> dict:
     engine = Engine(model, max_num_seqs=batch, max_model_len=steps + 16, num_cache_pages=batch + 1,
                     max_num_batched_tokens=max(batch * 4, 64))
-    engine.graphs = StubRunner(model.config.vocab_size, batch)
+    engine.graphs = StubRunner(engine, batch)
     seqs = [engine.add_request([5, 6, 7], params) for _ in range(batch)]
     while any(s.tracker.num_sampled == 0 for s in seqs):
         engine.step()                                      # prefill (the model runs: not timed)
@@ -70,6 +67,7 @@ def measure(model, batch: int, params: SamplingParams, steps: int) -> dict:
             return out
         return wrapper
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.graphs.run = timed("runner inputs", engine.graphs.run)
     engine._launch_sampling = timed("sampler launch", engine._launch_sampling)
     engine._render = timed("render", engine._render)
     engine._read_samples = timed("read back", engine._read_samples)
