@@ -39,9 +39,12 @@ def _gtime(dep):
 
 
 @triton.jit
-def _timeline_kernel(q_ptr, kv_ptr, ring_ptr, out_ptr, sinks_ptr, seq_ptr, pos_ptr, slot_ptr, start_ptr, stamps, scale, H,
-           W: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
-           TOUCH_Q: tl.constexpr):
+def _timeline_kernel(q_ptr, kv_ptr, ring_ptr, out_ptr, sinks_ptr, seq_ptr, pos_ptr, slot_ptr, start_ptr, stamps,
+                     scale, H, W: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr,
+                     DOT: tl.constexpr, TOUCH_Q: tl.constexpr):
+    """`_attention_kernel`'s ring path for token t, heads of block hb, with stamps in stamps[program, 16]: clocks
+    at 0-2 (start, the step's columns, the queries), 3.. (after each key block), 12-13 (the output, its store);
+    globaltimer at 14-15 (start, end)."""
     t, hb = tl.program_id(0), tl.program_id(1)
     row = stamps + (t * tl.num_programs(1) + hb) * 16
     z = tl.zeros([], tl.float32)
@@ -110,9 +113,9 @@ def main():
             stamps = torch.zeros(H // bh, 16, dtype=torch.int64, device=dev)
 
             def launch():
-                _timeline_kernel[(1, H // bh)](q, kv, ring, out, sinks, steps.seq, steps.pos, steps.slot, steps.start, stamps,
-                                     D ** -0.5, H, W=W, D=D, BH=bh, BK=bk, DOT=tl.bfloat16, TOUCH_Q=touch,
-                                     num_warps=warps)
+                _timeline_kernel[(1, H // bh)](q, kv, ring, out, sinks, steps.seq, steps.pos, steps.slot, steps.start,
+                                               stamps, D ** -0.5, H, W=W, D=D, BH=bh, BK=bk, DOT=tl.bfloat16,
+                                               TOUCH_Q=touch, num_warps=warps)
             launch(); torch.cuda.synchronize()
             us = 1e3 * timer.per_call_ms([launch])
             launch(); torch.cuda.synchronize()

@@ -4,8 +4,9 @@ the device wait for?
 The engine (`runtime.engine.Engine`) with its decode runner's model replaced by a stub that returns logits at once,
 so what is timed is the host's work per decode step: scheduling, the runner's inputs (the step's ids, positions and
 slots into its buffer, and their copy), launching the sampler, rendering the previous step's tokens (detokenization,
-stop checks, callbacks), reading the tokens back and accepting them. Rendering runs while the device computes the step (`Engine.step`), so the device waits only for the
-rest: the column "device waits" is the step's time less rendering.
+stop checks, callbacks), reading the tokens back and accepting them. Rendering runs while the device computes the
+step (`Engine.step`), so the device waits only for the rest: the column "device waits" is the step's time less
+rendering.
 
     python bench/lab/engine_host_time.py [--batches 1,64,256] [--steps 30] [--out DIR]
     python bench/lab/engine_host_time.py --toy          # a dry run (checks the script)

@@ -3,7 +3,7 @@
 In `bench/e2e.py --sequence` the profiled step's first kernel starts 359-520 us after the step's input copy (8
 layers, batch 1, H100; bench/results/round-46.md), which would be a graph launch holding the GPU for a sixth of the
 step. This times it without the profiler: on the e2e engine (dummy V4-Flash weights, 8K context) after three
-warm-up steps, the host time of the step's graph `replay()` calls alone (no synchronization), the wall time of the
+warm-up steps, the host time of the step's graph `replay()` call alone (no synchronization), the wall time of the
 replay and a synchronize, and the wall time of a whole `engine.step()` (scheduling, the input copies, the replay,
 the sampler, reading the tokens back), medians over 20 / 20 / 10 runs.
 
@@ -54,20 +54,15 @@ def main():
             for _ in range(3):
                 engine.step()
             runner = engine.graphs
-            key = next(k for k in runner.graphs if k[0] >= batch and k[1] >= args.context)
-            graphs = runner.graphs[key]
-            graphs = graphs if isinstance(graphs, list) else [graphs]
-
-            def launch():
-                for g in graphs:
-                    g.replay()
+            key = min(k for k in runner.graphs if k[0] >= batch and k[1] >= args.context)   # the step's bucket
+            launch = runner.graphs[key].replay
 
             def launch_and_wait():
                 launch()
                 torch.cuda.synchronize()
             host = median_us(launch, 20)
             torch.cuda.synchronize()
-            print(f"layers {layers} batch {batch}: {len(graphs)} graph(s); launch (host) {host:.0f} us; launch and "
+            print(f"layers {layers} batch {batch}: launch (host) {host:.0f} us; launch and "
                   f"wait {median_us(launch_and_wait, 20):.0f} us; engine.step "
                   f"{median_us(lambda: (engine.step(), torch.cuda.synchronize()), 10):.0f} us", flush=True)
             del engine

@@ -131,7 +131,7 @@ class DecodeGraphs:
                 slots[i] = slot
             self.tables[:, :cols].index_copy_(0, slots.to(self.device, non_blocking=True),
                                               rows.to(self.device, non_blocking=True))
-        b, bucket, host = len(step.ids), step.bucket, self.host_array   # numpy: a few us, torch's writes tens
+        b, bucket, host = len(step.ids), step.bucket, self.host_array   # numpy: less host time than torch's
         host[:2, b:bucket] = 0
         host[2, b:bucket] = self.pad_slot
         host[:, :b] = (step.ids, step.positions, step.slots)
