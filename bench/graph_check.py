@@ -9,14 +9,15 @@ a different key split or tile rounds differently, which can flip a near-tie of d
     python bench/graph_check.py --model tiny --out DIR          # CPU: the runner's padded path without capture
     python bench/graph_check.py --tensor-parallel-size 2 --out DIR   # two GPUs: every rank replays its graphs
 
-On CUDA it also runs the eager engine once more with the work each layer starts beside its query products (the
-compressors, the indexer's picks) on the one stream (`one_stream_identical`): the second stream must change no token
-(a missing wait would let attention read entries the compressors have not written yet). On the CPU no graph is
-captured: the eager engine steps plainly and the other gets the runner with capture=False (its padded static-buffer
-path), the comparison the tests make. With --tensor-parallel-size N the two engines are
-parallel `dsv4.LLM`s of dummy weights (the same seed: the same weights), their decode graphs captured on every rank
-(one-shot all-reduce inside them, or NCCL with --disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1
-if any token differs.
+The graphs' engine launches each decode step before the last one's tokens are read back (async scheduling); the same
+engine without it (`async_identical`) must give the same tokens, on the CPU too. On CUDA it also runs the eager
+engine once more with the work each layer starts beside its query products (the compressors, the indexer's picks) on
+the one stream (`one_stream_identical`): the second stream must change no token (a missing wait would let attention
+read entries the compressors have not written yet). On the CPU no graph is captured: the eager engine steps plainly
+and the other gets the runner with capture=False (its padded static-buffer path), the comparison the tests make.
+With --tensor-parallel-size N the two engines are parallel `dsv4.LLM`s of dummy weights (the same seed: the same
+weights), their decode graphs captured on every rank (one-shot all-reduce inside them, or NCCL with
+--disable-custom-all-reduce). Writes DIR/graph_check.json; exits 1 if any token differs.
 """
 
 from __future__ import annotations
@@ -74,17 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(max_num_seqs=8, max_model_len=320, num_cache_pages=16, max_num_batched_tokens=256)
     t = time.perf_counter()
     eager = generate(Engine(model, enforce_eager=True, **kw), prompts, list(new))
-    graphed_engine = Engine(model, **kw)
+
+    def runner_engine(async_scheduling: bool) -> Engine:
+        engine = Engine(model, async_scheduling=async_scheduling, **kw)
+        if engine.graphs is None:                # the CPU: the runner's padded path, without capture
+            engine.cache = KVCache(cfg, kw["max_num_seqs"] + 1, kw["num_cache_pages"], dtype, device)
+            engine.graphs = DecodeGraphs(model, engine.cache.layers, kw["max_num_seqs"], kw["max_model_len"],
+                                         pad_slot=kw["max_num_seqs"], capture=False)
+        return engine
+    graphed_engine = runner_engine(True)
     plain = None
-    if graphed_engine.graphs is None:            # the CPU: the runner's padded path, without capture
-        graphed_engine.cache = KVCache(cfg, kw["max_num_seqs"] + 1, kw["num_cache_pages"], dtype, device)
-        graphed_engine.graphs = DecodeGraphs(model, graphed_engine.cache.layers, kw["max_num_seqs"],
-                                             kw["max_model_len"], pad_slot=kw["max_num_seqs"], capture=False)
-    else:                                        # CUDA: also the plain unpadded steps, reported
+    if device.type == "cuda":                    # CUDA: also the plain unpadded steps, reported
         plain_engine = Engine(model, enforce_eager=True, **kw)
         plain_engine.graphs = None
         plain = generate(plain_engine, prompts, list(new))
     graphed = generate(graphed_engine, prompts, list(new))
+    in_order = generate(runner_engine(False), prompts, list(new))
     one_stream = None
     if device.type == "cuda":
         on_one_stream(model, fuse_queries=False)
@@ -93,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "model": args.model,
            "layers": args.layers, "format": args.format, "captured": device.type == "cuda",
            "graph_memory": graphed_engine.graph_memory, "identical": all(same), "per_request": same,
-           "first_difference": first_differences(eager, graphed), "seconds": time.perf_counter() - t}
+           "first_difference": first_differences(eager, graphed), "async_identical": in_order == graphed,
+           "async_first_difference": first_differences(in_order, graphed), "seconds": time.perf_counter() - t}
     if plain is not None:
         res |= {"plain_identical": plain == graphed, "plain_first_difference": first_differences(plain, graphed)}
     if one_stream is not None:
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "graph_check.json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res), flush=True)
-    return 0 if res["identical"] and res.get("one_stream_identical", True) else 1
+    return 0 if res["identical"] and res["async_identical"] and res.get("one_stream_identical", True) else 1
 
 
 def parallel_check(args) -> int:

@@ -4,6 +4,7 @@ decode across window closes, CSA / HCA entries and page boundaries while the bat
 with a preempted-and-recomputed sequence and a slot reused by a new request. (The capture itself needs CUDA; the GPU
 run of `bench/e2e.py --modes graphs,eager` compares the two there.)"""
 
+import pytest
 import torch
 
 import dsv4
@@ -25,23 +26,27 @@ def generate(engine: Engine, prompts) -> list[list[int]]:
     return [list(s.tracker.token_ids) for s in seqs]
 
 
-def test_padded_decode_steps_give_the_plain_steps_tokens():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_padded_decode_steps_give_the_plain_steps_tokens(async_scheduling):
     model = dsv4.load(rf.variant("wide"))
     prompts = [rf.prompt_ids(n, seed=40 + i) for i, n in enumerate(LENGTHS)]
     plain = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=4, max_num_batched_tokens=64)
     want = generate(plain, prompts)
-    engine = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=4, max_num_batched_tokens=64)
+    engine = Engine(model, max_num_seqs=4, max_model_len=320, num_cache_pages=4, max_num_batched_tokens=64,
+                    async_scheduling=async_scheduling)
     # the CUDA layout on the CPU: one more cache slot for the padding rows, and the runner without capture
     engine.cache = KVCache(model.config, 5, 4, torch.float32)
     engine.graphs = DecodeGraphs(model, engine.cache.layers, 4, 320, pad_slot=4, capture=False, lengths=[128, 320])
     assert engine.graphs.buckets == [1, 2, 4]
-    runs, shapes = [], set()
-    original, forward = engine.graphs.run, engine.graphs._forward
-    engine.graphs.run = lambda seqs: runs.append(len(seqs)) or original(seqs)
+    runs, shapes = [], set()                           # (rows, launched ahead) per step of the runner
+    original, forward = engine.graphs.replay, engine.graphs._forward
+    engine.graphs.replay = lambda step, ids=None: runs.append((len(step.ids), ids is not None)) or original(step, ids)
     engine.graphs._forward = lambda bucket, length: shapes.add((bucket, length)) or forward(bucket, length)
     got = generate(engine, prompts)
     assert got == want
-    assert {1, 2, 3, 4} <= set(runs)                   # every bucket, padded (3 -> 4) and exact
+    assert {1, 2, 3, 4} <= {n for n, _ in runs}        # every bucket, padded (3 -> 4) and exact
+    ahead = sum(a for _, a in runs)                    # with async scheduling most decode steps launch ahead
+    assert ahead > len(runs) // 2 if async_scheduling else ahead == 0
     assert {4, 2, 1} <= {b for b, _ in shapes} and {128, 320} == {n for _, n in shapes}   # both length buckets
     assert engine.scheduler.num_preemptions > 0 and plain.scheduler.num_preemptions > 0
     # the padding slot holds no sequence's state that a real one reads: slot 4's ring was written, the others'
@@ -61,7 +66,7 @@ def test_graph_check_script_compares_the_two_modes(tmp_path):
                           cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads((tmp_path / "graph_check.json").read_text())
-    assert res["identical"] and len(res["per_request"]) == 6 and not res["captured"]
+    assert res["identical"] and len(res["per_request"]) == 6 and not res["captured"] and res["async_identical"]
 
 
 def test_cache_dtype_check_script_reports_each_cache_against_auto(tmp_path):
@@ -114,8 +119,8 @@ def test_a_one_token_prefill_chunk_beside_decodes_takes_the_plain_step(caplog):
         one_token_chunks.append(any(n == 1 and s.num_pending > 1 for s, n in plan) and all(n == 1 for _, n in plan))
         return plan
     engine.scheduler.schedule = recording
-    runs, replay = [], engine.graphs.run
-    engine.graphs.run = lambda seqs: runs.append(len(seqs)) or replay(seqs)
+    runs, replay = [], engine.graphs.replay
+    engine.graphs.replay = lambda step, ids=None: runs.append(len(step.ids)) or replay(step, ids)
     assert run(engine) == want
     assert any(one_token_chunks) and runs             # the case happened, and the runner ran the decode steps
     assert "failed" not in caplog.text                # no step's logits disagreed with its sampled rows

@@ -5,11 +5,15 @@ layers, batch 1, H100; bench/results/round-46.md), which would be a graph launch
 step. This times it without the profiler: on the e2e engine (dummy V4-Flash weights, 8K context) after three
 warm-up steps, the host time of the step's graph `replay()` call alone (no synchronization), the wall time of the
 replay and a synchronize, and the wall time of a whole `engine.step()` (scheduling, the input copies, the replay,
-the sampler, reading the tokens back), medians over 20 / 20 / 10 runs.
+the sampler, reading the tokens back), medians over 20 / 20 / 10 runs. Then, with async scheduling off and on
+(`Engine.async_scheduling`: the next decode step launched before this one's tokens are read back), the mean time
+of a step over 20 steps in a row with no synchronization between them (one after the last: with async
+scheduling the step launched before the first ran before the timer, the one launched by the last runs inside it),
+in turns, three times each.
 
     python bench/lab/graph_launch.py [--layers 8] [--batch 1] [--context 8192]     # on the GPU
 
-Prints one line per (layers, batch).
+Prints two lines per (layers, batch).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def main():
     for layers in map(int, args.layers.split(",")):
         _, _, _, model = dummy_bench_model("v4-flash", layers, "nvfp4-experts", None)
         for batch in map(int, args.batch.split(",")):
-            engine, _ = engine_at_context(model, batch, args.context, 40, torch.Generator().manual_seed(0))
+            engine, _ = engine_at_context(model, batch, args.context, 200, torch.Generator().manual_seed(0))
             for _ in range(3):
                 engine.step()
             runner = engine.graphs
@@ -62,9 +66,19 @@ def main():
                 torch.cuda.synchronize()
             host = median_us(launch, 20)
             torch.cuda.synchronize()
+            engine.async_scheduling = False
             print(f"layers {layers} batch {batch}: launch (host) {host:.0f} us; launch and "
                   f"wait {median_us(launch_and_wait, 20):.0f} us; engine.step "
                   f"{median_us(lambda: (engine.step(), torch.cuda.synchronize()), 10):.0f} us", flush=True)
+            in_a_row = {False: [], True: []}
+            for _ in range(3):
+                for mode in (False, True):
+                    engine.async_scheduling = mode
+                    in_a_row[mode].append(median_us(lambda: ([engine.step() for _ in range(20)],
+                                                              torch.cuda.synchronize()), 1) / 20)
+            print(f"layers {layers} batch {batch}: 20 steps in a row, us a step: async scheduling off "
+                  + " / ".join(f"{t:.0f}" for t in in_a_row[False]) + ", on "
+                  + " / ".join(f"{t:.0f}" for t in in_a_row[True]), flush=True)
             del engine
         del model
         torch.cuda.empty_cache()

@@ -13,7 +13,10 @@ head, the sampler: no host sync on CUDA), then renders the tokens the previous s
 strings, logprobs, callbacks) while the device runs, and only then reads its own tokens back. Taking a token
 (`OutputTracker.accept`) already decides whether it ends the sequence by EOS, a stop token id, max_tokens or
 max_model_len: such a token, and a sequence's first, render at once. A stop string is found one step late: the
-sequence has then been given a row in the running step, whose token is dropped.
+sequence has then been given a row in the running step, whose token is dropped. With async scheduling a decode step
+of the runner launches the next decode step before its own tokens are read back, fed with them on the device, when
+that step is known in advance (`_launch_ahead`); a sequence that its token ends by EOS or a stop id then also has a
+row there, which is dropped.
 
 A step is a transaction per sequence. A sequence's step commits when its cache state, `num_cached` and (if
 it is due one) its sampled token have all advanced; until then a failure ends it, frees its slot and resets
@@ -81,12 +84,19 @@ class TokenIdsOnly:
         return ""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ahead:
+    """A decode step launched before the tokens it feeds were read back (async scheduling)."""
+    seqs: tuple[Sequence, ...]             # its rows, in order: each feeds its next token at position num_cached
+    logits: torch.Tensor | Exception       # [len(seqs), vocab rows] on the device, or what its launch raised
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, *, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  max_logprobs: int = DEFAULT_MAX_LOGPROBS, num_cache_pages: int | None = None,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION, driver: Driver | None = None,
-                 enforce_eager: bool = False, kv_cache_dtype: str = "auto"):
+                 enforce_eager: bool = False, kv_cache_dtype: str = "auto", async_scheduling: bool = True):
         """The cache holds `num_cache_pages` pages of PAGE_TOKENS positions shared by all sequences; by default, on
         a GPU, as many as fit in `gpu_memory_utilization` of its memory after the weights and the largest step's
         activations, and elsewhere enough for max_num_seqs sequences of max_model_len tokens. driver: rank 0's side
@@ -99,8 +109,11 @@ class Engine:
         `runtime.cache.pool_shapes`): "auto" keeps the cache in the compute dtype; "fp8-indexer" keeps the
         lightning indexer's keys as fp8 e4m3 with a power-of-two scale per key (132 instead of 256 bytes a key at
         V4's 128 channels); "fp8" also the attention's compressed entries as packed fp8 rows (584 instead of 1,024
-        bytes), with the K = V rows rounded as DeepSeek's reference rounds them."""
-        self.kv_cache_dtype = kv_cache_dtype
+        bytes), with the K = V rows rounded as DeepSeek's reference rounds them. async_scheduling (vLLM's name): a
+        decode step of the runner whose successor is known before its tokens are read back launches that successor
+        at once, fed with the sampled tokens on the device (`_launch_ahead`), so that the device does not wait for
+        the host between decode steps."""
+        self.kv_cache_dtype, self.async_scheduling = kv_cache_dtype, async_scheduling
         cfg = model.config
         self.model, self.driver = model, driver
         self.device, self.dtype = model.embed.weight.device, model.embed.weight.dtype
@@ -143,6 +156,7 @@ class Engine:
         self._unseeded_draws = 0
         self._sampling: tuple[tuple[Sequence, ...], SamplingBatch] | None = None   # the last step's, by its rows
         self._unrendered: list[Sequence] = []     # took a token in the last step, rendered in the next
+        self._ahead: _Ahead | None = None         # the next decode step, launched before this one's tokens were read
 
     def _pages_that_fit(self, slots: int, step_tokens: int, utilization: float) -> int:
         cfg = self.model.config
@@ -256,7 +270,9 @@ class Engine:
         rendered (detokenized, checked for stop strings, their callbacks called) and `while_running(rendered)` is
         called, if given; only then are this step's tokens read back. A sequence that a stop string ends while it
         renders has already been given a row in this step: that row's token is dropped."""
-        plan = self.scheduler.schedule()
+        plan, logits = self._take_ahead()
+        if not plan:
+            plan, logits = self.scheduler.schedule(), None
         if not plan:
             rendered = self._render()
             if while_running is not None:
@@ -264,7 +280,7 @@ class Engine:
             return rendered
         uncommitted = {seq.request_id: seq for seq, _ in plan}
         try:
-            return self._step(plan, uncommitted, while_running)
+            return self._step(plan, uncommitted, while_running, logits)
         except BaseException as e:
             reason = "error" if isinstance(e, Exception) else "abort"
             if uncommitted:
@@ -275,14 +291,35 @@ class Engine:
                     self._end(seq, reason, e)
             raise
 
+    def _take_ahead(self) -> tuple[list[tuple[Sequence, int]], torch.Tensor | Exception | None]:
+        """The step launched ahead by the last one, as a plan and its logits (or what its launch raised), less the
+        rows of sequences that have ended since (their tokens are dropped); ([], None) if there is none."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return [], None
+        live = [i for i, s in enumerate(ahead.seqs) if not s.finished]
+        for i in live:
+            if ahead.seqs[i].num_pending != 1:
+                raise RuntimeError(f"{ahead.seqs[i]} was launched ahead to feed one token but has "
+                                   f"{ahead.seqs[i].num_pending} pending")
+        logits = ahead.logits
+        if len(live) < len(ahead.seqs) and live and not isinstance(logits, Exception):
+            logits = logits[device_column(live, torch.int64, self.device)]
+        return [(ahead.seqs[i], 1) for i in live], logits
+
     def _step(self, plan: list[tuple[Sequence, int]], uncommitted: dict[str, Sequence],
-              while_running: Callable[[list[Sequence]], None] | None) -> list[Sequence]:
+              while_running: Callable[[list[Sequence]], None] | None,
+              logits: torch.Tensor | None = None) -> list[Sequence]:
+        """Run the plan's step (or, with `logits`, take those of the step launched ahead for it)."""
         for slot in self.scheduler.vacated:       # slots freed by preemption: reset before anyone writes them
             self._reset(slot)
         self.scheduler.vacated.clear()
         offsets = list(itertools.accumulate((n for _, n in plan[:-1]), initial=0))
-        logits = None
-        if self.graphs is not None and self.graphs.takes(plan):
+        decode_runner = logits is not None        # a step of this engine's runner: launched ahead, or below
+        if isinstance(logits, Exception):         # launching the step ahead failed
+            return self._end_all([s for s, _ in plan], uncommitted, logits)
+        if logits is None and self.graphs is not None and self.graphs.takes(plan):
+            decode_runner = self.driver is None
             seqs = [s for s, _ in plan]           # a decode step: one graph replay (it reads the page tables itself)
             if self.driver is not None:           # on every rank; a failure of any propagates
                 logits = self.driver.graph_step(seqs)
@@ -291,7 +328,7 @@ class Engine:
                     logits = self.graphs.run(seqs)
                 except Exception as e:
                     return self._end_all(seqs, uncommitted, e)
-        else:
+        elif logits is None:
             batch = SeqBatch(tuple(s.slot for s, _ in plan), tuple(s.num_cached for s, _ in plan),
                              tuple(n for _, n in plan), tuple(tuple(s.page_table.pages) for s, _ in plan))
             ids = torch.tensor([t for s, n in plan for t in s.chunk(n)], dtype=torch.long)
@@ -321,12 +358,17 @@ class Engine:
                 except Exception as e:
                     return self._end_all(seqs, uncommitted, e)
             draws = self._launch_sampling(seqs, logits[:, :self.vocab_size].float())
+            if decode_runner and len(seqs) == len(plan):
+                self._ahead = self._launch_ahead(seqs, draws[0])
         rendered = self._render()                  # overlaps the device's work on this step
         if while_running is not None:
             while_running(rendered)
         changed = {id(s): s for s in rendered}
         if draws is not None:
-            for seq, result in zip(seqs, self._read_samples(seqs, *draws)):
+            results = self._read_samples(seqs, *draws)
+            if results is None:
+                return self._recompute(seqs, uncommitted) + list(changed.values())
+            for seq, result in zip(seqs, results):
                 del uncommitted[seq.request_id]
                 if seq.finished:                   # a stop string or a fault ended it while it rendered
                     continue
@@ -336,6 +378,47 @@ class Engine:
                     self._accept(seq, *result)
                 changed[id(seq)] = seq
         return list(changed.values())
+
+    def _launch_ahead(self, seqs: list[Sequence], out) -> _Ahead | None:
+        """With async_scheduling, after a decode step of the runner has launched its sampler: launch the next decode
+        step now, its token ids this step's sampled ones on the device, if that step is known before the tokens are:
+        the sampler has launched, nothing waits to be admitted (or no slot is free for it and no sequence ends by
+        count), and every sequence's next position has its page without preempting. Its sequences are this step's
+        less those whose token ends them by count (max_tokens, max_model_len); one that its token ends otherwise
+        (EOS, a stop id or string, a fault) keeps its row there, which is dropped (`_take_ahead`), and its slot is
+        reset behind it."""
+        if not self.async_scheduling or isinstance(out, Exception):
+            return None
+        keep = [i for i, s in enumerate(seqs)
+                if not s.tracker.next_ends_by_count() and s.num_tokens + 1 < self.max_model_len]
+        sched = self.scheduler
+        if (not keep or len(seqs) != len(sched.running)
+                or (sched.waiting and (sched.free_slots or len(keep) < len(seqs)))):
+            return None
+        nxt = [seqs[i] for i in keep]
+        if not sched.grow_ahead(nxt):
+            return None
+        ids = out.token_ids
+        if len(keep) < len(seqs):
+            ids = ids[device_column(keep, torch.int64, self.device)]
+        try:
+            logits = self.graphs.replay(self.graphs.prepare(nxt, ahead=True), ids)[:len(nxt)]
+        except Exception as e:                    # the next step fails as it would have there
+            logits = e
+        return _Ahead(tuple(nxt), logits)
+
+    def _recompute(self, seqs: list[Sequence], uncommitted: dict[str, Sequence]) -> list[Sequence]:
+        """The step's tokens could not be read back in one batch after the step ahead was launched on them, whose
+        logits may have taken the place of this step's: the step ahead is dropped, and each of the step's sequences
+        takes no token now and goes back to the waiting queue to recompute its tokens (as a preempted one does)."""
+        log.warning("reading a step's sampled tokens failed after the next step was launched on them; requests %s "
+                    "recompute", [s.request_id for s in seqs])
+        self._ahead = None
+        for seq in seqs:
+            del uncommitted[seq.request_id]
+            if not seq.finished:
+                self.scheduler.preempt(seq)
+        return []
 
     def _launch_sampling(self, seqs: list[Sequence], logits: torch.Tensor):
         """Start sampling one token per sequence (no host sync): -> (the SamplerOutput or the exception the batch
@@ -351,14 +434,18 @@ class Engine:
         return out, logits, counters
 
     def _read_samples(self, seqs: list[Sequence], out, logits: torch.Tensor,
-                      counters: list[int]) -> list[tuple | Exception]:
+                      counters: list[int]) -> list[tuple | Exception] | None:
         """(token, logprobs) per sequence, or the exception its sampling raised. If the batch raised, each row is
         sampled alone with the same draw (its seed and counter), so a request's failure leaves the others' tokens as
-        they would be without it."""
+        they would be without it; None if reading the batch raised after a step was launched ahead on its tokens
+        (the caller recomputes)."""
         if not isinstance(out, Exception):
             try:
                 return list(zip(out.token_ids.tolist(), out.host_logprobs([s.params for s in seqs])))
             except Exception as e:
+                if self._ahead is not None:       # the logits may be the step ahead's now
+                    log.warning("reading a batch of %d sampled tokens failed (%s: %s)", len(seqs), type(e).__name__, e)
+                    return None
                 out = e
         if len(seqs) == 1:
             return [out]

@@ -4,13 +4,14 @@ A decode step (every scheduled sequence feeds one token) of b sequences runs the
 batch bucket B >= b (1, 2, 4, ... 256, and max_num_seqs) and the smallest length bucket L (4K, 16K, 64K, ... and
 max_model_len) that holds every sequence's positions: the indexer scores and sorts rows of L / 4 keys and attention
 splits its keys by L, so a short sequence does not pay for the longest one the engine allows. The graph reads static
-device buffers, filled in place before each replay: token ids, positions and cache slots (one pinned host buffer,
-one non-blocking copy); its step's page tables are gathered inside the graph from a device table of every slot's
-pages, which is written only when a sequence's pages change (every PAGE_TOKENS positions). Rows b..B-1 are padding:
-token 0 at position 0 in the cache's padding slot (a slot no sequence holds), where no compressed window closes and
-nothing a real sequence reads is written. Kernel plans are made at capture (a warm-up run per bucket on the padding
-slot first); every launch of the step is then on the device, with no host synchronization until the caller reads the
-sampled tokens.
+device buffers, filled in place before each replay: token ids, positions and cache slots (a pinned host buffer, one
+non-blocking copy; two such buffers in turns), or ids taken from an earlier step's sampled tokens on the device (a
+step launched ahead: `Engine.async_scheduling`); its step's page tables are gathered inside the graph from a device
+table of every slot's pages, which is written only when a sequence's pages change (every PAGE_TOKENS positions).
+Rows b..B-1 are padding: token 0 at position 0 in the cache's padding slot (a slot no sequence holds), where no
+compressed window closes and nothing a real sequence reads is written. Kernel plans are made at capture (a warm-up
+run per bucket on the padding slot first); every launch of the step is then on the device, with no host
+synchronization until the caller reads the sampled tokens.
 
 Without capture (`capture=False`: the engine's `enforce_eager` on CUDA, and the tests on the CPU) `run` executes the
 same padded static-buffer step eagerly, with the graphs' kernel plans and so their tokens; the tests compare it
@@ -74,10 +75,17 @@ class DecodeGraphs:
         self.tables = torch.zeros(pad_slot + 1, width, dtype=torch.int32, device=self.device)
         self._rows: dict[int, tuple[int, int]] = {}       # slot -> (id of its sequence, pages on the device)
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(3, largest, dtype=torch.int64, pin_memory=pin)   # token ids, positions, slots
-        self.host_array = self.host.numpy()               # the same memory, which `replay` fills through numpy
-        self.host_rows = torch.zeros(largest * width, dtype=torch.int32, pin_memory=pin)  # changed page-table rows
-        self.host_row_slots = torch.zeros(largest, dtype=torch.int64, pin_memory=pin)     # and their slots
+        # Pinned host buffers, two of each used in turns: a step launched ahead (`replay(ids=...)`) fills one while
+        # the copy out of the other may still be queued. `_copied[i]` is recorded after the copies out of buffer i,
+        # and its next filling waits for it (on the CPU a copy is done when it returns).
+        self.host = [torch.zeros(3, largest, dtype=torch.int64, pin_memory=pin)      # token ids, positions, slots
+                     for _ in range(2)]
+        self.host_array = [h.numpy() for h in self.host]  # the same memory, which `replay` fills through numpy
+        self.host_rows = [torch.zeros(largest * width, dtype=torch.int32, pin_memory=pin)   # changed page-table rows
+                          for _ in range(2)]
+        self.host_row_slots = [torch.zeros(largest, dtype=torch.int64, pin_memory=pin) for _ in range(2)]  # and slots
+        self._copied = [torch.cuda.Event() for _ in range(2)] if pin else None
+        self._turn = 0
         self.inputs = torch.zeros(3, largest, dtype=torch.int64, device=self.device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}       # by (batch, length) bucket
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -103,9 +111,11 @@ class DecodeGraphs:
         """Logits [len(seqs), vocab rows] of the next token of each sequence, which feeds its one pending token."""
         return self.replay(self.prepare(seqs))[:len(seqs)]
 
-    def prepare(self, seqs: list[Sequence]) -> GraphStep:
+    def prepare(self, seqs: list[Sequence], ahead: bool = False) -> GraphStep:
         """The step of these decoding sequences: its buckets, inputs and the page-table rows that changed since the
-        runner last saw each slot (noted as sent)."""
+        runner last saw each slot (noted as sent). ahead: the step is launched before the tokens it feeds are known
+        on the host (each sequence's next token, at position num_cached): its ids are zeros here, and `replay` takes
+        them from the device."""
         longest = max(s.num_cached for s in seqs) + 1
         pages = []
         for seq in seqs:
@@ -115,27 +125,37 @@ class DecodeGraphs:
                 self._rows[seq.slot] = (id(seq), len(table))
         return GraphStep(next(x for x in self.buckets if x >= len(seqs)),
                          next((x for x in self.lengths if x >= longest), self.lengths[-1]),
-                         tuple(s.chunk(1)[0] for s in seqs), tuple(s.num_cached for s in seqs),
+                         (0,) * len(seqs) if ahead else tuple(s.chunk(1)[0] for s in seqs),
+                         tuple(s.num_cached for s in seqs),
                          tuple(s.slot for s in seqs), tuple(pages))
 
     @torch.inference_mode()
-    def replay(self, step: GraphStep) -> torch.Tensor:
-        """Run a prepared step (its graph, or the same padded step eagerly) -> logits [bucket, vocab rows]."""
+    def replay(self, step: GraphStep, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run a prepared step (its graph, or the same padded step eagerly) -> logits [bucket, vocab rows]. ids: the
+        step's token ids as a device tensor [len(step.ids)] (an earlier step's sampled tokens, not yet read back),
+        in place of step.ids."""
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._copied is not None:             # the copies out of this turn's buffers (two replays ago) are done
+            self._copied[turn].synchronize()
         if step.pages:          # every changed row in one copy (a step that admits a batch changes them all)
             n, cols = len(step.pages), max(len(table) for _, table in step.pages)
-            rows = self.host_rows[:n * cols].view(n, cols)     # contiguous: an asynchronous copy
-            slots = self.host_row_slots[:n]
+            rows = self.host_rows[turn][:n * cols].view(n, cols)     # contiguous: an asynchronous copy
+            slots = self.host_row_slots[turn][:n]
             rows.zero_()
             for i, (slot, table) in enumerate(step.pages):
                 rows[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
                 slots[i] = slot
             self.tables[:, :cols].index_copy_(0, slots.to(self.device, non_blocking=True),
                                               rows.to(self.device, non_blocking=True))
-        b, bucket, host = len(step.ids), step.bucket, self.host_array   # numpy: less host time than torch's
+        b, bucket, host = len(step.ids), step.bucket, self.host_array[turn]   # numpy: less host time than torch's
         host[:2, b:bucket] = 0
         host[2, b:bucket] = self.pad_slot
         host[:, :b] = (step.ids, step.positions, step.slots)
-        self.inputs[:, :bucket].copy_(self.host[:, :bucket], non_blocking=True)
+        self.inputs[:, :bucket].copy_(self.host[turn][:, :bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied[turn].record()
+        if ids is not None:
+            self.inputs[0, :b].copy_(ids)
         key = (bucket, step.length)
         if key in self.graphs:
             self.graphs[key].replay()

@@ -285,6 +285,11 @@ class OutputTracker:
         self._accepted.clear()
         return rendered
 
+    def next_ends_by_count(self) -> bool:
+        """Whether the next token taken ends the sequence whatever it is (max_tokens)."""
+        max_tokens = self.params.max_tokens
+        return max_tokens is not None and self.num_sampled + 1 >= max_tokens
+
     def _ends_at(self, k: int) -> bool:
         """Whether the k-th accepted token (1-based; 0: none) ends the sequence without its text."""
         if k == 0:

@@ -73,6 +73,11 @@ class Scheduler:
             budget -= n
         return plan
 
+    def grow_ahead(self, seqs: list[Sequence]) -> bool:
+        """Pages for each of `seqs` (running, in running order) to feed one more token than it has cached, as
+        `schedule` gives them, but without preempting: whether all of them have theirs."""
+        return all(self.pages.grow(seq.page_table, seq.num_cached + 1) for seq in seqs)
+
     def _make_room(self, seq: Sequence, tokens: int) -> bool:
         """Pages for `seq` to hold `tokens` positions, preempting the youngest running sequences as needed;
         False if `seq` itself had to be preempted."""
