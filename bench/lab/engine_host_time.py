@@ -6,7 +6,8 @@ so what is timed is the host's work per decode step: scheduling, the runner's in
 slots into its buffer, and their copy), launching the sampler, rendering the previous step's tokens (detokenization,
 stop checks, callbacks), reading the tokens back and accepting them. Rendering runs while the device computes the
 step (`Engine.step`), so the device waits only for the rest: the column "device waits" is the step's time less
-rendering.
+rendering. Async scheduling is off here (it launches the next step before this one's tokens are read back, so the
+device waits for none of this while the step runs; `bench/lab/graph_launch.py` times it on the GPU).
 
     python bench/lab/engine_host_time.py [--batches 1,64,256] [--steps 30] [--out DIR]
     python bench/lab/engine_host_time.py --toy          # a dry run (checks the script)
@@ -53,7 +54,7 @@ class StubRunner(DecodeGraphs):
 
 def measure(model, batch: int, params: SamplingParams, steps: int) -> dict:
     engine = Engine(model, max_num_seqs=batch, max_model_len=steps + 16, num_cache_pages=batch + 1,
-                    max_num_batched_tokens=max(batch * 4, 64))
+                    max_num_batched_tokens=max(batch * 4, 64), async_scheduling=False)
     engine.graphs = StubRunner(engine, batch)
     seqs = [engine.add_request([5, 6, 7], params) for _ in range(batch)]
     while any(s.tracker.num_sampled == 0 for s in seqs):

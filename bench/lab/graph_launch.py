@@ -7,9 +7,10 @@ warm-up steps, the host time of the step's graph `replay()` call alone (no synch
 replay and a synchronize, and the wall time of a whole `engine.step()` (scheduling, the input copies, the replay,
 the sampler, reading the tokens back), medians over 20 / 20 / 10 runs. Then, with async scheduling off and on
 (`Engine.async_scheduling`: the next decode step launched before this one's tokens are read back), the mean time
-of a step over 20 steps in a row with no synchronization between them (one after the last: with async
-scheduling the step launched before the first ran before the timer, the one launched by the last runs inside it),
-in turns, three times each.
+of a step over 20 steps in a row with no synchronization between them, in turns, three times each. Each timing
+follows an untimed step in its mode and a synchronization, and ends with a synchronization: with async scheduling
+the step ahead of the first ran before the timer and the one launched by the last runs inside it, so either way
+the timer holds 20 steps' device work.
 
     python bench/lab/graph_launch.py [--layers 8] [--batch 1] [--context 8192]     # on the GPU
 
@@ -55,6 +56,7 @@ def main():
         _, _, _, model = dummy_bench_model("v4-flash", layers, "nvfp4-experts", None)
         for batch in map(int, args.batch.split(",")):
             engine, _ = engine_at_context(model, batch, args.context, 200, torch.Generator().manual_seed(0))
+            engine.async_scheduling = False
             for _ in range(3):
                 engine.step()
             runner = engine.graphs
@@ -66,7 +68,6 @@ def main():
                 torch.cuda.synchronize()
             host = median_us(launch, 20)
             torch.cuda.synchronize()
-            engine.async_scheduling = False
             print(f"layers {layers} batch {batch}: launch (host) {host:.0f} us; launch and "
                   f"wait {median_us(launch_and_wait, 20):.0f} us; engine.step "
                   f"{median_us(lambda: (engine.step(), torch.cuda.synchronize()), 10):.0f} us", flush=True)
@@ -74,6 +75,7 @@ def main():
             for _ in range(3):
                 for mode in (False, True):
                     engine.async_scheduling = mode
+                    engine.step()           # untimed: with async scheduling the timer starts with a step ahead
                     in_a_row[mode].append(median_us(lambda: ([engine.step() for _ in range(20)],
                                                               torch.cuda.synchronize()), 1) / 20)
             print(f"layers {layers} batch {batch}: 20 steps in a row, us a step: async scheduling off "

@@ -414,7 +414,7 @@ class Engine:
         log.warning("reading a step's sampled tokens failed after the next step was launched on them; requests %s "
                     "recompute", [s.request_id for s in seqs])
         self._ahead = None
-        for seq in seqs:
+        for seq in reversed(seqs):                # each goes first in the queue: the oldest ends up first
             del uncommitted[seq.request_id]
             if not seq.finished:
                 self.scheduler.preempt(seq)

@@ -153,7 +153,7 @@ class DecodeGraphs:
         host[:, :b] = (step.ids, step.positions, step.slots)
         self.inputs[:, :bucket].copy_(self.host[turn][:, :bucket], non_blocking=True)
         if self._copied is not None:
-            self._copied[turn].record()
+            self._copied[turn].record(torch.cuda.current_stream(self.device))
         if ids is not None:
             self.inputs[0, :b].copy_(ids)
         key = (bucket, step.length)
