@@ -114,14 +114,20 @@ def test_ends_arrivals_and_aborts_give_the_same_tokens(model):
 
 def test_a_full_pool_preempts_the_same_way(model):
     """Four pages of 256 positions for three sequences that grow past them: the youngest is preempted and
-    recomputes, with async scheduling as without."""
+    recomputes, with async scheduling as without; while it waits for pages (with a slot free) the others' steps
+    still launch ahead."""
     prompts = [rf.prompt_ids(n, seed=80 + i) for i, n in enumerate((250, 200, 240))]
     requests = [(p, greedy(60)) for p in prompts]
     plain = runner_engine(model, False, pages=4)
     want = run(plain, requests)
     engine = runner_engine(model, True, pages=4)
+    waiting_ahead, replay = [], engine.graphs.replay
+    engine.graphs.replay = lambda step, ids=None: (waiting_ahead.append(ids is not None and
+                                                                        bool(engine.scheduler.waiting))
+                                                   or replay(step, ids))
     assert run(engine, requests) == want
     assert engine.scheduler.num_preemptions == plain.scheduler.num_preemptions > 0
+    assert any(waiting_ahead)
 
 
 def test_a_failed_read_after_the_step_ahead_recomputes_the_step(model, monkeypatch, caplog):

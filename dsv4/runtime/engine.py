@@ -382,21 +382,20 @@ class Engine:
     def _launch_ahead(self, seqs: list[Sequence], out) -> _Ahead | None:
         """With async_scheduling, after a decode step of the runner has launched its sampler: launch the next decode
         step now, its token ids this step's sampled ones on the device, if that step is known before the tokens are:
-        the sampler has launched, nothing waits to be admitted (or no slot is free for it and no sequence ends by
-        count), and every sequence's next position has its page without preempting. Its sequences are this step's
-        less those whose token ends them by count (max_tokens, max_model_len); one that its token ends otherwise
-        (EOS, a stop id or string, a fault) keeps its row there, which is dropped (`_take_ahead`), and its slot is
-        reset behind it."""
+        the sampler has launched, every sequence's next position has its page without preempting, and no waiting
+        request could be admitted (no slot and pages for it, and no sequence ends by count). Its sequences are this
+        step's less those whose token ends them by count (max_tokens, max_model_len); one that its token ends
+        otherwise (EOS, a stop id or string, a fault) keeps its row there, which is dropped (`_take_ahead`), and its
+        slot is reset behind it."""
         if not self.async_scheduling or isinstance(out, Exception):
             return None
         keep = [i for i, s in enumerate(seqs)
                 if not s.tracker.next_ends_by_count() and s.num_tokens + 1 < self.max_model_len]
         sched = self.scheduler
-        if (not keep or len(seqs) != len(sched.running)
-                or (sched.waiting and (sched.free_slots or len(keep) < len(seqs)))):
+        if not keep or len(seqs) != len(sched.running) or (sched.waiting and len(keep) < len(seqs)):
             return None
         nxt = [seqs[i] for i in keep]
-        if not sched.grow_ahead(nxt):
+        if not sched.grow_ahead(nxt) or sched.would_admit():
             return None
         ids = out.token_ids
         if len(keep) < len(seqs):

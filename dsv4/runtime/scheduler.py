@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .cache import PAGE_TOKENS, PageAllocator
+from .cache import PAGE_TOKENS, PageAllocator, pages_for
 from .sequence import Sequence
 
 
@@ -72,6 +72,14 @@ class Scheduler:
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def would_admit(self) -> bool:
+        """Whether `schedule` could now admit the first waiting request: a slot is free and the free pages hold all
+        its tokens (admission goes in order, so the others wait behind it)."""
+        if not (self.waiting and self.free_slots):
+            return False
+        seq = self.waiting[0]
+        return pages_for(seq.num_tokens) - len(seq.page_table) <= self.pages.num_free
 
     def grow_ahead(self, seqs: list[Sequence]) -> bool:
         """Pages for each of `seqs` (running, in running order) to feed one more token than it has cached, as
