@@ -10,8 +10,10 @@ that format's storage), then
   state (random values written into the pools: timing needs consistent counts, not meaningful values), timed over
   `--steps` decode steps (median); output tokens/s; the bytes the step must read (every weight but the routed
   experts, the experts the batch is expected to touch, each sequence's cache rows it attends to) and the time
-  they take at the copy bandwidth (`--bandwidth`, 4.27 TB/s: the floor); kernel launches, GPU-busy share (a
-  profiled step's kernel time over the median step's time) and the kernels taking the most GPU time in one step
+  they take at the copy bandwidth (`--bandwidth`, 4.27 TB/s: the floor); the mean step of as many more in a row
+  (no synchronization between them: with async scheduling the host's work overlaps the next step); kernel
+  launches, GPU-busy share (a profiled step's kernel time over the median step's time, and over the mean step in a
+  row) and the kernels taking the most GPU time in one step
   from torch.profiler (on CPU: ATen ops per step); each case in the engine's default mode (`--modes graphs`: CUDA
   graphs for decode on a GPU) and / or `eager` (enforce_eager);
 * prefill: one prompt of each `--prefill` length through chunked prefill, tokens/s;
@@ -214,7 +216,7 @@ def failed(seqs) -> None:
 def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False,
                 kv_cache_dtype: str = "auto", sequence: bool = False) -> dict:
     t = time.perf_counter()
-    engine, seqs = engine_at_context(model, batch, context, steps + 2, gen, eager, kv_cache_dtype)
+    engine, seqs = engine_at_context(model, batch, context, 2 * steps + 2, gen, eager, kv_cache_dtype)
     out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device, sequence)}
     del engine
     gc.collect()                          # its pools go before the next case's are allocated
@@ -223,7 +225,9 @@ def time_decode(model, batch: int, context: int, steps: int, device, gen, eager:
 
 def time_steps(engine: Engine, seqs: list, steps: int, device, sequence: bool = False) -> dict:
     """A warm-up step, then the median of `steps` timed decode steps, then one profiled step (`profile_step`;
-    `sequence`: its kernels in order too)."""
+    `sequence`: its kernels in order too), then the mean step of `steps` more in a row (`step_ms_in_a_row`: no
+    synchronization between them, so a step launched ahead runs while the host takes the last one's tokens; the
+    first step's ahead ran before the timer and the last one's inside it)."""
     engine.step()                         # warm-up (compiles kernels on first use)
     failed(seqs)
     times = []
@@ -235,8 +239,15 @@ def time_steps(engine: Engine, seqs: list, steps: int, device, sequence: bool = 
         times.append(time.perf_counter() - t)
     out = {"step_ms": statistics.median(times) * 1e3, "graph_memory": engine.graph_memory}
     out.update(profile_step(engine, device, sequence))
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(device)
+    out["step_ms_in_a_row"] = (time.perf_counter() - t) / steps * 1e3
     if "gpu_us" in out:                   # the profiled step's kernel time over the timed step's (the profiler slows
         out["gpu_busy"] = min(1.0, out["gpu_us"] / (out["step_ms"] * 1e3))   # the step it watches)
+        out["gpu_busy_in_a_row"] = min(1.0, out["gpu_us"] / (out["step_ms_in_a_row"] * 1e3))
     failed(seqs)
     return out
 
@@ -249,8 +260,8 @@ def parallel_cases(args, fmt: str, layers: int, mode: str, device, gen, res: dic
 
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     batches, contexts, prefills = ints(args.batch), ints(args.context), ints(args.prefill)
-    longest = max(contexts + [p - args.steps for p in prefills]) + args.steps + 3
-    pages = max([b * pages_for(c + args.steps + 3) for b in batches for c in contexts] + [pages_for(longest)])
+    longest = max(contexts + [p - 2 * args.steps for p in prefills]) + 2 * args.steps + 3   # `time_steps`' steps
+    pages = max([b * pages_for(c + 2 * args.steps + 3) for b in batches for c in contexts] + [pages_for(longest)])
     t = time.perf_counter()
     steps_ms = {}
     with dsv4.LLM(args.model, device=device.type, load_format=f"dummy-{fmt}",
@@ -518,7 +529,7 @@ def table(res: dict) -> str:
         split = f", rank 0 of {res['one_rank_of']}{ep} alone, no communication"
     lines = [f"dsv4 e2e {res['started']} on {res['device']} ({res['model']}, {res['dtype']}{split})",
              f"{'format':14s} {'mode':6s} {'layers':>6s} {'batch':>5s} {'context':>7s} {'step ms':>9s} {'tok/s':>9s} "
-             f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s}"]
+             f"{'floor ms':>9s} {'of floor':>8s} {'launches':>8s} {'busy':>5s} {'in a row ms':>11s} {'busy':>5s}"]
     for c in res["decode"]:
         if "step_ms" not in c:
             lines.append(f"{c['format']:14s} {c.get('mode', ''):6s} {c['layers']:6d} {c['batch']:5d} "
@@ -526,10 +537,12 @@ def table(res: dict) -> str:
             continue
         launches = c.get("kernel_launches", c.get("aten_ops", 0))
         busy = f"{100 * c['gpu_busy']:4.0f}%" if "gpu_busy" in c else "    -"
+        row_busy = f"{100 * c['gpu_busy_in_a_row']:4.0f}%" if "gpu_busy_in_a_row" in c else "    -"
+        in_a_row = f"{c['step_ms_in_a_row']:11.2f}" if "step_ms_in_a_row" in c else f"{'-':>11s}"
         lines.append(f"{c['format']:14s} {c.get('mode', ''):6s} {c['layers']:6d} {c['batch']:5d} {c['context']:7d} "
                      f"{c['step_ms']:9.2f} "
                      f"{c['tokens_per_s']:9.1f} {c['floor_ms']:9.3f} {100 * c['floor_ms'] / c['step_ms']:7.1f}% "
-                     f"{launches:8d} {busy}")
+                     f"{launches:8d} {busy} {in_a_row} {row_busy}")
     for c in res["decode"]:
         if c.get("kernels"):
             lines.append(f"kernels of one step: {c['format']} {c.get('mode', '')} {c['layers']} layers, batch "
