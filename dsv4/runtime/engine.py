@@ -357,9 +357,11 @@ class Engine:
                     logits = self.model.head_logits(streams[:, rows])[0]
                 except Exception as e:
                     return self._end_all(seqs, uncommitted, e)
-            draws = self._launch_sampling(seqs, logits[:, :self.vocab_size].float())
+            out, logits, counters = self._launch_sampling(seqs, logits[:, :self.vocab_size].float())
+            host = self._host_copy(out)            # queued before a step launched ahead, which would hold it
+            draws = (host, logits, counters)
             if decode_runner and len(seqs) == len(plan):
-                self._ahead = self._launch_ahead(seqs, draws[0])
+                self._ahead = self._launch_ahead(seqs, host if isinstance(host, Exception) else out)
         rendered = self._render()                  # overlaps the device's work on this step
         if while_running is not None:
             while_running(rendered)
@@ -378,6 +380,17 @@ class Engine:
                     self._accept(seq, *result)
                 changed[id(seq)] = seq
         return list(changed.values())
+
+    @staticmethod
+    def _host_copy(out):
+        """The sampler's output copied to the host without waiting (`SamplerOutput.to_host`), or what it or the
+        copy raised."""
+        if isinstance(out, Exception):
+            return out
+        try:
+            return out.to_host()
+        except Exception as e:
+            return e
 
     def _launch_ahead(self, seqs: list[Sequence], out) -> _Ahead | None:
         """With async_scheduling, after a decode step of the runner has launched its sampler: launch the next decode
@@ -440,6 +453,7 @@ class Engine:
         (the caller recomputes)."""
         if not isinstance(out, Exception):
             try:
+                out.wait()
                 return list(zip(out.token_ids.tolist(), out.host_logprobs([s.params for s in seqs])))
             except Exception as e:
                 if self._ahead is not None:       # the logits may be the step ahead's now

@@ -104,6 +104,31 @@ class SamplerOutput:
     logprob_ids: torch.Tensor | None         # [B, 1 + n]: column 0 the sampled token, then the raw top-n
     logprobs: torch.Tensor | None            # [B, 1 + n] fp32 raw log-probabilities of logprob_ids
     ranks: torch.Tensor | None               # [B] int64, 1-based rank of the sampled token
+    ready: torch.cuda.Event | None = None    # a host copy's (`to_host`): recorded after its copies
+
+    def to_host(self) -> SamplerOutput:
+        """These tensors copied into pinned host memory without waiting (on CUDA; elsewhere self), with an event
+        after the copies: reading them (`wait`, then `tolist`) waits for this sampler's work only, not for work
+        launched after it on the stream (a decode step launched ahead)."""
+        if self.token_ids.device.type != "cuda":
+            return self
+
+        def pinned(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            return host
+        ready = torch.cuda.Event()
+        out = SamplerOutput(pinned(self.token_ids), pinned(self.logprob_ids), pinned(self.logprobs),
+                            pinned(self.ranks), ready)
+        ready.record(torch.cuda.current_stream(self.token_ids.device))
+        return out
+
+    def wait(self) -> None:
+        """Wait for a host copy's copies (`to_host`); nothing to wait for otherwise."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     def host_logprobs(self, params: Sequence[SamplingParams]) -> list[dict[int, Logprob] | None]:
         """Per row: {token id: Logprob} with the sampled token and the row's own top-n (one host sync)."""
