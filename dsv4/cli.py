@@ -144,8 +144,8 @@ def _serve_args(sub) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graph capture")
-    s.add_argument("--no-async-scheduling", action="store_true", help="read each decode step's tokens back before "
-                   "launching the next (by default the next launches first, fed on the device)")
+    s.add_argument("--async-scheduling", action="store_true", help="launch each decode step before the last one's "
+                   "tokens are read back, fed with them on the device")
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(s)
     _parallel_args(s)
@@ -164,8 +164,8 @@ def _model_args(g: argparse.ArgumentParser) -> None:
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graph capture")
-    g.add_argument("--no-async-scheduling", action="store_true", help="read each decode step's tokens back before "
-                   "launching the next (by default the next launches first, fed on the device)")
+    g.add_argument("--async-scheduling", action="store_true", help="launch each decode step before the last one's "
+                   "tokens are read back, fed with them on the device")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(g)
     _parallel_args(g)
@@ -228,7 +228,7 @@ def _llm(args: argparse.Namespace):
               max_model_len=args.max_model_len, max_num_seqs=1, progress=not args.no_progress,
               load_format=_load_format(args), hf_overrides=args.hf_overrides,
               enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype, **_parallel(args))
-    llm.engine.async_scheduling = not args.no_async_scheduling
+    llm.engine.async_scheduling = args.async_scheduling
     return llm
 
 
@@ -324,7 +324,7 @@ def _serve(args: argparse.Namespace) -> int:
               progress=not args.no_progress, load_format=_load_format(args),
               hf_overrides=args.hf_overrides, enforce_eager=args.enforce_eager,
               kv_cache_dtype=args.kv_cache_dtype, **_parallel(args))
-    llm.engine.async_scheduling = not args.no_async_scheduling
+    llm.engine.async_scheduling = args.async_scheduling
     run(llm, served_names=tuple(args.served_model_name or [model]), root=str(model), host=args.host, port=args.port,
         api_key=args.api_key, max_waiting=args.max_waiting, shutdown_timeout=args.shutdown_timeout,
         max_body_bytes=args.max_request_bytes)
