@@ -135,12 +135,15 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self.free)
 
+    def fits(self, table: PageTable, tokens: int) -> bool:
+        """Whether the free pages are enough for `table` to hold `tokens` positions."""
+        return pages_for(tokens) - len(table) <= len(self.free)
+
     def grow(self, table: PageTable, tokens: int) -> bool:
         """Give `table` pages until it holds `tokens` positions; False (and no change) if too few are free."""
-        need = max(0, pages_for(tokens) - len(table))
-        if need > len(self.free):
+        if not self.fits(table, tokens):
             return False
-        table.pages.extend(self.free.popleft() for _ in range(need))
+        table.pages.extend(self.free.popleft() for _ in range(max(0, pages_for(tokens) - len(table))))
         return True
 
     def release(self, table: PageTable) -> None:

@@ -394,14 +394,14 @@ class Engine:
             return e
 
     def _launch_ahead(self, seqs: list[Sequence], out) -> _Ahead | None:
-        """With async_scheduling, after a decode step of the runner has launched its sampler: launch the next decode
-        step now, its token ids this step's sampled ones on the device, if that step is known before the tokens are:
-        the sampler has launched, every sequence's next position has its page without preempting, and no waiting
-        request could be admitted (no slot and pages for it, and no sequence ends by count). Its sequences are this
-        step's less those whose token ends them by count (max_tokens, max_model_len); one that its token ends
-        otherwise (EOS, a stop id or string, a fault) keeps its row there, which is dropped (`_take_ahead`), and its
-        slot is reset behind it."""
-        if not self.async_scheduling or isinstance(out, Exception):
+        """With async_scheduling (the caller's check), after a decode step of the runner has launched its sampler:
+        launch the next decode step now, its token ids this step's sampled ones on the device, if that step is known
+        before the tokens are: the sampler has launched, every sequence's next position has its page without
+        preempting, and no waiting request could be admitted (no slot and pages for it, and no sequence ends by
+        count). Its sequences are this step's less those whose token ends them by count (max_tokens, max_model_len);
+        one that its token ends otherwise (EOS, a stop id or string, a fault) keeps its row there, which is dropped
+        (`_take_ahead`), and its slot is reset behind it."""
+        if isinstance(out, Exception):
             return None
         keep = [i for i, s in enumerate(seqs)
                 if not s.tracker.next_ends_by_count() and s.num_tokens + 1 < self.max_model_len]

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .cache import PAGE_TOKENS, PageAllocator, pages_for
+from .cache import PAGE_TOKENS, PageAllocator
 from .sequence import Sequence
 
 
@@ -76,10 +76,8 @@ class Scheduler:
     def would_admit(self) -> bool:
         """Whether `schedule` could now admit the first waiting request: a slot is free and the free pages hold all
         its tokens (admission goes in order, so the others wait behind it)."""
-        if not (self.waiting and self.free_slots):
-            return False
-        seq = self.waiting[0]
-        return pages_for(seq.num_tokens) - len(seq.page_table) <= self.pages.num_free
+        return bool(self.waiting and self.free_slots
+                    and self.pages.fits(self.waiting[0].page_table, self.waiting[0].num_tokens))
 
     def grow_ahead(self, seqs: list[Sequence]) -> bool:
         """Pages for each of `seqs` (running, in running order) to feed one more token than it has cached, as
