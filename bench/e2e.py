@@ -128,12 +128,13 @@ def cache_row_bytes(cfg: ModelConfig, kv_cache_dtype: str, cache_itemsize: int) 
 
 # ------------------------------------------------------------------------------------------------ engine
 def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator,
-                      eager: bool = False, kv_cache_dtype: str = "auto") -> tuple[Engine, list]:
+                      eager: bool = False, kv_cache_dtype: str = "auto",
+                      async_scheduling: bool = False) -> tuple[Engine, list]:
     """An engine whose `batch` sequences each hold `context - 1` tokens of (random) cache state, so that every
     following step decodes one token per sequence."""
     engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
                     max_num_batched_tokens=max(batch, 1024), num_cache_pages=batch * pages_for(context + steps + 1),
-                    enforce_eager=eager, kv_cache_dtype=kv_cache_dtype)
+                    enforce_eager=eager, kv_cache_dtype=kv_cache_dtype, async_scheduling=async_scheduling)
     for pool in engine.cache.pools.values():
         if pool.dtype == torch.float8_e4m3fn:
             pool.view(torch.uint8).random_(0, 120)      # finite e4m3 codes
@@ -214,9 +215,10 @@ def failed(seqs) -> None:
 
 
 def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False,
-                kv_cache_dtype: str = "auto", sequence: bool = False) -> dict:
+                kv_cache_dtype: str = "auto", sequence: bool = False, async_scheduling: bool = False) -> dict:
     t = time.perf_counter()
-    engine, seqs = engine_at_context(model, batch, context, 2 * steps + 2, gen, eager, kv_cache_dtype)
+    engine, seqs = engine_at_context(model, batch, context, 2 * steps + 2, gen, eager, kv_cache_dtype,
+                                     async_scheduling)
     out = {"setup_s": time.perf_counter() - t, **time_steps(engine, seqs, steps, device, sequence)}
     del engine
     gc.collect()                          # its pools go before the next case's are allocated
@@ -424,6 +426,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "in order in the JSON (`sequence`: name, start and duration in us)")
     ap.add_argument("--one-stream", action="store_true", help="a layer's compressors and picks on the step's one "
                     "stream, not beside the query products on a second (and the CSA layers' query products fused)")
+    ap.add_argument("--async-scheduling", action="store_true", help="each decode step launched as soon as the last "
+                    "one's sampler has (the engine's async_scheduling)")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)
@@ -441,7 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
            "dtype": str(dtype), "bandwidth": args.bandwidth, "decode": [], "prefill": [], "per_layer": [],
            "errors": []}
     res.update(tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
-               kv_cache_dtype=args.kv_cache_dtype, one_rank_of=args.one_rank_of, one_stream=args.one_stream)
+               kv_cache_dtype=args.kv_cache_dtype, one_rank_of=args.one_rank_of, one_stream=args.one_stream,
+               async_scheduling=args.async_scheduling)
     if args.one_stream and args.tensor_parallel_size > 1:
         raise SystemExit("--one-stream changes the model of this process: not with --tensor-parallel-size")
     if args.one_rank_of > 1 and args.tensor_parallel_size > 1:
@@ -480,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict:
                     case = dict(format=fmt, layers=layers, batch=batch, context=context, mode=mode, build_s=build_s)
                     try:
                         runs = sorted((time_decode(model, batch, context, args.steps, device, gen, mode == "eager",
-                                                   args.kv_cache_dtype, args.sequence) for _ in range(args.repeats)),
+                                                   args.kv_cache_dtype, args.sequence, args.async_scheduling)
+                                     for _ in range(args.repeats)),
                                       key=lambda r: r["step_ms"])
                         case.update(runs[(len(runs) - 1) // 2])         # the median engine's record
                         if args.repeats > 1:

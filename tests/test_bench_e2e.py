@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -13,8 +14,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import e2e  # noqa: E402
 from dsv4.checkpoint.dummy import dummy_model  # noqa: E402
 from dsv4.config import ModelConfig  # noqa: E402
+from dsv4.runtime.engine import Engine  # noqa: E402
 
 
+@pytest.mark.heavy
 def test_toy_run_writes_every_case(tmp_path):
     res = e2e.main(["--toy", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "e2e.json").read_text())["decode"] == res["decode"]
@@ -31,6 +34,24 @@ def test_repeats_take_the_median_of_fresh_engines(tmp_path):
     assert not res["errors"] and len(res["decode"]) == 1
     for case in res["decode"]:
         assert len(case["step_ms_runs"]) == 3 and case["step_ms"] == sorted(case["step_ms_runs"])[1]
+
+
+
+def test_async_scheduling_reaches_every_decode_engine(tmp_path, monkeypatch):
+    """--async-scheduling builds each decode case's engine with it (the steps in a row then launch ahead)."""
+    flags = []
+
+    def engine(*args, **kwargs):
+        flags.append(kwargs.get("async_scheduling"))
+        return Engine(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "Engine", engine)
+    res = e2e.main(["--model", "tiny", "--device", "cpu", "--format", "bf16", "--layers", "3", "--batch", "1,2",
+                    "--context", "64", "--prefill", "", "--steps", "2", "--hf", "off", "--async-scheduling",
+                    "--out", str(tmp_path)])
+    assert not res["errors"] and len(res["decode"]) == 2 and res["async_scheduling"] is True
+    assert flags == [True, True]
+    assert all(case["step_ms_in_a_row"] > 0 for case in res["decode"])
 
 
 def test_step_bytes_counts_weights_experts_and_cache():
