@@ -12,13 +12,6 @@ from interpreter_speedup import install as _skip_nested_repatching  # noqa: E402
 _skip_nested_repatching()
 
 
-def pytest_collection_modifyitems(items):
-    """The `heavy` tests first (a stable sort): pytest-xdist deals the first tests to its workers in turns, so the
-    two workers share the long ones and the suite ends on short tests instead of one worker finishing a long test
-    while the other waits."""
-    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
-
-
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

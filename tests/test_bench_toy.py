@@ -46,7 +46,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-@pytest.mark.heavy
 def test_bench_script_runs_at_toy_shapes(name, tmp_path):
     args = SCRIPTS[name] + ["--toy"]
     if name in ("moe_blocks", "run_all_moe", "sampler", "engine_host_time", "mhc", "topk"):
@@ -58,7 +57,6 @@ def test_bench_script_runs_at_toy_shapes(name, tmp_path):
     assert any(line.startswith("toy") for line in proc.stdout.splitlines()), proc.stdout[-2000:]
 
 
-@pytest.mark.heavy
 def test_run_all_correctness_section_passes_at_toy_shapes(tmp_path):
     """bench/run_all.py's kernel checks (the ones a GPU run starts with) at toy shapes under the interpreter: every
     check runs and passes, so an API change shows here rather than in a device call."""

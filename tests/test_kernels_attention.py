@@ -66,7 +66,6 @@ CASES = [  # (ratio, starts, lengths)
 
 @pytest.mark.parametrize("ratio, starts, lengths", CASES)
 @pytest.mark.parametrize("split", [0, None, 3, 9])       # one program per token; as planned; keys split in 4, 10
-@pytest.mark.heavy
 def test_matches_the_models_attention(ratio, starts, lengths, split):
     args = make_step(ratio + 1, ratio, starts, lengths)
     got = sparse_attention(*args[:5], args[5], ratio, args[7], D ** -0.5, split=split)
@@ -135,7 +134,6 @@ def test_write_ring_keeps_each_sequences_last_window():
     assert torch.equal(ring, want)
 
 
-@pytest.mark.heavy
 def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeypatch):
     """The tiny model on the Triton table (interpreted; the references of attention, compressor, indexer, ring and
     mHC made to fail, so the kernels really run) against the same model on the reference table: logits of a chunked

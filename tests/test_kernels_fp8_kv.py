@@ -93,7 +93,6 @@ def test_compressor_writes_packed_rows_as_the_reference(ratio, hd):
 
 @pytest.mark.parametrize("ratio, starts, lengths", [c for c in CASES if c[0]])
 @pytest.mark.parametrize("split", [0, 3])
-@pytest.mark.heavy
 def test_attention_reads_packed_entries_as_their_values(ratio, starts, lengths, split, D=64):
     """D = 64 channels, 48 of them fp8: the kernel over packed rows gives what it gives over their decoded values,
     and what the reference gives over the packed rows."""

@@ -327,7 +327,6 @@ def test_moe_decode_split_and_shared_mlp(launches):
 
 
 @pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4")])
-@pytest.mark.heavy
 def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared_fmt):
     """The shared expert (any format) is one more gate/up pair and one more down slot per token: still two
     launches, no separate MLP, and the same result as routed + shared."""
@@ -355,7 +354,6 @@ def test_moe_streams_the_shared_expert_in_its_two_launches(launches, fmt, shared
 
 
 @pytest.mark.parametrize("fmt,shared_fmt", [("nvfp4", "fp8"), ("mxfp4", "nvfp4")])
-@pytest.mark.heavy
 def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, shared_fmt):
     """`moe(after_route=True)`: the gate/up launch runs the shared expert's units first (X_READY; with PDL on a
     GPU they overlap the routing kernel). Every unit computes what it did before and split partials are summed
@@ -388,7 +386,6 @@ def test_shared_expert_first_after_route_gives_the_same_bits(kernel_calls, fmt, 
 
 @pytest.mark.parametrize("fmt,shared_fmt,split", [("nvfp4", "fp8", 2), ("mxfp4", "nvfp4", 1), ("nvfp4", None, 2),
                                                    ("fp8", "fp8", 1)])
-@pytest.mark.heavy
 def test_pair_in_one_launch_gives_the_bits_of_two(kernel_calls, fmt, shared_fmt, split):
     """`moe_pair.launch_pair(fused=True)`: gate/up and down in one launch, down units waiting for their h rows. Each
     unit computes what it does in two launches and split partials are summed in split order, so h and the
@@ -446,7 +443,6 @@ def test_expert_blocks_list_each_distinct_expert_once_with_its_pairs():
 
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 4), ("mxfp4", "nvfp4", 5), ("fp8", None, 6),
                                                ("nvfp4", None, 8)])
-@pytest.mark.heavy
 def test_moe_streams_each_distinct_expert_once(kernel_calls, fmt, shared_fmt, T):
     """`moe(block_tokens=(4, 8))`: at 4-8 tokens the GEMV pair runs over expert blocks (BLOCKS; by default only from
     9 tokens): tokens that share an expert are that block's MMA columns, in gate/up and down. Against the reference
@@ -712,7 +708,6 @@ def test_fp8_shared_expert_beside_fp4_experts_gets_twice_the_splits_within_one_w
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 5), ("mxfp4", "nvfp4", 8)])
-@pytest.mark.heavy
 def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_fmt, T):
     """From SHARED_COLS_TOKENS tokens the shared expert is one row block whose MMA columns are the tokens
     (`COLS`): its gate/up units write h rows P .. P + T - 1 at once, and each down unit's partial counts into
@@ -747,7 +742,6 @@ def test_shared_expert_as_token_columns(monkeypatch, kernel_calls, fmt, shared_f
 
 
 @pytest.mark.parametrize("fmt,shared_fmt,T", [("nvfp4", "fp8", 12), ("mxfp4", "nvfp4", 16)])
-@pytest.mark.heavy
 def test_shared_expert_as_token_columns_of_several_row_blocks(kernel_calls, fmt, shared_fmt, T):
     """From 9 tokens the shared expert's token columns are row blocks of 8 tokens (`COLS_TOKENS`), in the same
     launches as the routed experts over expert blocks (`moe` at 9-16 tokens): block g's gate/up units write h rows

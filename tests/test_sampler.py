@@ -166,7 +166,6 @@ def test_adversarial_rows_keep_what_the_rules_say_and_the_kernel_draws_the_refer
 
 
 @pytest.mark.parametrize("vocab", [7, 300, 5000])
-@pytest.mark.heavy
 def test_random_rows_the_kernel_draws_the_references_tokens(vocab):
     g = torch.Generator().manual_seed(vocab)
     rows = 64

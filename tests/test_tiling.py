@@ -152,7 +152,6 @@ def test_moe_reads_tiled_experts(T, kw):
 # ------------------------------------------------------------------------------------------ model
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "official"])
-@pytest.mark.heavy
 def test_loaded_model_gives_the_same_logits_tiled(tmp_path, fmt):
     """A model wide enough for whole tiles (experts, shared expert, attention projections), loaded with and
     without tiling: the reference untiles, the Triton kernels read the tiles; logits equal bit for bit."""
