@@ -5,7 +5,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +16,6 @@ from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.runtime.engine import Engine  # noqa: E402
 
 
-@pytest.mark.heavy
 def test_toy_run_writes_every_case(tmp_path):
     res = e2e.main(["--toy", "--out", str(tmp_path)])
     assert json.loads((tmp_path / "e2e.json").read_text())["decode"] == res["decode"]
