@@ -34,7 +34,6 @@ def test_repeats_take_the_median_of_fresh_engines(tmp_path):
         assert len(case["step_ms_runs"]) == 3 and case["step_ms"] == sorted(case["step_ms_runs"])[1]
 
 
-
 def test_async_scheduling_reaches_every_decode_engine(tmp_path, monkeypatch):
     """--async-scheduling builds each decode case's engine with it (the steps in a row then launch ahead)."""
     flags = []

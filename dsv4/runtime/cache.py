@@ -143,7 +143,7 @@ class PageAllocator:
         """Give `table` pages until it holds `tokens` positions; False (and no change) if too few are free."""
         if not self.fits(table, tokens):
             return False
-        table.pages.extend(self.free.popleft() for _ in range(max(0, pages_for(tokens) - len(table))))
+        table.pages.extend(self.free.popleft() for _ in range(pages_for(tokens) - len(table)))   # (none if < 0)
         return True
 
     def release(self, table: PageTable) -> None:

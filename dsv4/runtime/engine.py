@@ -361,8 +361,8 @@ class Engine:
             ahead = decode_runner and self.async_scheduling and len(seqs) == len(plan)
             host = self._host_copy(out) if ahead else out   # queued before the step ahead, which would hold it
             draws = (host, logits, counters)
-            if ahead:
-                self._ahead = self._launch_ahead(seqs, host if isinstance(host, Exception) else out)
+            if ahead and not isinstance(host, Exception):     # (host is out where the sampler failed)
+                self._ahead = self._launch_ahead(seqs, out)
         rendered = self._render()                  # overlaps the device's work on this step
         if while_running is not None:
             while_running(rendered)
@@ -394,15 +394,14 @@ class Engine:
             return e
 
     def _launch_ahead(self, seqs: list[Sequence], out) -> _Ahead | None:
-        """With async_scheduling (the caller's check), after a decode step of the runner has launched its sampler:
+        """With async_scheduling (the caller's check), after a decode step of the runner has launched its sampler
+        and the copy of its tokens to the host (`out`: the sampler's output on the device):
         launch the next decode step now, its token ids this step's sampled ones on the device, if that step is known
         before the tokens are: the sampler has launched, every sequence's next position has its page without
         preempting, and no waiting request could be admitted (no slot and pages for it, and no sequence ends by
         count). Its sequences are this step's less those whose token ends them by count (max_tokens, max_model_len);
         one that its token ends otherwise (EOS, a stop id or string, a fault) keeps its row there, which is dropped
         (`_take_ahead`), and its slot is reset behind it."""
-        if isinstance(out, Exception):
-            return None
         keep = [i for i, s in enumerate(seqs)
                 if not s.tracker.next_ends_by_count() and s.num_tokens + 1 < self.max_model_len]
         sched = self.scheduler
