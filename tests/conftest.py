@@ -7,9 +7,9 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 warnings.filterwarnings("ignore", module="modelopt")
 
-from interpreter_speedup import install as _skip_nested_repatching  # noqa: E402  (after TRITON_INTERPRET is set)
+from interpreter_speedup import install as _speed_up_interpreter  # noqa: E402  (after TRITON_INTERPRET is set)
 
-_skip_nested_repatching()
+_speed_up_interpreter()
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,12 @@ done it; our kernels call helpers per unit and per K step, so that walk was abou
 (test_shared_expert_as_token_columns: 30 s -> 20 s per launch set). `install` makes a nested call skip the patch
 exactly when every language module the helper sees is already patched, and otherwise keeps Triton's own path:
 the helper runs the same code on the same patched language either way.
+
+`install` also memoizes two things the interpreter rebuilds for every operation of every program: the numpy dtype
+that stores a Triton dtype (`_get_np_dtype` builds a 20-entry dict per call) and the block types of results
+(`block_type(element, shape)`, which validates and formats the shape each time). Both are immutable values, equal
+by name, so a shared instance answers as a fresh one; together they were about a quarter of an interpreted MoE
+launch's time (profile of `bench/run_all.py --sections moe --toy`).
 """
 
 import inspect
@@ -15,8 +21,79 @@ import triton.language as tl
 
 
 def install() -> bool:
-    """Wrap `InterpretedFunction.__call__` (the nested-call path); False, changing nothing, where this Triton's
-    interpreter does not have the internals it relies on."""
+    """Wrap `InterpretedFunction.__call__` (the nested-call path) and memoize `_get_np_dtype`; False, changing
+    nothing, where this Triton's interpreter does not have the internals either relies on."""
+    return _skip_nested_repatching() & _memoize_np_dtypes() & _memoize_block_types()
+
+
+def _memoize_np_dtypes() -> bool:
+    """`_get_np_dtype` through a dict keyed by the scalar type: a block type maps as its element type does, which is
+    the original's own rule, so every answer is the original's."""
+    try:
+        from triton.runtime import interpreter
+        original = interpreter._get_np_dtype
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original, "memoized", False):
+        return True
+    block_type, pointer_type, np_dtypes = tl.block_type, tl.pointer_type, {}
+
+    def get_np_dtype(tt_dtype):
+        key = tt_dtype.element_ty if isinstance(tt_dtype, block_type) else tt_dtype
+        if isinstance(key, pointer_type):   # unhashable; the original answers it first thing
+            return original(key)
+        np_dtype = np_dtypes.get(key)
+        if np_dtype is None:
+            np_dtype = np_dtypes[key] = original(key)
+        return np_dtype
+
+    get_np_dtype.memoized, get_np_dtype.original = True, original
+    interpreter._get_np_dtype = get_np_dtype
+    return True
+
+
+def _memoize_block_types() -> bool:
+    """The interpreter builder's `get_block_ty` and `block_type.with_element_ty` through a dict keyed by the element
+    type's class and name and the shape, where the shape is plain ints (else the original path)."""
+    try:
+        from triton.runtime import interpreter
+        original_get = interpreter.InterpreterBuilder.get_block_ty
+        block_type = tl.core.block_type
+        block_type.with_element_ty   # noqa: B018  (present in this Triton)
+    except (ImportError, AttributeError):
+        return False
+    if getattr(original_get, "memoized", False):
+        return True
+    memo = {}
+
+    def block_of(element, shape: tuple):
+        key = (type(element), element.name, shape)
+        ty = memo.get(key)
+        if ty is None:
+            ty = memo[key] = block_type(element, list(shape))
+        return ty
+
+    def get_block_ty(self, dtype, shape):
+        if type(shape) in (list, tuple) and all(type(s) is int for s in shape):
+            return block_of(dtype, tuple(shape))
+        return original_get(self, dtype, shape)
+
+    def with_element_ty(self, scalar_ty):
+        return block_of(scalar_ty, self.shape)   # a block type's shape is a tuple of ints
+
+    get_block_ty.memoized = True
+    interpreter.InterpreterBuilder.get_block_ty = get_block_ty
+    block_type.with_element_ty = with_element_ty
+    return True
+
+
+def original_np_dtype_map():
+    """The interpreter's own `_get_np_dtype` (the test compares the memoized map with it)."""
+    from triton.runtime import interpreter
+    return getattr(interpreter._get_np_dtype, "original", interpreter._get_np_dtype)
+
+
+def _skip_nested_repatching() -> bool:
     try:
         from triton.runtime import interpreter
         original = interpreter.InterpretedFunction.__call__

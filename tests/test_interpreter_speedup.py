@@ -1,4 +1,5 @@
-"""tests/interpreter_speedup.py: nested `@triton.jit` calls skip re-patching the language and compute the same."""
+"""tests/interpreter_speedup.py: nested `@triton.jit` calls skip re-patching the language and compute the same; the
+memoized dtype map answers as the interpreter's own."""
 
 import pytest
 import torch
@@ -34,3 +35,18 @@ def test_nested_calls_skip_the_patch_and_compute_the_same(monkeypatch):
     # the launch patches once; Triton's own nested path would add one per _twice call (two per program)
     assert patches == ["_quadruple_kernel"]
     assert tl.core.is_builtin(tl.load)   # the launch restored the language afterwards
+
+
+def test_the_memoized_dtype_map_answers_as_the_original():
+    if not interpreter_speedup.install():
+        pytest.skip("this Triton's interpreter lacks the internals the speed-up wraps: the suite runs without it")
+    memoized = interpreter._get_np_dtype
+    assert getattr(memoized, "memoized", False)
+    original = interpreter_speedup.original_np_dtype_map()
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32,
+               tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e4nv]
+    for ty in scalars + [tl.pointer_type(t) for t in scalars[:4]]:
+        for shaped in (ty, tl.block_type(ty, [4]), tl.block_type(ty, [2, 8])):
+            for _ in range(2):     # the second answer comes from the memo
+                assert memoized(shaped) == original(shaped), shaped
+    assert memoized(tl.bfloat16).itemsize == 2 and memoized(tl.pointer_type(tl.float32)).itemsize == 8

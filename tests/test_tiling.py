@@ -1,6 +1,8 @@
 """Tile-major weight storage (`formats.tiling`, `QWeight.tiled`): the layout itself, and every kernel that reads
 weights giving bit-identical results on tiled and row-major copies of the same weight (CPU interpreter)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -151,6 +153,16 @@ def test_moe_reads_tiled_experts(T, kw):
 
 # ------------------------------------------------------------------------------------------ model
 
+def weight_kernels_only(ops):
+    """The Triton table with every operation that reads no `QWeight` (attention, compressors, indexer, norms, mHC,
+    routing) on the reference, and no second stream (whose table would keep the kernels): tiling changes only how the
+    weight kernels read, and the model-through-kernels test (`test_kernels_attention`) runs the others."""
+    return dataclasses.replace(
+        ops, route=ref.route, sparse_attention=ref.sparse_attention, write_ring=ref.write_ring, compress=ref.compress,
+        index_picks=ref.index_picks, norm_rope=ref.norm_rope, router_logits=ref.router_logits, hc_pre=ref.hc_pre,
+        hc_post=ref.hc_post, hc_head=ref.hc_head, hc_post_pre=ref.hc_post_pre, beside=None)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "official"])
 def test_loaded_model_gives_the_same_logits_tiled(tmp_path, fmt):
     """A model wide enough for whole tiles (experts, shared expert, attention projections), loaded with and
@@ -158,9 +170,9 @@ def test_loaded_model_gives_the_same_logits_tiled(tmp_path, fmt):
     cfg = ModelConfig.tiny(hidden_size=128, moe_intermediate_size=128, q_lora_rank=128)
     make_tiny(tmp_path / "m", fmt=fmt, cfg=cfg)
     ids = torch.randint(0, cfg.vocab_size, (1, 10))
-    for kernels in ("ref", "triton"):
-        plain = load(tmp_path / "m", "cpu", torch.float32, ops_for("cpu", kernels))       # CPU: not tiled by default
-        tiled = load(tmp_path / "m", "cpu", torch.float32, ops_for("cpu", kernels), tile_weights=True)
+    for ops in (ops_for("cpu", "ref"), weight_kernels_only(ops_for("cpu", "triton"))):
+        plain = load(tmp_path / "m", "cpu", torch.float32, ops)       # CPU: not tiled by default
+        tiled = load(tmp_path / "m", "cpu", torch.float32, ops, tile_weights=True)
         layers = [m for m in tiled.modules() if isinstance(m, QLinear) and m.tiled]
         assert not any(m.tiled for m in plain.modules() if isinstance(m, QLinear))
         assert len(layers) >= 40 and any(m.leading for m in layers)    # stacked experts among them
