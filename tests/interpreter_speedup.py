@@ -54,12 +54,13 @@ def _memoize_np_dtypes() -> bool:
 
 def _memoize_block_types() -> bool:
     """The interpreter builder's `get_block_ty` and `block_type.with_element_ty` through a dict keyed by the element
-    type's class and name and the shape, where the shape is plain ints (else the original path)."""
+    type's class and name and the shape, where the shape is plain ints (else the original path). A block type keeps
+    its shape as a `tl.tuple` (Triton's own class, not Python's), as most callers pass it."""
     try:
         from triton.runtime import interpreter
         original_get = interpreter.InterpreterBuilder.get_block_ty
-        block_type = tl.core.block_type
-        block_type.with_element_ty   # noqa: B018  (present in this Triton)
+        block_type, tl_tuple = tl.core.block_type, tl.core.tuple
+        original_with = block_type.with_element_ty
     except (ImportError, AttributeError):
         return False
     if getattr(original_get, "memoized", False):
@@ -73,13 +74,17 @@ def _memoize_block_types() -> bool:
             ty = memo[key] = block_type(element, list(shape))
         return ty
 
+    def int_dims(shape):
+        dims = shape.values if type(shape) is tl_tuple else shape
+        return tuple(dims) if type(dims) in (list, tuple) and all(type(s) is int for s in dims) else None
+
     def get_block_ty(self, dtype, shape):
-        if type(shape) in (list, tuple) and all(type(s) is int for s in shape):
-            return block_of(dtype, tuple(shape))
-        return original_get(self, dtype, shape)
+        dims = int_dims(shape)
+        return original_get(self, dtype, shape) if dims is None else block_of(dtype, dims)
 
     def with_element_ty(self, scalar_ty):
-        return block_of(scalar_ty, self.shape)   # a block type's shape is a tuple of ints
+        dims = int_dims(self.shape)
+        return original_with(self, scalar_ty) if dims is None else block_of(scalar_ty, dims)
 
     get_block_ty.memoized = True
     interpreter.InterpreterBuilder.get_block_ty = get_block_ty

@@ -50,3 +50,18 @@ def test_the_memoized_dtype_map_answers_as_the_original():
             for _ in range(2):     # the second answer comes from the memo
                 assert memoized(shaped) == original(shaped), shaped
     assert memoized(tl.bfloat16).itemsize == 2 and memoized(tl.pointer_type(tl.float32)).itemsize == 8
+
+
+def test_memoized_block_types_equal_fresh_ones():
+    if not interpreter_speedup.install():
+        pytest.skip("this Triton's interpreter lacks the internals the speed-up wraps: the suite runs without it")
+    builder = interpreter.InterpreterBuilder()
+    a = builder.get_block_ty(tl.float32, [4, 8])
+    assert builder.get_block_ty(tl.float32, tl.core.tuple([4, 8])) is a           # shared, whichever tuple
+    assert a == tl.block_type(tl.float32, [4, 8]) and a.element_ty == tl.float32 and list(a.shape) == [4, 8]
+    assert builder.get_block_ty(tl.float32, [8, 4]) != a and builder.get_block_ty(tl.int32, [4, 8]) != a
+    b = a.with_element_ty(tl.int32)
+    assert b is builder.get_block_ty(tl.int32, [4, 8]) and b == tl.block_type(tl.int32, [4, 8])
+    assert b.element_ty == tl.int32 and a.element_ty == tl.float32                 # a is left as it was
+    p = builder.get_block_ty(tl.pointer_type(tl.float32), [4])
+    assert p == tl.block_type(tl.pointer_type(tl.float32), [4]) and p.element_ty.is_ptr()
