@@ -1,4 +1,4 @@
-"""Make Triton's CPU interpreter skip re-patching `triton.language` on nested `@triton.jit` calls (tests only).
+"""Speed-ups of Triton's CPU interpreter for the suite (tests only); each answers exactly as Triton's own path.
 
 A kernel launch under TRITON_INTERPRET=1 swaps every builtin of `triton.language` for an interpreted one, runs
 the grid and swaps them back. Triton 3.9 also repeats that whole patch (an `inspect.getmembers` walk over the
@@ -11,8 +11,7 @@ the helper runs the same code on the same patched language either way.
 `install` also memoizes two things the interpreter rebuilds for every operation of every program: the numpy dtype
 that stores a Triton dtype (`_get_np_dtype` builds a 20-entry dict per call) and the block types of results
 (`block_type(element, shape)`, which validates and formats the shape each time). Both are immutable values, equal
-by name, so a shared instance answers as a fresh one; together they were about a quarter of an interpreted MoE
-launch's time (profile of `bench/run_all.py --sections moe --toy`).
+by name, so a shared instance answers as a fresh one (bench/results/round-50.md has what each saves).
 """
 
 import inspect
