@@ -129,7 +129,7 @@ def cache_row_bytes(cfg: ModelConfig, kv_cache_dtype: str, cache_itemsize: int) 
 # ------------------------------------------------------------------------------------------------ engine
 def engine_at_context(model, batch: int, context: int, steps: int, gen: torch.Generator,
                       eager: bool = False, kv_cache_dtype: str = "auto",
-                      async_scheduling: bool = False) -> tuple[Engine, list]:
+                      async_scheduling: bool = True) -> tuple[Engine, list]:
     """An engine whose `batch` sequences each hold `context - 1` tokens of (random) cache state, so that every
     following step decodes one token per sequence."""
     engine = Engine(model, max_num_seqs=batch, max_model_len=context + steps + 1,
@@ -215,7 +215,7 @@ def failed(seqs) -> None:
 
 
 def time_decode(model, batch: int, context: int, steps: int, device, gen, eager: bool = False,
-                kv_cache_dtype: str = "auto", sequence: bool = False, async_scheduling: bool = False) -> dict:
+                kv_cache_dtype: str = "auto", sequence: bool = False, async_scheduling: bool = True) -> dict:
     t = time.perf_counter()
     engine, seqs = engine_at_context(model, batch, context, 2 * steps + 2, gen, eager, kv_cache_dtype,
                                      async_scheduling)
@@ -426,8 +426,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "in order in the JSON (`sequence`: name, start and duration in us)")
     ap.add_argument("--one-stream", action="store_true", help="a layer's compressors and picks on the step's one "
                     "stream, not beside the query products on a second (and the CSA layers' query products fused)")
-    ap.add_argument("--async-scheduling", action="store_true", help="each decode step launched as soon as the last "
-                    "one's sampler has (the engine's async_scheduling)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="each decode step launched as soon as the last one's sampler has (the engine's "
+                         "async_scheduling; default: on, as the engine's)")
     ap.add_argument("--toy", action="store_true", help="the tiny model on the CPU at toy sizes (checks the script)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args(argv)

@@ -144,8 +144,9 @@ def _serve_args(sub) -> None:
     s.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     s.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     s.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graph capture")
-    s.add_argument("--async-scheduling", action="store_true", help="launch each decode step before the last one's "
-                   "tokens are read back, fed with them on the device")
+    s.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before the last one's tokens are read back, fed with them on the "
+                        "device (default: on)")
     s.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(s)
     _parallel_args(s)
@@ -164,8 +165,9 @@ def _model_args(g: argparse.ArgumentParser) -> None:
                                                      "min(max_position_embeddings, 4096))")
     g.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
     g.add_argument("--enforce-eager", action="store_true", help="decode steps without CUDA graph capture")
-    g.add_argument("--async-scheduling", action="store_true", help="launch each decode step before the last one's "
-                   "tokens are read back, fed with them on the device")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before the last one's tokens are read back, fed with them on the "
+                        "device (default: on)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help=KV_CACHE_HELP)
     _load_format_args(g)
     _parallel_args(g)

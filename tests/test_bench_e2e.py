@@ -35,7 +35,8 @@ def test_repeats_take_the_median_of_fresh_engines(tmp_path):
 
 
 def test_async_scheduling_reaches_every_decode_engine(tmp_path, monkeypatch):
-    """--async-scheduling builds each decode case's engine with it (the steps in a row then launch ahead)."""
+    """--no-async-scheduling builds each decode case's engine without it (the engine's default, which e2e keeps
+    otherwise: the steps in a row launch ahead)."""
     flags = []
 
     def engine(*args, **kwargs):
@@ -44,10 +45,10 @@ def test_async_scheduling_reaches_every_decode_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(e2e, "Engine", engine)
     res = e2e.main(["--model", "tiny", "--device", "cpu", "--format", "bf16", "--layers", "3", "--batch", "1,2",
-                    "--context", "64", "--prefill", "", "--steps", "2", "--hf", "off", "--async-scheduling",
+                    "--context", "64", "--prefill", "", "--steps", "2", "--hf", "off", "--no-async-scheduling",
                     "--out", str(tmp_path)])
-    assert not res["errors"] and len(res["decode"]) == 2 and res["async_scheduling"] is True
-    assert flags == [True, True]
+    assert not res["errors"] and len(res["decode"]) == 2 and res["async_scheduling"] is False
+    assert flags == [False, False]
     assert all(case["step_ms_in_a_row"] > 0 for case in res["decode"])
 
 

@@ -143,7 +143,7 @@ def test_async_scheduling_reaches_the_engine(monkeypatch):
     import runtime_fixtures as rf
 
     monkeypatch.setenv("DSV4_CACHE", str(rf.demo_root()))
-    for flag, want in (([], False), (["--async-scheduling"], True)):
+    for flag, want in (([], True), (["--no-async-scheduling"], False), (["--async-scheduling"], True)):
         args = cli._parser().parse_args(["generate", "--model", "demo", "--no-progress", "hi", *flag])
         with cli._llm(args) as llm:
             assert llm.engine.async_scheduling is want

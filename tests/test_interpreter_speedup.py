@@ -1,5 +1,5 @@
 """tests/interpreter_speedup.py: nested `@triton.jit` calls skip re-patching the language and compute the same; the
-memoized dtype map answers as the interpreter's own."""
+memoized dtype map and block types answer as the interpreter's own."""
 
 import pytest
 import torch
