@@ -105,12 +105,12 @@ class LLM:
         every rank of a parallel engine with one pipeline stage); enforce_eager=True (vLLM's name) runs the same
         padded steps uncaptured, which give the same tokens. Async scheduling (vLLM's, in one process; on unless
         `self.engine.async_scheduling = False`) launches each decode step before the last one's tokens are read back,
-        fed with them on the device, so the GPU need not wait for the host between steps. kv_cache_dtype (vLLM's name): "fp8" (experimental) keeps the attention's compressed
-        entries as packed fp8 rows (448 e4m3 codes in blocks of 64 with a power-of-two scale each, 64 bf16 rope
-        values: 584 instead of 1,024 bytes, the K = V rows rounded as DeepSeek's reference rounds them) and the
-        lightning indexer's keys in fp8 e4m3 with a power-of-two scale per key (132 instead of 256 bytes);
-        "fp8-indexer" only the indexer's keys; "auto" (the default) keeps the compute dtype, whose logits equal
-        transformers'."""
+        fed with them on the device, so the GPU need not wait for the host between steps. kv_cache_dtype (vLLM's
+        name): "fp8" (experimental) keeps the attention's compressed entries as packed fp8 rows (448 e4m3 codes in
+        blocks of 64 with a power-of-two scale each, 64 bf16 rope values: 584 instead of 1,024 bytes, the K = V rows
+        rounded as DeepSeek's reference rounds them) and the lightning indexer's keys in fp8 e4m3 with a
+        power-of-two scale per key (132 instead of 256 bytes); "fp8-indexer" only the indexer's keys; "auto" (the
+        default) keeps the compute dtype, whose logits equal transformers'."""
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         load_format, dummy_format = _load_format(load_format, hf_overrides)
         layout = Layout(tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel)
