@@ -3,15 +3,14 @@
 A kernel launch under TRITON_INTERPRET=1 swaps every builtin of `triton.language` for an interpreted one, runs
 the grid and swaps them back. Triton 3.9 also repeats that whole patch (an `inspect.getmembers` walk over the
 language modules) on every call of a nested `@triton.jit` helper, even though the launch around it has already
-done it; our kernels call helpers per unit and per K step, so that walk was about a third of the suite's time
-(test_shared_expert_as_token_columns: 30 s -> 20 s per launch set). `install` makes a nested call skip the patch
-exactly when every language module the helper sees is already patched, and otherwise keeps Triton's own path:
-the helper runs the same code on the same patched language either way.
+done it; our kernels call helpers per unit and per K step, so the walk repeats hundreds of times a launch.
+`install` makes a nested call skip the patch exactly when every language module the helper sees is already patched,
+and otherwise keeps Triton's own path: the helper runs the same code on the same patched language either way.
 
 `install` also memoizes two things the interpreter rebuilds for every operation of every program: the numpy dtype
 that stores a Triton dtype (`_get_np_dtype` builds a 20-entry dict per call) and the block types of results
 (`block_type(element, shape)`, which validates and formats the shape each time). Both are immutable values, equal
-by name, so a shared instance answers as a fresh one (bench/results/round-50.md has what each saves).
+by name, so a shared instance answers as a fresh one (bench/results/round-50.md has what each speed-up saves).
 """
 
 import inspect
@@ -20,8 +19,8 @@ import triton.language as tl
 
 
 def install() -> bool:
-    """Wrap `InterpretedFunction.__call__` (the nested-call path) and memoize `_get_np_dtype`; False, changing
-    nothing, where this Triton's interpreter does not have the internals either relies on."""
+    """Wrap `InterpretedFunction.__call__` (the nested-call path), memoize `_get_np_dtype` and the block types;
+    False where this Triton's interpreter lacks the internals one of them relies on (that one changes nothing)."""
     return _skip_nested_repatching() & _memoize_np_dtypes() & _memoize_block_types()
 
 

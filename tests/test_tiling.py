@@ -10,7 +10,7 @@ from dsv4.checkpoint.loader import load
 from dsv4.checkpoint.tiny import make_tiny
 from dsv4.config import ModelConfig
 from dsv4.formats import TILE_BYTES, TILE_ROWS, QWeight, scale_chunk, tile_bytes, tile_bytes_, untile_bytes
-from dsv4.kernels import dispatch, gemm, ops_for, policy, ref, w4a4
+from dsv4.kernels import Ops, dispatch, gemm, ops_for, policy, ref, w4a4
 from dsv4.kernels.host import Scratch
 from dsv4.kernels.policy import GemvConfig, TileConfig
 from dsv4.model.linear import QLinear
@@ -153,14 +153,13 @@ def test_moe_reads_tiled_experts(T, kw):
 
 # ------------------------------------------------------------------------------------------ model
 
-def weight_kernels_only(ops):
-    """The Triton table with every operation that reads no `QWeight` (attention, compressors, indexer, norms, mHC,
-    routing) on the reference, and no second stream (whose table would keep the kernels): tiling changes only how the
-    weight kernels read, and the model-through-kernels test (`test_kernels_attention`) runs the others."""
-    return dataclasses.replace(
-        ops, route=ref.route, sparse_attention=ref.sparse_attention, write_ring=ref.write_ring, compress=ref.compress,
-        index_picks=ref.index_picks, norm_rope=ref.norm_rope, router_logits=ref.router_logits, hc_pre=ref.hc_pre,
-        hc_post=ref.hc_post, hc_head=ref.hc_head, hc_post_pre=ref.hc_post_pre, beside=None)
+def weight_kernels_only(triton_ops):
+    """The reference table with the Triton table's weight kernels (every operation that reads a `QWeight`): tiling
+    changes only how those read, and the model-through-kernels test (`test_kernels_attention`) runs the others. Any
+    other operation, present or added later, stays the reference's."""
+    weight_ops = ("linear", "linear_w4a4", "mlp", "moe", "grouped_linear", "reads_tiled")
+    return dataclasses.replace(Ops.reference(), name="triton weight kernels",
+                               **{name: getattr(triton_ops, name) for name in weight_ops})
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "official"])
