@@ -46,6 +46,20 @@ def test_expert_weights_have_their_scale_and_the_swiglu_clamp_fires(fmt):
     assert 0.02 < fired < 0.3, fired
 
 
+def test_biased_layers_spread_a_batch_over_as_many_experts_as_random_routing():
+    """A trained model's selection bias balances the experts' load; a dummy's must not concentrate a batch on a few
+    experts either, or the benchmarks at 64-256 tokens read fewer expert bytes than a real model's step does."""
+    cfg = ModelConfig.tiny(n_routed_experts=256, num_experts_per_tok=6, hidden_size=256)
+    model = dummy_model(cfg, "nvfp4-experts", dtype=torch.float32)
+    E, k, T = cfg.n_routed_experts, cfg.num_experts_per_tok, 64
+    expected = E * (1 - (1 - k / E) ** T)                   # distinct experts of T uniformly random routings: 200
+    x = torch.randn(T, cfg.hidden_size, generator=torch.Generator().manual_seed(2))   # RMS-normalised inputs
+    for i in range(cfg.num_hash_layers, cfg.num_hidden_layers):
+        ffn = model.layers[i].ffn
+        _, ids = ffn.ops.route(ffn.gate(x), ffn.gate.bias, k, ffn.scaling, None, None, None)
+        assert int(ids.unique().numel()) >= 0.9 * expected, (i, int(ids.unique().numel()), expected)
+
+
 def test_reproducible_from_the_seed_and_refuses_unknown_formats():
     a, b, c = (dummy_model(ModelConfig.tiny(), "official", seed=s).state_dict() for s in (3, 3, 4))
     assert all(torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],

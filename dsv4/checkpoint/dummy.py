@@ -10,7 +10,8 @@ clamp fires, w2 small enough that the residual stays O(1)), drawn in the stored 
   mxfp4  uniformly random E2M1 codes (std E2M1_STD), every scale 2^round(log2(std / E2M1_STD)) (UE8M0)
   nvfp4  uniformly random E2M1 codes, E4M3 block scales 1, weight_scale_2 = std / E2M1_STD, input_scale 1
 so the dequantized std is within a factor sqrt(2) of the role's (exact for dense and NVFP4). Plain tensors
-(norms, mHC, sinks, ape, gate biases) are `tiny`'s values; hash tables route each token to distinct experts.
+(norms, mHC, sinks, ape) are `tiny`'s values, the gate biases a tenth of `tiny`'s (`GATE_BIAS_SCALE`: a batch's
+tokens spread over the experts as random routing spreads them); hash tables route each token to distinct experts.
 Nothing is read from disk; the MTP block is left out. Each module draws from its own generators, seeded by (seed, its
 path): the values do not depend on which other modules a rank builds.
 """
@@ -30,11 +31,16 @@ from ..model import LinearFormat, QLinear, Transformer, build_model
 from ..parallel import Communicator, Layout, Shard
 from .loader import canonical_name, model_target
 from .shards import region
-from .spec import EMBED, LINEAR_ROLES, TID2EID, TensorSpec, model_specs
+from .spec import EMBED, GATE_BIAS, LINEAR_ROLES, TID2EID, TensorSpec, model_specs
 from .tiny import _random_tensor, linear_std
 from .writer import FORMAT_PLANS, storage_of
 
 E2M1_STD = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))   # of a uniformly random code
+# The gate biases are tiny's times this. A trained model's selection bias balances the experts' load; tiny's (std
+# 0.2 against a spread of about 0.3 in the sqrt-softplus scores) sends a batch to a few favoured experts (V4-Flash's
+# gate-routed layers: 113-123 distinct experts for 64 decode tokens, against 200 for random routing), so a benchmark
+# would read too few expert bytes. At a tenth, 195-197.
+GATE_BIAS_SCALE = 0.1
 _STORAGE_FORMATS = MappingProxyType({"fp8": LinearFormat("fp8", scale_dtype=UE8M0_DTYPE),
                                      "mxfp4": LinearFormat("mxfp4"), "nvfp4": LinearFormat("nvfp4", input_scale=True)})
 
@@ -140,6 +146,8 @@ def _draw_module(cfg: ModelConfig, module: torch.nn.Module, path: str, specs: di
             buf.copy_(torch.randn(buf.shape, generator=gen, device=device).mul_(linear_std(spec)))
         elif spec.role == TID2EID:
             buf.copy_(_routing_table(spec.shape, cfg.n_routed_experts, gen, device))
+        elif spec.role == GATE_BIAS:
+            buf.copy_(_random_tensor(cfg, spec, host_gen).mul_(GATE_BIAS_SCALE))
         else:
             buf.copy_(_random_tensor(cfg, spec, host_gen))
 
