@@ -37,9 +37,9 @@ from .writer import FORMAT_PLANS, storage_of
 
 E2M1_STD = math.sqrt(sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES))   # of a uniformly random code
 # The gate biases are tiny's times this. A trained model's selection bias balances the experts' load; tiny's (std
-# 0.2 against a spread of about 0.3 in the sqrt-softplus scores) sends a batch to a few favoured experts (V4-Flash's
-# gate-routed layers: 113-123 distinct experts for 64 decode tokens, against 200 for random routing), so a benchmark
-# would read too few expert bytes. At a tenth, 195-197.
+# 0.2, near the spread of the sqrt-softplus scores) favours a few experts for every token, so a benchmark's batch
+# would read fewer expert bytes than a real model's step (bench/results/round-51.md). At a tenth, a batch reaches
+# about as many distinct experts as random routing does (tests/test_dummy.py).
 GATE_BIAS_SCALE = 0.1
 _STORAGE_FORMATS = MappingProxyType({"fp8": LinearFormat("fp8", scale_dtype=UE8M0_DTYPE),
                                      "mxfp4": LinearFormat("mxfp4"), "nvfp4": LinearFormat("nvfp4", input_scale=True)})
