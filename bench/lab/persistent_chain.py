@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -57,6 +58,15 @@ W_SCALE = 1.0 / 64       # int8 weights in [-64, 64) times this
 EPS = 1e-6
 SPIN_LIMIT = 1 << 22     # polls of a barrier before a program gives up: far above any real wait (on an H100 a
                          # stuck chain's call took 4.2-4.5 s, its programs all polling one counter)
+
+
+@triton.jit
+def _weight_tile(W, w_off, K, rows, cols, mask):
+    """Weights [rows, cols] of the product at W + w_off (K a row), int8; where `mask` (None: all) is false, 0."""
+    ptrs = W + w_off + rows[:, None].to(tl.int64) * K + cols[None, :]
+    if mask is None:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0)
 
 
 @triton.jit
@@ -88,10 +98,9 @@ def _units(W, Y, SS, w_off, x_off, y_off, k, N, K, NX, first, step, w_first,
             if HAS_FIRST:
                 w = tl.where(t == 0, w_first, w)
         elif HAS_FIRST:
-            w = tl.load(W + w_off + rows[:, None].to(tl.int64) * K + cols[None, :], mask=t > 0, other=0)
-            w = tl.where(t == 0, w_first, w)
+            w = tl.where(t == 0, w_first, _weight_tile(W, w_off, K, rows, cols, t > 0))
         else:
-            w = tl.load(W + w_off + rows[:, None].to(tl.int64) * K + cols[None, :])
+            w = _weight_tile(W, w_off, K, rows, cols, None)
         x = tl.load(Y + x_off + cols % NX, cache_modifier=".cg") * scale
         acc += w.to(tl.float32) * x[None, :]
         if s == steps - 1:
@@ -110,8 +119,7 @@ def _product_kernel(W, Y, SS, w_off, x_off, y_off, k, N, K, NX, PDL: tl.constexp
     w_first = tl.zeros([BN, BK], dtype=tl.int8)
     if PDL:
         gdc_launch_dependents()
-        rows = pid * BN + tl.arange(0, BN)
-        w_first = tl.load(W + w_off + rows[:, None].to(tl.int64) * K + tl.arange(0, BK)[None, :])
+        w_first = _weight_tile(W, w_off, K, pid * BN + tl.arange(0, BN), tl.arange(0, BK), None)
         gdc_wait()
     _units(W, Y, SS, w_off, x_off, y_off, k, N, K, NX, pid, N // BN, w_first, PDL, TMA, BN, BK, W_SCALE, EPS)
 
@@ -125,8 +133,7 @@ def _chain_kernel(W, Y, SS, COUNT, STUCK, WOFF, YOFF, NS, KS, XS, products,
     its first unit's first tile when PREFETCH. A wait that outlasts SPIN_LIMIT polls sets STUCK and goes on."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    r = tl.arange(0, BN)
-    c = tl.arange(0, BK)
+    rows = pid * BN + tl.arange(0, BN)       # the program's first unit in every product
     for k in range(products):
         N = tl.load(NS + k)
         K = tl.load(KS + k)
@@ -134,9 +141,7 @@ def _chain_kernel(W, Y, SS, COUNT, STUCK, WOFF, YOFF, NS, KS, XS, products,
         w_off = tl.load(WOFF + k)
         w_first = tl.zeros([BN, BK], dtype=tl.int8)
         if PREFETCH:
-            rows = pid * BN + r
-            w_first = tl.load(W + w_off + rows[:, None].to(tl.int64) * K + c[None, :],
-                              mask=(rows < N)[:, None], other=0)
+            w_first = _weight_tile(W, w_off, K, rows, tl.arange(0, BK), (rows < N)[:, None])
         if k > 0:
             polls = 0
             arrived = tl.atomic_add(COUNT + k - 1, 0, sem="acquire")
@@ -159,13 +164,10 @@ class Chain:
         self.shapes, self.bk, self.device = shapes, bk, device
         sizes = [n * k for n, k in shapes]
         self.w = torch.randint(-64, 64, (sum(sizes),), dtype=torch.int8, device=device, generator=gen)
-        self.woff = [0]
-        for s in sizes[:-1]:
-            self.woff.append(self.woff[-1] + s)
+        self.woff = list(accumulate(sizes[:-1], initial=0))
         lengths = [shapes[0][1]] + [n for n, _ in shapes]          # slot 0: the input; slot k + 1: product k's output
-        self.yoff = [0]
-        for n in lengths[:-1]:
-            self.yoff.append(self.yoff[-1] + n)
+        self.inputs = lengths[:-1]                                 # product k's input length
+        self.yoff = list(accumulate(self.inputs, initial=0))
         self.y = torch.zeros(sum(lengths), dtype=torch.float32, device=device)
         self.y[:lengths[0]] = torch.randn(lengths[0], device=device, generator=gen)
         self.ss = torch.zeros(len(shapes) + 1, dtype=torch.float32, device=device)
@@ -176,7 +178,7 @@ class Chain:
         i64 = dict(dtype=torch.int64, device=device)
         self.tables = (torch.tensor(self.woff, **i64), torch.tensor(self.yoff, **i64),
                        torch.tensor([n for n, _ in shapes], **i64), torch.tensor([k for _, k in shapes], **i64),
-                       torch.tensor(lengths[:-1], **i64))
+                       torch.tensor(self.inputs, **i64))
 
     @property
     def nbytes(self) -> int:
@@ -190,9 +192,8 @@ class Chain:
         """One launch per product (a program per unit), under programmatic dependent launch when `v.pdl`."""
         self._reset()
         for k, (n, kk) in enumerate(self.shapes):
-            nx = self.shapes[0][1] if k == 0 else self.shapes[k - 1][0]
             _product_kernel[(n // v.rows,)](self.w, self.y, self.ss, self.woff[k], self.yoff[k], self.yoff[k + 1],
-                                            k, n, kk, nx, PDL=v.pdl, TMA=v.tma, BN=v.rows, BK=v.bk(self.bk),
+                                            k, n, kk, self.inputs[k], PDL=v.pdl, TMA=v.tma, BN=v.rows, BK=v.bk(self.bk),
                                             W_SCALE=W_SCALE, EPS=EPS, num_warps=v.warps, num_stages=v.stages,
                                             **({"launch_pdl": True} if v.pdl else {}))
 
@@ -289,12 +290,13 @@ def main():
         for name, fn in variants:
             row = dict(layers=L, variant=name, mbytes=chain.nbytes / 1e6)
             head = f"{label:5s} {L:6d} {chain.nbytes / 1e6:7.1f} {name:40s}"
+            moved = chain.nbytes
             try:
                 if fn is None:
                     if args.toy:
                         continue
                     fn = lambda: scratch.copy_(chain.w)                                    # noqa: E731
-                    row["check"] = "-"
+                    row["check"], moved = "-", 2 * chain.nbytes                          # a copy reads and writes
                 else:
                     chain.stuck.zero_()
                     fn()
@@ -312,7 +314,6 @@ def main():
                 record_failure(row, e, head)
                 rows.append(row)
                 continue
-            moved = 2 * chain.nbytes if name.startswith("torch") else chain.nbytes    # a copy reads and writes
             gbs = moved / (row["us"] * 1e-6) / 1e9
             row["gb_s"] = gbs
             print(f"{head} | {row['us']:8.1f} {gbs:7.0f} {gbs / copy:7.1%} | {row['check']}", flush=True)
