@@ -71,6 +71,13 @@ class MoE(nn.Module):
         shared_inter = shard.shared_intermediate if shard else I
         self.shared_experts = Experts((), d, shared_inter, b.sub("shared_experts")) if cfg.n_shared_experts else None
 
+    def route(self, flat: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat [T, d] (the ffn_norm'ed tokens), input_ids (hash routing; else unused) -> (weights, ids) [T, top_k]:
+        the gate's logits routed by `ops.route`, with the biased top-k or the hash table."""
+        g = self.gate
+        return self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
+                              g.tid2eid if g.hash else None, input_ids if g.hash else None, self.held)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [B, S, d] (the ffn_norm'ed block input), input_ids [B, S] (hash routing) -> [B, S, d].
 
@@ -79,9 +86,7 @@ class MoE(nn.Module):
         step) and the pick adds exactly zero. The sorted path (prefill; decode past the expert blocks' token range)
         leaves such pairs out; the GEMV pair and the decode tiles run them, all T * k pairs on every rank."""
         flat = x.reshape(-1, x.shape[-1])
-        g = self.gate
-        weights, ids = self.ops.route(g(flat), None if g.hash else g.bias, self.top_k, self.scaling,
-                                      g.tid2eid if g.hash else None, input_ids if g.hash else None, self.held)
+        weights, ids = self.route(flat, input_ids)
         ex, sh = self.experts, self.shared_experts
         out = self.ops.moe(flat, ids, weights, ex.w13.qweight(), ex.w2.qweight(), self.limit,
                            shared=None if sh is None else (sh.w13.qweight(), sh.w2.qweight()), after_route=True)
