@@ -56,8 +56,8 @@ ROWS_MAX = 64            # every product's N is a multiple of the largest unit
 TOY_BK = 32
 W_SCALE = 1.0 / 64       # int8 weights in [-64, 64) times this
 EPS = 1e-6
-SPIN_LIMIT = 1 << 22     # polls of a barrier before a program gives up: far above any real wait (on an H100 a
-                         # stuck chain's call took 4.2-4.5 s, its programs all polling one counter)
+SPIN_LIMIT = 1 << 22     # polls of a barrier before a program gives up: far above any real wait, so a grid that is
+                         # not resident at once ends its call in seconds, flagged stuck, instead of hanging
 
 
 @triton.jit
