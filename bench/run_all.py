@@ -31,6 +31,7 @@ from common import (FLASH, LAYOUT_ENV, LINEAR_FORMATS, PRO, TOY, Timer, bench_la
                     nbytes, random_qweight, random_routing, rel_err, rotated_qweights, rotations)
 
 from dsv4.kernels import Ops, dispatch, moe, policy, ref, refuse_fallback as _refuse  # noqa: E402
+from dsv4.kernels.attention import AttentionPlan  # noqa: E402
 from dsv4.kernels.host import Scratch, num_sms  # noqa: E402
 from dsv4.kernels.policy import GemvConfig  # noqa: E402
 
@@ -195,9 +196,20 @@ def attention_and_mhc(run: Run, record) -> None:
         f32 = lambda t: None if t is None else t.float()  # noqa: E731
         want = ref.sparse_attention(q.float(), kv.float(), ring.float(), f32(entries), picks, steps, ratio, sinks,
                                     D ** -0.5)
-        record(f"attention {dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[ratio]} "
-               f"H={H} D={D} steps {lengths} at {starts}", rel_err(got, want), 1e-2,
+        kind = dict([(0, 'SWA'), (4, 'CSA'), (128, 'HCA')])[ratio]
+        record(f"attention {kind} H={H} D={D} steps {lengths} at {starts}", rel_err(got, want), 1e-2,
                written=bool(torch.isfinite(got).all()))
+        # the queries normalised and rotated and the output rotated back in the launch (a split plan: the combine
+        # rotates; a plan that fills the GPU; the ragged step's own plan, wide: a norm / rope launch each side)
+        angle = torch.rand(N, D // 16, device=dev, generator=gen) * 6
+        rope = (angle.cos(), angle.sin())
+        want = ref.sparse_attention(q.float(), kv.float(), ring.float(), f32(entries), picks, steps, ratio, sinks,
+                                    D ** -0.5, rope=rope, q_eps=1e-6)
+        for plan in (AttentionPlan(16, 32, 4, 4), AttentionPlan(min(H, 32), 64, 8, 0), None):
+            got = run.ops.sparse_attention(q, kv, ring, entries, picks, steps, ratio, sinks, D ** -0.5, rope=rope,
+                                           q_eps=1e-6, plan=plan)
+            record(f"attention {kind} + q norm / rope, plan {tuple(plan) if plan else 'planned'} steps {lengths}",
+                   rel_err(got, want), 1e-2, written=bool(torch.isfinite(got).all()))
     n, T = 4, (3 if run.toy else 8)
     x = torch.randn(1, T, n, d, device=dev, generator=gen).bfloat16()
     fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * 0.5 / (n * d) ** 0.5

@@ -8,6 +8,7 @@ import torch
 
 from dsv4.kernels import ref
 from dsv4.kernels.attention import AttentionPlan, sparse_attention
+from dsv4.kernels.norm_rope import norm_rope
 from dsv4.kernels.ref import attend, causal_entry_bias, picked_entry_bias, ring_positions, window_bias, write_ring
 from dsv4.kernels.steps import StepTokens
 
@@ -74,6 +75,53 @@ def test_matches_the_models_attention(ratio, starts, lengths, split):
     assert got.shape == want.shape == twin.shape
     assert (got - want).abs().max() / want.abs().max() < 1e-5
     assert (twin - want).abs().max() / want.abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [0, 3, "wide"])
+@pytest.mark.parametrize("ratio, starts, lengths", CASES[1:])
+def test_queries_normalised_and_rotated_in_the_launch(ratio, starts, lengths, split, dtype):
+    """rope and q_eps: the launch takes the queries as wq_b makes them, normalises (the unweighted RMS of each head)
+    and rotates them, and rotates its output back (without a split in the attention launch, with one in the
+    combine), as the two norm / rope launches around it did; a wide plan (64 heads a program) runs those two
+    launches around it instead. The reference twin does the same with `ref.norm_rope`."""
+    plan = AttentionPlan(64, 32, 8, 0) if split == "wide" else None
+    split = None if plan else split
+    q, kv, ring, entries, picks, steps, pages, sinks = make_step(ratio + 7, ratio, starts, lengths)
+    g = torch.Generator().manual_seed(ratio)
+    q = (q * 4).to(dtype)
+    kv, ring = kv.to(dtype), ring.to(dtype)
+    entries = entries.to(dtype) if entries is not None else None
+    angle = torch.rand(q.shape[0], 4, generator=g) * 6
+    rope = (angle.cos(), angle.sin())
+    args = (kv, ring, entries, picks, steps, ratio, sinks, D ** -0.5)
+    got = sparse_attention(q, *args, rope=rope, q_eps=1e-6, split=split, plan=plan)
+    apart = norm_rope(sparse_attention(norm_rope(q, *rope, eps=1e-6), *args, split=split, plan=plan), *rope,
+                      inverse=True)
+    if plan:
+        assert torch.equal(got, apart)
+    twin = ref.sparse_attention(q, *args, rope=rope, q_eps=1e-6)
+    want = ref.norm_rope(ref.sparse_attention(ref.norm_rope(q, *rope, eps=1e-6), *args), *rope, inverse=True)
+    assert torch.equal(twin, want)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    assert float((got.float() - apart.float()).abs().max() / apart.float().abs().max()) < tol
+    loose = 1e-5 if dtype == torch.float32 else 2 ** -5          # the reference rounds its products otherwise
+    assert float((got.float() - want.float()).abs().max() / want.float().abs().max()) < loose
+    rotated = sparse_attention(q, *args, rope=rope, split=split, plan=plan)     # the rotation alone
+    rotated_apart = norm_rope(sparse_attention(norm_rope(q, *rope), *args, split=split, plan=plan), *rope,
+                              inverse=True)
+    assert float((rotated.float() - rotated_apart.float()).abs().max() / rotated_apart.float().abs().max()) < tol
+
+
+@pytest.mark.parametrize("cos, sin", [(torch.ones(4, 17), torch.ones(4, 17)), (torch.ones(4, 8), torch.ones(4, 4)),
+                                      (torch.ones(3, 8), torch.ones(3, 8))])
+def test_rope_tables_that_do_not_fit_the_step_are_refused(cos, sin):
+    """Angles for more channels than a head has, cos and sin of two shapes, or not a row per token: a clear error,
+    not a launch reading past the tables."""
+    args = make_step(3, 0, (0,), (4,))
+    with pytest.raises(ValueError, match="rope tables"):
+        sparse_attention(*args[:5], args[5], 0, args[7], D ** -0.5, rope=(cos, sin))
 
 
 def test_the_key_split_takes_the_gpu_only_a_small_launch_leaves_idle():
@@ -147,8 +195,8 @@ def test_the_model_runs_its_cached_attention_and_mhc_through_the_kernels(monkeyp
     def forbidden(*args, **kwargs):
         raise AssertionError("a kernel fell back to the reference")
 
-    for name in ("sparse_attention", "write_ring", "compress", "index_picks", "norm_rope", "hc_pre", "hc_post",
-                 "hc_head"):
+    for name in ("sparse_attention", "write_ring", "compress", "index_picks", "norm_rope", "norm_ropes", "hc_pre",
+                 "hc_post", "hc_head"):
         monkeypatch.setattr(ref, name, forbidden)
     kernel_model = dsv4.load(rf.variant("wide"), ops=Ops.triton())
     monkeypatch.undo()

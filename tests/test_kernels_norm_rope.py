@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4.kernels import ref
-from dsv4.kernels.norm_rope import norm_rope
+from dsv4.kernels.norm_rope import norm_rope, norm_ropes
 
 CASES = [  # (shape, rotate, weighted, normalised, inverse)
     ((2, 5, 64), False, True, True, False),        # a block's RMSNorm
@@ -75,9 +75,9 @@ def test_heads_of_a_wider_product_are_read_in_place(normalised, monkeypatch):
 
     class Spy:                                      # records the memory the launch reads x from
         def __getitem__(self, grid):
-            def launch(x, *args, **kwargs):
-                read.append(x.data_ptr())
-                return kernel[grid](x, *args, **kwargs)
+            def launch(rows, *args, **kwargs):
+                read.append(rows.x.data_ptr())
+                return kernel[grid](rows, *args, **kwargs)
             return launch
 
     kernel = module._norm_rope_kernel
@@ -91,3 +91,36 @@ def test_heads_of_a_wider_product_are_read_in_place(normalised, monkeypatch):
         got = norm_rope(x, angle.cos(), angle.sin(), None, eps)
         assert read[-1] == x.data_ptr()
         assert torch.equal(got, norm_rope(x.contiguous(), angle.cos(), angle.sin(), None, eps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_calls_in_one_launch_give_each_calls_bits(dtype, monkeypatch):
+    """`norm_ropes`: wq_a's rows (weighted RMSNorm, no rope) and wkv's (RMSNorm, rope; also through the fp8 cache's
+    codes) of one fused product, two calls a launch, equal bit for bit to a launch each, and the reference twin
+    `ref.norm_ropes` equal to `ref.norm_rope` of each; a third call takes a launch of its own, a call of no rows
+    none."""
+    from dsv4.kernels import norm_rope as module
+    launches = []
+    kernel = module._norm_rope_kernel
+
+    class Count:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(module, "_norm_rope_kernel", Count())
+    g = torch.Generator().manual_seed(7)
+    wide = (torch.randn(1, 5, 96 + 64, generator=g) * 3).to(dtype)
+    xq, xkv = wide[..., :96], wide[..., 96:]
+    angle = torch.rand(1, 5, 8, generator=g) * 6
+    wq, wkv = torch.rand(96, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5
+    heads = (torch.randn(1, 5, 2, 64, generator=g) * 3).to(dtype)
+    calls = [(xq, None, None, wq, 1e-6), (xkv, angle.cos(), angle.sin(), wkv, 1e-6, False, 32),
+             (heads, angle.cos(), angle.sin(), None, 1e-6), (xq[:, :0], None, None, wq, 1e-6)]
+    got = norm_ropes(*calls)
+    assert len(launches) == 2 and launches[0] == (10,) and launches[1] == (10,), launches
+    for out, call in zip(got, calls):
+        assert torch.equal(out, norm_rope(*call))
+    for out, call in zip(ref.norm_ropes(*calls), calls):
+        assert torch.equal(out, ref.norm_rope(*call))
+    assert got[3].shape == (1, 0, 96)

@@ -119,9 +119,11 @@ out["route"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarg
 from dsv4.kernels import mhc, norm_rope
 for pdl in (True, False):
     fn = norm_rope._norm_rope_kernel
-    sig = dict(x="*bf16", out="*bf16", weight="*fp32", cos="*fp32", sin="*fp32", n="i32", x_t="i32", x_r="i32",
-               out_r="i32", rope_r="i32", heads="i32", eps="fp32", L="constexpr")
-    consts = dict(L=norm_rope.Shape(512, 512, 2, 32, False, 0, pdl, 8))
+    rows = norm_rope.Rows("*bf16", "*bf16", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32", "i32", "i32", "i32",
+                          "fp32")
+    sig = dict(A=rows, B=rows, first_b="i32", LA="constexpr", LB="constexpr")
+    consts = dict(LA=norm_rope.Shape(1024, 1024, 2, 0, False, 0, pdl, 8),
+                  LB=norm_rope.Shape(512, 512, 2, 32, False, 0, pdl, 8))
     out[f"norm_rope pdl={pdl}"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                                                          options={"num_warps": 4}))
     fn = mhc._finish_kernel
@@ -130,6 +132,19 @@ for pdl in (True, False):
     sig.update(x_ptr="*bf16", u_ptr="*bf16", norm_eps="fp32", hc_eps="fp32", w_eps="fp32")
     out[f"finish pdl={pdl}"] = summary(triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                                                       options={"num_warps": 8}))
+    from dsv4.kernels import attention
+    from dsv4.kernels.steps import StepTokens
+    tensors = attention.Tensors(*(["*bf16"] * 4 + ["*i32", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32", "*fp32"]))
+    strides = attention.Strides(*(["i32"] * 9))
+    shape = attention.Shape(128, 512, 64, 512, 4, 16, 32, tl.bfloat16, 4, True, 0, 1, 32, pdl)
+    sig = dict(T=tensors, steps=StepTokens(*(["*i32"] * 6)), S=strides, H="i32", scale="fp32", q_eps="fp32",
+               L="constexpr")
+    out[f"attention pdl={pdl}"] = summary(triton.compile(ASTSource(attention._attention_kernel, sig, dict(L=shape)),
+                                                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
+    consts = dict(SPLIT=4, D=512, BH=8, UNROLL=4, HALF_ROPE=32, PDL=pdl)
+    sig = dict(T=tensors, S=strides, H="i32", **{k: "constexpr" for k in consts})
+    out[f"combine pdl={pdl}"] = summary(triton.compile(ASTSource(attention._combine_kernel, sig, consts),
+                                                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
 print("RESULT " + json.dumps(out))
 """
 
@@ -206,11 +221,12 @@ def test_route_kernel_triggers_its_dependents_first(ptx):
     assert r["first"] == "trigger" and r["triggers"] == 1 and r["waits"] == 0 and r["reads"] and r["writes"], r
 
 
-@pytest.mark.parametrize("kernel", ["norm_rope", "finish"])
+@pytest.mark.parametrize("kernel", ["norm_rope", "finish", "attention", "combine"])
 def test_the_kernels_before_decode_gemvs_trigger_them_first(ptx, kernel):
-    """The norm / rope launch and mHC's finish (which make the x of wq_a, wq_b, wkv and wo_a) let the next launch
-    start first thing with PDL on: that GEMV's wait covers them, and it L2-prefetches its weights meanwhile. They
-    are launched without the attribute themselves, so they wait for nothing; without PDL, no griddepcontrol."""
+    """The norm / rope launch, mHC's finish and the attention launch or its combine (which make the x of wq_a, wq_b,
+    wkv and wo_a) let the next launch start first thing with PDL on: that GEMV's wait covers them, and it
+    L2-prefetches its weights meanwhile. They are launched without the attribute themselves, so they wait for
+    nothing; without PDL, no griddepcontrol."""
     on, off = ptx[f"{kernel} pdl=True"], ptx[f"{kernel} pdl=False"]
     assert on["first"] == "trigger" and on["triggers"] == 1 and on["waits"] == 0 and not on["launch_pdl"], on
     assert on["reads"] and on["writes"], on

@@ -314,11 +314,10 @@ def test_fp8_cache_packs_the_entries_and_keeps_deepseeks_rounding(small_engine_m
     saved, hooks = [(layer.attn, layer.attn.ops) for layer in model.layers], []
     try:                                   # the oracle: the fresh prefill with the cache's rounding put in by hand
         for attn, ops in saved:
-            def norm_rope(x, cos, sin, weight=None, eps=None, inverse=False, fp8_nope=0, _kv=attn.kv_norm.weight,
-                          _f=ops.norm_rope):
-                out = _f(x, cos, sin, weight, eps, inverse)
-                return ref.fp8_kv_round(out, nope) if weight is _kv else out
-            attn.ops = dataclasses.replace(ops, norm_rope=norm_rope)
+            def norm_ropes(*calls, _kv=attn.kv_norm.weight, _f=ops.norm_ropes):     # q_norm's and kv_norm's rows
+                outs = _f(*calls)
+                return tuple(ref.fp8_kv_round(out, nope) if call[3] is _kv else out for out, call in zip(outs, calls))
+            attn.ops = dataclasses.replace(ops, norm_ropes=norm_ropes)
             if attn.compressor is not None:
                 hooks.append(attn.compressor.register_forward_hook(lambda m, i, o: ref.fp8_kv_round(o, nope)))
         logits = model.logits(torch.tensor([prompt + tokens[:-1]]))[0, len(prompt) - 1:].float()

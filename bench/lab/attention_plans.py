@@ -8,7 +8,12 @@ program (up to all 64 of a token), warps, a key split at large batch, 32 or 64 k
 output with the default plan's.
 
     python bench/lab/attention_plans.py [--batches 1,64,256] [--context 8192] [--out DIR]   # on the GPU
+    python bench/lab/attention_plans.py --rope [--batches 1,8]      # the default plan with the queries' norm / rope
     python bench/lab/attention_plans.py --toy                                              # CPU dry run
+
+--rope times the default plan only, as the model calls it (`rope` and `q_eps`: the queries normalised and rotated
+and the output rotated back inside the launch) against the same launch without them, with one of the two, and
+with the norm / rope launches apart around a plain launch (three launches, what the model ran before round 53).
 
 For each batch and layer kind (CSA: the window + 512 picks; HCA: the window + every entry, context / 128; SW: the
 window alone): random bf16 queries, rows, rings and entries over scrambled pages, the picks random visible entries;
@@ -36,6 +41,7 @@ from common import Timer  # noqa: E402
 
 from dsv4.kernels.attention import AttentionPlan, attention_split, plan_attention, sparse_attention  # noqa: E402
 from dsv4.kernels.host import num_sms  # noqa: E402
+from dsv4.kernels.norm_rope import norm_rope  # noqa: E402
 from dsv4.kernels.steps import StepTokens  # noqa: E402
 
 PAGE_TOKENS = 256
@@ -56,7 +62,15 @@ def step_inputs(batch: int, context: int, ratio: int, H: int, D: int, W: int, to
                 kv=torch.randn(batch, D, device=dev, generator=gen).bfloat16(),
                 ring=torch.randn(batch + 1, W, D, device=dev, generator=gen).bfloat16(),
                 entries=torch.randn(batch * per_seq, E, D, device=dev, generator=gen).bfloat16() if ratio else None,
-                picks=picks, steps=steps, sinks=torch.randn(H, device=dev, generator=gen))
+                picks=picks, steps=steps, sinks=torch.randn(H, device=dev, generator=gen),
+                rope=tuple(torch.rand(batch, 32, device=dev, generator=gen).mul(6).cos() for _ in range(2)))
+
+
+def rope_variants(plan: AttentionPlan) -> dict:
+    """--rope: (plan, the launch's rope / q_eps arguments, apart) by name; apart: norm / rope launches around it."""
+    return {"plain": (plan, False, None, False), "q norm": (plan, False, 1e-6, False),
+            "rope": (plan, True, None, False), "q norm + rope": (plan, True, 1e-6, False),
+            "q norm + rope, apart": (plan, True, 1e-6, True)}
 
 
 def candidates(batch: int, H: int, D: int, W: int, keys: int, sms: int) -> dict[str, AttentionPlan]:
@@ -94,6 +108,7 @@ def main():
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--toy", action="store_true", help="CPU dry run at small shapes (checks the script)")
+    ap.add_argument("--rope", action="store_true", help="the default plan with and without the queries' norm / rope")
     args = ap.parse_args()
     H, D, W, topk = 64, 512, 128, 512
     if args.toy:
@@ -110,15 +125,26 @@ def main():
         for kind, ratio in (("CSA", 4), ("HCA", 128), ("SW", 0)):
             inputs = [step_inputs(batch, args.context, ratio, H, D, W, topk, dev, gen) for _ in range(rot)]
             keys = topk if ratio == 4 else args.context // 128 if ratio else 0
-            want, base_us = None, None
-            for name, plan in candidates(batch, H, D, W, keys, sms).items():
+            want, base_us, outputs = None, None, {}
+            plans = candidates(batch, H, D, W, keys, sms)
+            variants = rope_variants(plans["default"]) if args.rope else {n: (p, False, None, False)
+                                                                           for n, p in plans.items()}
+            for name, (plan, rotate, q_eps, apart) in variants.items():
                 row = dict(layer=kind, B=batch, plan=name, **plan._asdict())
                 try:
-                    def launch(x, plan=plan):
-                        return sparse_attention(x["q"], x["kv"], x["ring"], x["entries"], x["picks"], x["steps"],
-                                                ratio, x["sinks"], D ** -0.5, keys, update_ring=True, plan=plan)
+                    def launch(x, plan=plan, rotate=rotate, q_eps=q_eps, apart=apart):
+                        rope = x["rope"] if rotate else None
+                        q = norm_rope(x["q"], *rope, eps=q_eps) if apart else x["q"]
+                        o = sparse_attention(q, x["kv"], x["ring"], x["entries"], x["picks"], x["steps"], ratio,
+                                             x["sinks"], D ** -0.5, keys, update_ring=True, plan=plan,
+                                             rope=None if apart else rope, q_eps=None if apart else q_eps)
+                        return norm_rope(o, *rope, inverse=True) if apart else o
                     got = launch(inputs[0]).float()
-                    want = got if want is None else want
+                    if args.rope:     # apart against the launch that does the same inside; the rest: themselves
+                        outputs[name] = got
+                        want = outputs["q norm + rope"] if name.endswith("apart") else got
+                    else:
+                        want = got if want is None else want
                     row["max_diff"] = float((got - want).abs().max() / want.abs().max())
                     row["us"] = 1e3 * timer.per_call_ms([lambda x=x: launch(x) for x in inputs])
                     base_us = row["us"] if base_us is None else base_us

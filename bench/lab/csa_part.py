@@ -10,7 +10,9 @@ caches filled to the context:
                              and the indexer compressor's (width 2 x index_head_dim) in the same launch
     norm_rope                the indexer's queries rotated
     indexer.index_picks      scores of every visible key, then the top-k (index_topk)
-    attention.sparse_attention  window + picked entries, the ring written in the launch (and the split's combine)
+    attention.sparse_attention  window + picked entries, the ring written in the launch (and the split's combine),
+                             the queries normalised and rotated and the output rotated back in it, as the model
+                             calls it (since round 53: those were two norm / rope launches around it)
 
 Each case is timed whole and call by call (`common.Timer`: a CUDA graph of the calls over four input sets whose
 positions are four consecutive decode positions, so one in four closes a compressor window, as decoding does).
@@ -114,7 +116,8 @@ def main():
                                                 ID ** -0.5, max_keys, cfg.index_n_heads ** -0.5)
                 if only in (None, 3):
                     attention.sparse_attention(x["q"], x["kv"], ring, main_state.entries, picks, s, RATIO, sinks,
-                                               D ** -0.5, max_keys, update_ring=True)
+                                               D ** -0.5, max_keys, update_ring=True, rope=(x["cos"], x["sin"]),
+                                               q_eps=cfg.rms_norm_eps)
                 return picks
 
             picked = [part(x) for x in sets]           # each set's picks, for the attention timed alone

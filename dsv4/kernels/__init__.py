@@ -37,7 +37,8 @@ class Ops:
     grouped_linear: Callable  # (x [..., g, Kg], W [g*R, Kg], g) -> [..., g, R] (wo_a)
     # cached attention of a ragged step: (q [N, H, D], kv [N, D], ring, entries, picks, StepTokens, ratio, sinks,
     # scale, max_entries, update_ring: also write the rings, decode steps only, entry_nope: the fp8 cache's packed
-    # entries) -> [N, H, D]; and the step's rows into the rings
+    # entries, rope: (cos, sin) to rotate the queries by and the output back, q_eps: the queries' per-head RMS)
+    # -> [N, H, D]; and the step's rows into the rings
     sparse_attention: Callable = ref.sparse_attention
     write_ring: Callable = ref.write_ring
     # a compressor's step for every sequence (kv, gate logits [N, width], ape [ratio, width], StepTokens, state,
@@ -48,8 +49,9 @@ class Ops:
     compress: Callable = ref.compress
     index_picks: Callable = ref.index_picks
     # RMS normalisation and rope of rows: (x [..., D], cos, sin, weight, eps, inverse, fp8_nope: channels rounded
-    # through the fp8 cache's codes) -> x's shape
+    # through the fp8 cache's codes) -> x's shape; and of several tensors' rows, each call's arguments a tuple
     norm_rope: Callable = ref.norm_rope
+    norm_ropes: Callable = ref.norm_ropes
     # the router's dense projection: (x [..., d], fp32 weight [E, d]) -> fp32 logits [..., E]
     router_logits: Callable = ref.router_logits
     # mHC: (streams [..., n, d], fn, base, scale, iters, hc_eps, norm_eps[, norm weight, its eps]) -> (collapsed (and
@@ -94,6 +96,7 @@ class Ops:
                       sparse_attention=partial(attention.sparse_attention, fallback=fallback(ref.sparse_attention)),
                       write_ring=attention.write_ring,
                       compress=compressor.compress, index_picks=indexer.index_picks, norm_rope=norm_rope.norm_rope,
+                      norm_ropes=norm_rope.norm_ropes,
                       router_logits=partial(moe.router_logits, fallback=fallback(ref.router_logits)),
                       hc_pre=partial(mhc.hc_pre, fallback=fallback(ref.hc_pre)),
                       hc_post=partial(mhc.hc_post, fallback=fallback(ref.hc_post)),

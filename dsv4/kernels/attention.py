@@ -23,6 +23,14 @@ each token's row into its ring at row p mod W, from the program of head block 0 
 the row it replaces holds position p - W, which no query of the step sees, so every program's read of that row is
 masked whatever it finds there. fp32 softmax and accumulator; the products run in `dot_dtype` (bf16 on the GPU, fp32
 for fp32 queries; fp32 in the interpreter, whose bf16 dot is wrong), fp32 ones as fp32 (`dot_in`).
+
+With `rope` (and `q_eps`) the launch also does the norm / rope launches' work around it: each program normalises its
+heads' queries (the unweighted RMS of each head) and rotates their trailing channels, each channel's pair mate loaded
+beside it, and the program that stores a head's output (the attention program without a split, the combine with
+one) rotates it back in registers (`norm_rope_rows`). The roundings are `kernels.norm_rope`'s. A wide plan (64 heads a
+program) leaves both to a norm / rope launch before and after it: there the values spill into the key loops. With
+PDL the attention and combine launches let the next one start first thing, as the norm / rope launch did: the
+GEMV after them (wo_a) waits for them before it reads anything.
 """
 
 from __future__ import annotations
@@ -33,8 +41,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from .host import num_sms
+from .host import has_pdl, num_sms
+from .norm_rope import norm_rope, norm_rope_rows
 from .policy import next_pow2
 from .ref import kv_row_bytes
 from .steps import StepTokens
@@ -54,6 +64,8 @@ class Tensors(NamedTuple):
     out: torch.Tensor
     part_o: torch.Tensor       # SPLIT: fp32 [N, H, 1 + SPLIT, D] partial accumulators (else `out`: never used)
     part_ml: torch.Tensor      # SPLIT: fp32 [N, H, 1 + SPLIT, 2] their running max and sum
+    cos: torch.Tensor          # HALF_ROPE: [N, HALF_ROPE] each token's rope (else q: never read)
+    sin: torch.Tensor
 
 
 class Strides(NamedTuple):
@@ -66,6 +78,7 @@ class Strides(NamedTuple):
     kv_t: int
     entry_row: int             # elements of an entries row (bytes of a packed row: 584, no multiple of 16, so the
                                # compiler assumes no more alignment of a row than it has)
+    rope_t: int                # between two tokens' rows of cos / sin
 
 
 class Shape(NamedTuple):
@@ -81,6 +94,52 @@ class Shape(NamedTuple):
     SPLIT: int                 # programs over a token's keys besides the first (0: one program takes all keys)
     UPDATE_RING: bool          # the step's rows into the rings (decode steps)
     NOPE: int                  # > 0: entries are packed fp8 rows (`ref.fp8_kv_pack`) with this many fp8 channels
+    Q_NORM: int                # 1: each query head RMS-normalised first (unweighted, eps q_eps)
+    HALF_ROPE: int             # > 0: queries rotated first and the output back (the trailing 2 HALF_ROPE channels)
+    PDL: bool                  # let the next launch start now (`host.has_pdl`): the decode GEMV after attention (wo_a)
+                               # waits for it before it reads anything, and meanwhile L2-prefetches its weights
+
+
+@triton.jit
+def _queries(T, S, t, h, d, eps, H, L: tl.constexpr):
+    """Token t's heads h as q [BH, D]: as stored, or (Q_NORM / HALF_ROPE) as the norm / rope launch would make them
+    from the stored values (`norm_rope_rows`' order and roundings): the unweighted RMS factor and the normalised
+    values rounded to q's dtype, then the rotation of the trailing 2 HALF_ROPE channels, pair (2i, 2i+1) = (a, b) ->
+    (a c - b s, b c + a s), rounded once. Each channel's pair mate (channel d ^ 1) is loaded beside it, so no value
+    moves between threads; the angles load first, beside the queries."""
+    at = T.q + t.to(tl.int64) * S.q_t + h[:, None] * S.q_h
+    if L.HALF_ROPE > 0:
+        i = d // 2 - (L.D // 2 - L.HALF_ROPE)
+        rot = i >= 0
+        at_rope = t.to(tl.int64) * S.rope_t
+        c = tl.load(T.cos + at_rope + i, mask=rot, other=1.0)
+        s = tl.load(T.sin + at_rope + i, mask=rot, other=0.0)
+        partner = tl.load(at + (d ^ 1)[None, :], mask=rot[None, :] & (h < H)[:, None], other=0.0).to(tl.float32)
+    q = tl.load(at + d[None, :], mask=(h < H)[:, None], other=0.0)
+    if L.Q_NORM + L.HALF_ROPE > 0:
+        dtype = T.q.dtype.element_ty
+        v = q.to(tl.float32)
+        if L.Q_NORM:
+            f = tl.rsqrt(tl.sum(v * v, axis=1) / L.D + eps).to(dtype).to(tl.float32)
+            v = (v * f[:, None]).to(dtype).to(tl.float32)
+            if L.HALF_ROPE > 0:
+                partner = (partner * f[:, None]).to(dtype).to(tl.float32)
+        if L.HALF_ROPE > 0:
+            v = v * c[None, :] + tl.where(d % 2 == 0, -partner, partner) * s[None, :]
+        q = v.to(dtype)
+    return q
+
+
+@triton.jit
+def _store_output(T, S, t, h, d, o, H, D: tl.constexpr, HALF_ROPE: tl.constexpr):
+    """o fp32 [BH, D] of token t's heads h into out in its dtype; HALF_ROPE: its trailing channels rotated back first,
+    from its values in out's dtype (the inverse of `_queries`' rotation, rounded once: `norm_rope_rows`)."""
+    dtype = T.out.dtype.element_ty
+    if HALF_ROPE > 0:
+        at_rope = t.to(tl.int64) * S.rope_t
+        o = norm_rope_rows(o.to(dtype).to(tl.float32), d, d < D, T.cos, T.cos + at_rope, T.sin + at_rope, 0.0, dtype,
+                           D, D, 0, HALF_ROPE, True)
+    tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(dtype), mask=(h < H)[:, None])
 
 
 @triton.jit
@@ -148,7 +207,7 @@ def _entry_block(T, steps, S, t, b, e0, e_hi, d, L: tl.constexpr):
 
 
 @triton.jit
-def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
+def _attention_kernel(T, steps, S, H, scale, q_eps, L: tl.constexpr):
     W: tl.constexpr = L.W
     D: tl.constexpr = L.D
     E: tl.constexpr = L.E
@@ -158,6 +217,8 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     BH: tl.constexpr = L.BH
     DOT: tl.constexpr = L.DOT
     SPLIT: tl.constexpr = L.SPLIT
+    if L.PDL:
+        gdc_launch_dependents()
     t, hb, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = tl.load(steps.seq + t)
     p = tl.load(steps.pos + t)
@@ -169,7 +230,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
     if L.UPDATE_RING:      # first: the row it replaces (position p - W) is masked for every query of the step
         if (hb == 0) & (part == 0):
             tl.store(T.ring + slot * S.ring_slot + (p % W) * D + d, tl.load(T.kv + t.to(tl.int64) * S.kv_t + d))
-    q = tl.load(T.q + t.to(tl.int64) * S.q_t + h[:, None] * S.q_h + d[None, :], mask=(h < H)[:, None], other=0.0)
+    q = _queries(T, S, t, h, d, q_eps, H, L)
     acc = tl.zeros([BH, D], tl.float32)
     m_i = tl.full([BH], float("-inf"), tl.float32)
     l_i = tl.zeros([BH], tl.float32)
@@ -199,9 +260,7 @@ def _attention_kernel(T, steps, S, H, scale, L: tl.constexpr):
             acc, m_i, l_i = _online(acc, m_i, l_i, q, k, valid, scale, DOT)
     if SPLIT == 0:
         sink = tl.load(T.sinks + h, mask=h < H, other=0.0)
-        o = acc / (l_i + tl.exp(sink - m_i))[:, None]
-        tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
-                 mask=(h < H)[:, None])
+        _store_output(T, S, t, h, d, acc / (l_i + tl.exp(sink - m_i))[:, None], H, D, L.HALF_ROPE)
     else:                                          # the partial, for `_combine_kernel`
         row = (t.to(tl.int64) * H + h) * (SPLIT + 1) + part
         tl.store(T.part_o + row[:, None] * D + d[None, :], acc, mask=(h < H)[:, None])
@@ -231,10 +290,14 @@ def _key_shares(n, part, W: tl.constexpr, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, UNROLL: tl.constexpr):
-    """Token t, heads of block hb: merge the 1 + SPLIT partials with the sink (which joins only the denominator).
-    The partials are read UNROLL at a time, their loads issued together rather than one round trip each; those past
-    SPLIT load as weight 0 and add exact zeros."""
+def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.constexpr, UNROLL: tl.constexpr,
+                    HALF_ROPE: tl.constexpr, PDL: tl.constexpr):
+    """Token t, heads of block hb: merge the 1 + SPLIT partials with the sink (which joins only the denominator),
+    then (HALF_ROPE) rotate the output back as `_attention_kernel` does without a split. The partials are read
+    UNROLL at a time, their loads issued together rather than one round trip each; those past SPLIT load as weight
+    0 and add exact zeros. PDL: the next launch may start now (`Shape.PDL`)."""
+    if PDL:
+        gdc_launch_dependents()
     t, hb = tl.program_id(0), tl.program_id(1)
     h = hb * BH + tl.arange(0, BH)
     d = tl.arange(0, D)
@@ -254,9 +317,7 @@ def _combine_kernel(T, S, H, SPLIT: tl.constexpr, D: tl.constexpr, BH: tl.conste
             w = tl.exp(tl.load(T.part_ml + (base + s) * 2, mask=ok, other=float("-inf")) - top)
             den += w * tl.load(T.part_ml + (base + s) * 2 + 1, mask=ok, other=0.0)
             acc += w[:, None] * tl.load(T.part_o + (base + s)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-    o = acc / den[:, None]
-    tl.store(T.out + t.to(tl.int64) * S.out_t + h[:, None] * S.out_h + d[None, :], o.to(T.out.dtype.element_ty),
-             mask=hm[:, None])
+    _store_output(T, S, t, h, d, acc / den[:, None], H, D, HALF_ROPE)
 
 
 class AttentionPlan(NamedTuple):
@@ -311,20 +372,24 @@ def wide_plan(tokens: int, heads: int, head_dim: int, keys: int, packed: bool, s
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
                      scale: float, max_entries: int | None = None, update_ring: bool = False, entry_nope: int = 0,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None, q_eps: float | None = None,
                      split: int | None = None, dot_dtype: torch.dtype | None = None, fallback=None,
                      plan: AttentionPlan | None = None) -> torch.Tensor:
     """o [N, H, D] in q's dtype (module docstring). A head_dim the kernel does not take (not a power of two >= 16)
     goes to `fallback` (the reference), or raises without one. max_entries: a bound on the entries any token sees
     (HCA; by default what the pages hold), which sizes the key split; update_ring: also `write_ring` (the caller
     guarantees one token per sequence); entry_nope > 0: the entries are packed fp8 rows uint8 [pages, E,
-    kv_row_bytes] with that many fp8 channels; split: the split itself, else planned; plan: the whole geometry
-    (`plan_attention`'s by default)."""
+    kv_row_bytes] with that many fp8 channels. rope = (cos, sin) [N, R] and q_eps: the queries come un-normalised
+    and un-rotated; each program normalises its heads (q_eps: the unweighted RMS) and rotates them, and rotates the
+    output back, with `norm_rope`'s roundings (`ref.sparse_attention`): the two norm / rope launches around the
+    attention, inside it. split: the split itself, else planned; plan: the whole geometry (`plan_attention`'s by
+    default)."""
     N, H, D = q.shape
     W = ring.shape[1]
     if D & (D - 1) or D < 16:
         if fallback is not None:
             return fallback(q, kv, ring, entries, picks, steps, ratio, sinks, scale, max_entries, update_ring,
-                            entry_nope)
+                            entry_nope, rope, q_eps)
         raise ValueError(f"sparse_attention needs a power-of-two head_dim >= 16, got {D}")
     if entries is not None and (entries.shape[-1] != (kv_row_bytes(D, entry_nope) if entry_nope else D)
                                 or entry_nope and D < 64):
@@ -344,6 +409,12 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
     if plan is None:
         keys = K if ratio == 4 else (max_entries if max_entries is not None else steps.pages.shape[1] * E)
         plan = plan_attention(N, H, D, W, keys if ratio else 0, bool(entry_nope), num_sms(q.device), split)
+    if plan.heads >= WIDE_HEADS and (rope is not None or q_eps is not None):
+        # a wide program holds 64 heads in registers: the rotation's values would spill into its key loops (sm_90),
+        # so the queries and the output take a norm / rope launch each
+        o = sparse_attention(norm_rope(q, *(rope or (None, None)), eps=q_eps), kv, ring, entries, picks, steps,
+                             ratio, sinks, scale, max_entries, update_ring, entry_nope, dot_dtype=dot_dtype, plan=plan)
+        return norm_rope(o, *rope, inverse=True) if rope is not None else o
     pk = picks.contiguous() if picks is not None else steps.seq
     if ring.stride(2) != 1 or ring.stride(1) != D:        # rows of D values; any slot stride
         if update_ring:
@@ -351,19 +422,30 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
                              f"{ring.stride()}")
         ring = ring.contiguous()
     kv, ent = kv.contiguous(), ent.contiguous()
-    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o)
+    half = 0
+    cos = sin = q
+    if rope is not None:
+        half = rope[0].shape[-1]                   # [..., N, half] or [N, half]
+        if rope[0].shape != rope[1].shape or rope[0].numel() != N * half or not 0 < 2 * half <= D:
+            raise ValueError(f"sparse_attention: rope tables {tuple(rope[0].shape)} / {tuple(rope[1].shape)} do not "
+                             f"rotate {N} tokens of head_dim {D}")
+        cos, sin = (r.reshape(N, half).contiguous() for r in rope)
+    tensors = Tensors(q, kv, ring, ent, pk, sinks.float().contiguous(), o, o, o, cos, sin)
     strides = Strides(q.stride(0), q.stride(1), o.stride(0), o.stride(1), ring.stride(0), steps.pages.stride(0),
-                      kv.stride(0), ent.shape[-1])
+                      kv.stride(0), ent.shape[-1], cos.stride(0))
     if plan.split:
         part_o = torch.empty(N, H, plan.split + 1, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(N, H, plan.split + 1, 2, dtype=torch.float32, device=q.device)
         tensors = tensors._replace(part_o=part_o, part_ml=part_ml)
-    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope)
-    _attention_kernel[(N, triton.cdiv(H, plan.heads), plan.split + 1)](tensors, steps, strides, H, scale, shape,
-                                                                       num_warps=plan.warps)
+    pdl = has_pdl(q.device)
+    shape = Shape(W, D, E, K, ratio, plan.heads, plan.keys, dot, plan.split, update_ring, entry_nope,
+                  int(q_eps is not None), half, pdl)
+    _attention_kernel[(N, triton.cdiv(H, plan.heads), plan.split + 1)](
+        tensors, steps, strides, H, scale, q_eps if q_eps is not None else 0.0, shape, num_warps=plan.warps)
     if plan.split:
         bh = 8 if D > 256 else 16
-        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, plan.split, D, bh, COMBINE_UNROLL, num_warps=4)
+        _combine_kernel[(N, triton.cdiv(H, bh))](tensors, strides, H, plan.split, D, bh, COMBINE_UNROLL, half, pdl,
+                                                 num_warps=4)
     return o
 
 

@@ -11,7 +11,8 @@ follow the reference's: the weighted norm casts weight * x / rms once to x's dty
 by the factor rounded to x's dtype; the rotation starts from the normalised values in x's dtype and rounds once.
 fp8_nope > 0 (the attention's fp8 cache) then rounds the row's first fp8_nope channels through e4m3 codes in blocks
 of 64 as `ref.fp8_kv_round` does (`fp8_kv_blocks`, which the compressor's packed entries and the attention's reads
-of them share).
+of them share). `norm_ropes` takes the rows of two calls in one launch (q_norm's and kv_norm's: one product's two
+slices), each call with its own compile-time shape.
 """
 
 from __future__ import annotations
@@ -114,28 +115,61 @@ def norm_rope_rows(v, d, dmask, weight, cos, sin, eps, dtype, D: tl.constexpr, B
     return v
 
 
+class Rows(NamedTuple):
+    """One set of rows of a launch (a kernel argument): rows r = token * heads + head of x, read at x + token * x_t +
+    head * x_r and written at out + r * out_r; cos / sin rows rope_r apart; weight (an fp32 [D], or any tensor
+    where NORM is not 2) and eps for the norm."""
+    x: torch.Tensor
+    out: torch.Tensor
+    weight: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    n: int
+    x_t: int
+    x_r: int
+    out_r: int
+    rope_r: int
+    heads: int
+    eps: float
+
+
 @triton.jit
-def _norm_rope_kernel(x, out, weight, cos, sin, n, x_t, x_r, out_r, rope_r, heads, eps, L: tl.constexpr):
+def _norm_rope_program(J, pid, L: tl.constexpr):
+    """Program pid of rows J (`Rows`) with compile-time values L (`Shape`)."""
     D: tl.constexpr = L.D
     BD: tl.constexpr = L.BD
-    if L.PDL:
-        gdc_launch_dependents()
-    r = tl.program_id(0).to(tl.int64) * L.ROWS + tl.arange(0, L.ROWS)
+    r = pid.to(tl.int64) * L.ROWS + tl.arange(0, L.ROWS)
     d = tl.arange(0, BD)
     dmask = d < D
-    mask = (r < n)[:, None] & dmask[None, :]
-    dtype = out.dtype.element_ty
-    t = tl.minimum(r, n - 1) // heads               # (a row past the last reads its token's angles, unused)
-    v = tl.load(x + (t * x_t + (r - t * heads) * x_r)[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    v = norm_rope_rows(v, d, dmask, weight, (cos + t * rope_r)[:, None], (sin + t * rope_r)[:, None], eps, dtype, D,
-                       BD, L.NORM, L.HALF_ROPE, L.INVERSE)
+    mask = (r < J.n)[:, None] & dmask[None, :]
+    dtype = J.out.dtype.element_ty
+    t = tl.minimum(r, J.n - 1) // J.heads               # (a row past the last reads its token's angles, unused)
+    v = tl.load(J.x + (t * J.x_t + (r - t * J.heads) * J.x_r)[:, None] + d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    v = norm_rope_rows(v, d, dmask, J.weight, (J.cos + t * J.rope_r)[:, None], (J.sin + t * J.rope_r)[:, None], J.eps,
+                       dtype, D, BD, L.NORM, L.HALF_ROPE, L.INVERSE)
     if L.FP8_NOPE > 0:        # (one row a program)
         v = tl.reshape(v, [BD]).to(dtype).to(tl.float32)
         codes, scale, _ = fp8_kv_blocks(v, L.FP8_NOPE, BD)
         rope = bf16_bits(v).to(tl.float32, bitcast=True)
         v = tl.reshape(tl.where(d < L.FP8_NOPE, codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale, rope),
                        [1, BD])
-    tl.store(out + r[:, None] * out_r + d[None, :], v.to(dtype), mask=mask)
+    tl.store(J.out + r[:, None] * J.out_r + d[None, :], v.to(dtype), mask=mask)
+
+
+@triton.jit
+def _norm_rope_kernel(A, B, first_b, LA: tl.constexpr, LB: tl.constexpr):
+    """Programs below first_b take rows A (`Rows`, compile-time values LA), the rest rows B (LB); LB None: A only.
+    With PDL (LA's) the next launch may start first thing."""
+    if LA.PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    if LB is None:
+        _norm_rope_program(A, pid, LA)
+    elif pid < first_b:
+        _norm_rope_program(A, pid, LA)
+    else:
+        _norm_rope_program(B, pid - first_b, LB)
 
 
 def rows_per_program(rows: int, fp8_nope: int, sms: int) -> int:
@@ -147,11 +181,9 @@ def rows_per_program(rows: int, fp8_nope: int, sms: int) -> int:
     return per
 
 
-def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
-              eps: float | None = None, inverse: bool = False, fp8_nope: int = 0) -> torch.Tensor:
-    """x normalised (eps given: by `weight`'s RMSNorm, or the unweighted RMS without one) and rotated (cos / sin
-    given: [..., R] for x [..., D] or [..., H, D]), its first fp8_nope channels rounded through fp8; module
-    docstring."""
+def _rows(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
+          eps: float | None = None, inverse: bool = False, fp8_nope: int = 0):
+    """-> (Rows, Shape, programs, warps, out) of one `norm_rope` call; out None: no rows."""
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"norm_rope needs an even last axis, got {tuple(x.shape)}")
@@ -161,7 +193,7 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     n = x.numel() // D
     out = torch.empty(n, D, dtype=x.dtype, device=x.device)
     if n == 0:
-        return out.view(x.shape)
+        return None, None, 0, 0, out.view(x.shape)
     half = 0 if cos is None else cos.shape[-1]
     tokens = 1 if cos is None else cos.reshape(-1, half).shape[0]
     heads = n // tokens
@@ -175,8 +207,35 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     norm = 0 if eps is None else (1 if weight is None else 2)
     bd = next_pow2(D)
     per = rows_per_program(n, fp8_nope, num_sms(x.device))
+    job = Rows(rows, out, weight if weight is not None else rows, cos_r, sin_r, n, rows.stride(0), rows.stride(1),
+               out.stride(0), cos_r.stride(0), heads, eps if eps is not None else 0.0)
     shape = Shape(D, bd, norm, half, inverse, fp8_nope, has_pdl(x.device), per)
-    _norm_rope_kernel[(triton.cdiv(n, per),)](rows, out, weight if weight is not None else rows, cos_r, sin_r, n,
-                                              rows.stride(0), rows.stride(1), out.stride(0), cos_r.stride(0), heads,
-                                              eps if eps is not None else 0.0, shape, num_warps=8 if bd >= 4096 else 4)
-    return out.view(x.shape)
+    return job, shape, triton.cdiv(n, per), 8 if bd >= 4096 else 4, out.view(x.shape)
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
+              eps: float | None = None, inverse: bool = False, fp8_nope: int = 0) -> torch.Tensor:
+    """x normalised (eps given: by `weight`'s RMSNorm, or the unweighted RMS without one) and rotated (cos / sin
+    given: [..., R] for x [..., D] or [..., H, D]), its first fp8_nope channels rounded through fp8; module
+    docstring."""
+    job, shape, programs, warps, out = _rows(x, cos, sin, weight, eps, inverse, fp8_nope)
+    if programs:
+        _norm_rope_kernel[(programs,)](job, job, programs, shape, None, num_warps=warps)
+    return out
+
+
+def norm_ropes(*calls: tuple) -> tuple[torch.Tensor, ...]:
+    """`norm_rope(*call)` of each call (its arguments as a tuple), two calls a launch: the rows of two tensors that
+    one product made (wq_a's and wkv's) in one launch instead of two."""
+    outs = []
+    for i in range(0, len(calls), 2):
+        pair = [_rows(*call) for call in calls[i:i + 2]]
+        live = [p for p in pair if p[2]]
+        if len(live) == 2:
+            (a, la, pa, wa, _), (b, lb, pb, wb, _) = live
+            _norm_rope_kernel[(pa + pb,)](a, b, pa, la, lb, num_warps=max(wa, wb))
+        elif live:
+            a, la, pa, wa, _ = live[0]
+            _norm_rope_kernel[(pa,)](a, a, pa, la, None, num_warps=wa)
+        outs += [p[4] for p in pair]
+    return tuple(outs)

@@ -180,6 +180,11 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | Non
     return fp8_kv_round(x, fp8_nope) if fp8_nope else x
 
 
+def norm_ropes(*calls: tuple) -> tuple[torch.Tensor, ...]:
+    """`norm_rope(*call)` of each call (its arguments as a tuple); `kernels.norm_rope.norm_ropes`."""
+    return tuple(norm_rope(*call) for call in calls)
+
+
 # ------------------------------------------------------------------------------------------- compressor
 # Every `ratio` tokens pool into one compressed entry (dsv4-architecture.md; `model.compressor` has the math in
 # words). Window j holds positions j*ratio .. j*ratio + ratio - 1; CSA (overlap) entries also pool the Ca half
@@ -439,14 +444,18 @@ def attend(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.T
 def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entries: torch.Tensor | None,
                      picks: torch.Tensor | None, steps: StepTokens, ratio: int, sinks: torch.Tensor,
                      scale: float, max_entries: int | None = None, update_ring: bool = False,
-                     entry_nope: int = 0) -> torch.Tensor:
+                     entry_nope: int = 0, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     q_eps: float | None = None) -> torch.Tensor:
     """Cached attention of a ragged step (`kernels.attention.sparse_attention`'s contract): per sequence, its ring,
     its step rows and its entries (HCA: all visible ones; CSA: the picks [N, K], -1 = none) through its page table,
     with `window_bias` / `causal_entry_bias` / `picked_entry_bias` masks, one `attend`. -> o [N, H, D]. max_entries:
     a bound on the entries any token sees (the kernel's key split; unused here). update_ring: then the step's rows
     into the rings as `write_ring` does (the kernel writes them in the same launch, which is right only for a decode
     step: one token per sequence). entry_nope > 0: entries are packed fp8 rows (`fp8_kv_unpack` with that many fp8
-    channels)."""
+    channels). rope = (cos, sin) [N, R] and q_eps: q comes un-normalised and un-rotated; it is first `norm_rope`d
+    (q_eps: the unweighted RMS of each head) and the output is rotated back (`norm_rope(inverse=True)`)."""
+    if rope is not None or q_eps is not None:
+        q = norm_rope(q, *(rope or (None, None)), eps=q_eps)
     W, out = ring.shape[1], []
     for b, (slot, start, first, n) in enumerate(steps.spans()):
         tok = slice(first, first + n)
@@ -468,7 +477,8 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, ring: torch.Tensor, entr
         out.append(attend(q[None, tok], keys[None], bias, sinks, scale)[0])
     if update_ring:
         write_ring(ring, kv, steps)
-    return torch.cat(out) if out else torch.empty_like(q)
+    o = torch.cat(out) if out else torch.empty_like(q)
+    return norm_rope(o, *rope, inverse=True) if rope is not None else o
 
 
 def write_ring(ring: torch.Tensor, kv: torch.Tensor, steps: StepTokens) -> None:

@@ -18,8 +18,10 @@ prefill (keys = this chunk) and a cached step (keys = window ring + chunk, entri
 
 `state=None` is a fresh prefill of a rectangular batch from position 0 with nothing cached. Otherwise x is
 the flattened tokens of a ragged `SeqBatch` ([1, N, d]) and `state` the layer's `LayerState` (views the
-runtime owns; see state.py). Projections, norms and rope run on all N tokens at once, and so does the
-rest, through `Ops` (Triton kernels on the GPU, `kernels.ref` elsewhere), for sequence i with `start` cached tokens:
+runtime owns; see state.py). Projections, norms and rope run on all N tokens at once (q_norm and kv_norm in one
+`ops.norm_ropes` call; the queries' norm and rope and the output's inverse rope inside `ops.sparse_attention`), and
+so does the rest, through `Ops` (Triton kernels on the GPU, `kernels.ref` elsewhere), for sequence i with `start`
+cached tokens:
 * compressor (and the indexer's, in the same call): `ops.compress` pools the open rows + the step's rows with the
   saved Ca half and writes the entries of the windows that close into the sequence's pages;
 * indexer: `ops.index_picks` scores each token against every key its sequence has emitted, top-k;
@@ -132,7 +134,9 @@ class Attention(nn.Module):
             xq, xkv = ops.linear(x, self.x_query_kv).split((self.wq_a.out_features, self.wkv.out_features), -1)
         else:
             xq, xkv = self.wq_a(x), self.wkv(x)
-        qr = ops.norm_rope(xq, None, None, self.q_norm.weight, self.q_norm.eps)
+        fp8_nope = state.fp8_nope if state is not None else 0                # the fp8 cache's values
+        qr, kv = ops.norm_ropes((xq, None, None, self.q_norm.weight, self.q_norm.eps),   # one launch; kv [B, S, D]
+                                (xkv, cos, sin, self.kv_norm.weight, self.kv_norm.eps, False, fp8_nope))
         if state is not None and self.indexer is not None and self.qr_queries is None:
             picks = self._start_picks(qr, ropes, state, batch, compressed)    # beside wq_b
         index_q = None                                                   # the indexer's wq_b(qr), where fused
@@ -141,15 +145,12 @@ class Attention(nn.Module):
                                                                 self.indexer.wq_b.out_features), -1)
         else:
             q = self.wq_b(qr)
-        q = ops.norm_rope(q.view(B, S, self.n_heads, self.head_dim), cos, sin, eps=self.eps)
-        fp8_nope = state.fp8_nope if state is not None else 0                # the fp8 cache's values
-        kv = ops.norm_rope(xkv, cos, sin, self.kv_norm.weight, self.kv_norm.eps, fp8_nope=fp8_nope)  # [B, S, D]
-
+        q = q.view(B, S, self.n_heads, self.head_dim)
         if state is None:
-            o = self._prefill(x, qr, q, kv, positions)
-        else:
+            q = ops.norm_rope(q, cos, sin, eps=self.eps)
+            o = ops.norm_rope(self._prefill(x, qr, q, kv, positions), cos, sin, inverse=True)
+        else:               # the attention launch normalises and rotates q, and rotates its output back
             o = self._cached(qr, q, kv, ropes, state, batch, index_q, compressed, picks)
-        o = ops.norm_rope(o, cos, sin, inverse=True)
         o = grouped_linear(o.reshape(B, S, self.groups, -1), self.wo_a, self.groups)
         return self.wo_b(o.flatten(2))
 
@@ -203,8 +204,9 @@ class Attention(nn.Module):
                 index_q: torch.Tensor | None = None, compressed: Pending | None = None,
                 picks: Pending | None = None) -> torch.Tensor:
         """Attention for every token of the step in one `ops.sparse_attention` over the rings, the step's rows and
-        the paged entries, once the compressors (and, where started, the picks) have joined; then the rings. Where
-        the indexer's query product came with wq_b's (index_q, `fuse_queries_`), its picks run here."""
+        the paged entries, once the compressors (and, where started, the picks) have joined; then the rings. q is
+        wq_b's product per head: the attention normalises and rotates it, and rotates its output back. Where the
+        indexer's query product came with wq_b's (index_q, `fuse_queries_`), its picks run here."""
         steps = batch.tokens
         entries = None
         if compressed is not None:
@@ -218,10 +220,12 @@ class Attention(nn.Module):
                 picks = self.ops.index_picks(iq[0], rows[4], state.indexer.entries, steps, ix.topk, 4, ix.scale,
                                              batch.key_bound(4), ix.head_scale, state.indexer.entry_scales)
         decode = batch.max_length == 1        # one token per sequence: the attention launch updates the rings
+        cos, sin = ropes.at(self.rope)
         o = self.ops.sparse_attention(q[0], kv[0], state.window, entries, picks, steps, self.ratio, self.attn_sink,
                                       self.head_dim ** -0.5, batch.key_bound(self.ratio) if self.ratio else None,
                                       update_ring=decode,
-                                      entry_nope=state.compressor.packed_nope if self.compressor is not None else 0)
+                                      entry_nope=state.compressor.packed_nope if self.compressor is not None else 0,
+                                      rope=(cos[0], sin[0]), q_eps=self.eps)
         if not decode:
             self.ops.write_ring(state.window, kv[0], steps)
         return o[None]
