@@ -12,7 +12,7 @@ caches filled to the context:
     indexer.index_picks      scores of every visible key, then the top-k (index_topk)
     attention.sparse_attention  window + picked entries, the ring written in the launch (and the split's combine),
                              the queries normalised and rotated and the output rotated back in it, as the model
-                             calls it (since round 53: those were two norm / rope launches around it)
+                             calls it
 
 Each case is timed whole and call by call (`common.Timer`: a CUDA graph of the calls over four input sets whose
 positions are four consecutive decode positions, so one in four closes a compressor window, as decoding does).
