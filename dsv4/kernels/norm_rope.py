@@ -183,7 +183,7 @@ def rows_per_program(rows: int, fp8_nope: int, sms: int) -> int:
 
 def _rows(x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, weight: torch.Tensor | None = None,
           eps: float | None = None, inverse: bool = False, fp8_nope: int = 0):
-    """-> (Rows, Shape, programs, warps, out) of one `norm_rope` call; out None: no rows."""
+    """-> (Rows, Shape, programs, warps, out) of one `norm_rope` call; programs 0 (Rows and Shape None): no rows."""
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"norm_rope needs an even last axis, got {tuple(x.shape)}")
