@@ -13,7 +13,7 @@ output with the default plan's.
 
 --rope times the default plan only, as the model calls it (`rope` and `q_eps`: the queries normalised and rotated
 and the output rotated back inside the launch) against the same launch without them, with one of the two, and
-with the norm / rope launches apart around a plain launch (three launches, what the model ran before round 53).
+with a norm / rope launch on each side of a plain launch (three launches).
 
 For each batch and layer kind (CSA: the window + 512 picks; HCA: the window + every entry, context / 128; SW: the
 window alone): random bf16 queries, rows, rings and entries over scrambled pages, the picks random visible entries;
@@ -63,7 +63,12 @@ def step_inputs(batch: int, context: int, ratio: int, H: int, D: int, W: int, to
                 ring=torch.randn(batch + 1, W, D, device=dev, generator=gen).bfloat16(),
                 entries=torch.randn(batch * per_seq, E, D, device=dev, generator=gen).bfloat16() if ratio else None,
                 picks=picks, steps=steps, sinks=torch.randn(H, device=dev, generator=gen),
-                rope=tuple(torch.rand(batch, 32, device=dev, generator=gen).mul(6).cos() for _ in range(2)))
+                rope=rope_tables(torch.rand(batch, 32, device=dev, generator=gen) * 6))
+
+
+def rope_tables(angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of each token's rope angles [tokens, 32] (V4's 64 rope channels)."""
+    return angle.cos(), angle.sin()
 
 
 def rope_variants(plan: AttentionPlan) -> dict:

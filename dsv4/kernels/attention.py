@@ -29,7 +29,7 @@ heads' queries (the unweighted RMS of each head) and rotates their trailing chan
 beside it, and the program that stores a head's output (the attention program without a split, the combine with
 one) rotates it back in registers (`norm_rope_rows`). The roundings are `kernels.norm_rope`'s. A wide plan (64 heads a
 program) leaves both to a norm / rope launch before and after it: there the values spill into the key loops. With
-PDL the attention and combine launches let the next one start first thing, as the norm / rope launch did: the
+PDL the attention and combine launches let the next one start first thing, as the norm / rope launch does: the
 GEMV after them (wo_a) waits for them before it reads anything.
 """
 
