@@ -1,6 +1,6 @@
 """Sampler: its rules against an independent float64 NumPy model of vLLM's and a brute-force integer one, the Triton
 kernel (under the interpreter) against the PyTorch reference (the same tokens on adversarial and random rows), the
-frequencies of the draw, and the draw's (seed, counter) key and hash. Statistics use fixed seeds and counters, so they
+frequencies of the draw, and the draw's (seed, counter) key, words and integer arithmetic against Python's. Statistics use fixed seeds and counters, so they
 are deterministic."""
 import dataclasses
 import math
@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.kernels import ref
-from dsv4.kernels.sampling import ROUNDS, sample_tokens
+from dsv4.kernels.sampling import CANDIDATES, sample_tokens
 from dsv4.runtime.params import SamplingParams
 from dsv4.runtime.sampler import (GOLDEN_GAMMA, SAMPLE_MASS_BITS, SamplingBatch, row_keys, sample, sample_reference,
                                   sampling_probs)
@@ -97,12 +97,17 @@ def test_tiny_top_p_keeps_the_top_token():
 
 
 # ------------------------------------------------------------------ the kernel == the reference; the kept sets
-def kernel_tokens(x, batch, chunks=None, rounds=ROUNDS):
+def kernel_tokens(x, batch, chunks=None, candidates=CANDIDATES):
     """The Triton kernels' tokens for a batch (under the interpreter on the CPU); chunks: programs a row's chunked
-    passes split into (by default the plan's, one here for most batches: the interpreter counts 4 SMs); rounds:
-    rejection passes over chunks before a row's own."""
+    passes split into (by default the plan's, one here for most batches: the interpreter counts 4 SMs); candidates:
+    draws a top-p row checks before finding its kept set."""
     return sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                         batch.seeds, batch.counters, chunks=chunks, rounds=rounds)
+                         batch.seeds, batch.counters, chunks=chunks, candidates=candidates)
+
+
+def reference_tokens(x, batch, candidates=CANDIDATES):
+    return ref.sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
+                             batch.seeds, batch.counters, candidates=candidates)
 
 
 def kept_mask(x, batch):
@@ -195,9 +200,8 @@ def test_random_rows_the_kernel_draws_the_references_tokens(vocab):
 
 
 def test_flat_and_peaked_rows_give_the_references_tokens():
-    """Rows where the first candidates are rejected again and again (many near-equal logits, a small kept set: the
-    bracket ends them), and peaked rows whose later blocks the first pass skips (a spike of +40 in the first block;
-    in the last block, where nothing is skipped before it)."""
+    """Rows whose draws fall in the dropped tail again and again (many near-equal logits, a small kept set: the
+    bracket finds the kept set), and peaked rows (a spike of +40 in the first block, in the last)."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(10, 5000, generator=g) * 1e-3
     x[3:6] = torch.linspace(0, 1, 5000)
@@ -209,13 +213,14 @@ def test_flat_and_peaked_rows_give_the_references_tokens():
     batch = build(params, range(100, 110), vocab_size=5000)
     want = sample_reference(x, batch).token_ids
     assert want[6:].tolist() == [10, 10, 4990, 4990]
-    for chunks, rounds in ((1, ROUNDS), (2, ROUNDS), (3, ROUNDS), (3, 0), (3, 1), (2, 6)):   # rejected rows end in
-        assert torch.equal(kernel_tokens(x, batch, chunks, rounds), want)          # chunked rounds, their own, both
+    for chunks, candidates in ((1, CANDIDATES), (2, CANDIDATES), (3, CANDIDATES), (3, 1), (2, 2), (1, 8)):
+        assert torch.equal(kernel_tokens(x, batch, chunks, candidates), reference_tokens(x, batch, candidates))
 
 
-def test_top_k_and_min_p_rows_past_the_chunked_rounds():
-    """Flat rows under top-k or min-p with top-p, which stay undone after the chunked rounds and make passes of their
-    own: the reference's tokens, with top-k's radix passes counting key by key and by histogram (counted_keys 0)."""
+def test_top_k_and_min_p_rows_whose_draws_are_all_dropped():
+    """Flat rows under top-k or min-p with top-p, most of whose draws top-p drops, so that they find their kept sets
+    in their own programs: the reference's tokens, with top-k's radix passes counting key by key and by histogram
+    (counted_keys 0)."""
     g = torch.Generator().manual_seed(17)
     x = torch.randn(12, 5000, generator=g) * 1e-3
     x[:, 7] = float("-inf")
@@ -223,62 +228,50 @@ def test_top_k_and_min_p_rows_past_the_chunked_rounds():
               + [SamplingParams(min_p=m, top_p=p) for m in (0.9995, 0.998) for p in (0.9, 0.3)]
               + [SamplingParams(top_k=40, min_p=0.999, top_p=0.5), SamplingParams(top_k=40)])
     batch = build(params, range(200, 212), vocab_size=5000)
-    want = sample_reference(x, batch).token_ids
-    for chunks, rounds, counted_keys in ((1, 1, 0), (3, 1, 5000), (3, ROUNDS, 0), (3, ROUNDS, 5000)):
+    for chunks, candidates, counted_keys in ((1, 1, 0), (3, 1, 5000), (3, CANDIDATES, 0), (3, CANDIDATES, 5000)):
         got = sample_tokens(x, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                            batch.seeds, batch.counters, chunks=chunks, rounds=rounds, counted_keys=counted_keys)
-        assert torch.equal(got, want), (chunks, rounds, counted_keys)
+                            batch.seeds, batch.counters, chunks=chunks, candidates=candidates,
+                            counted_keys=counted_keys)
+        assert torch.equal(got, reference_tokens(x, batch, candidates)), (chunks, candidates, counted_keys)
 
 
-def test_a_refused_winner_gives_way_to_the_runner_up():
-    """Rows whose Gumbel winner w (score 20) the filters refuse and whose runner-up r (score 19) they keep, beside a
-    kept decoy d (score 18.5) that a wrong runner-up would draw: r in w's lane (d in the next lane), r in the next
-    lane (d in w's lane), r in the last chunk (d in w's chunk); and rows whose runner-up is refused too, so that a
-    search finds the third token t (score 18) above the decoy (17.5). Scores are set through the logits, x = score -
-    the row's noise g (every other token scores 0); the kept tokens' noise is at least 5 below w's and within 1.5 of
-    each other, so their logits end near each other and far above w's. The reference's tokens are r and t; the
-    kernel's equal them over 1-3 chunks and 0-3 chunked rounds (chunks: [0, 5000); [0, 4096) and [4096, 5000);
-    three of at most 2048)."""
+def test_a_dropped_draw_gives_way_to_the_next_and_the_last_to_the_kept_set():
+    """A row of 5000 tokens: 4 heavy ones (the kept set under top-p 0.5) and a tail of equal light ones weighing
+    about as much as the heavy ones together, so that a draw lands in the tail about half of the time. Over many
+    counters the reference takes its first kept draw (the draws found here from the words with Python's integers),
+    rows whose first, second, ... draw is the first kept one all occur, and so do rows whose draws all land in the
+    tail (then the token is a heavy one); the kernel draws the reference's tokens over 1-3 chunks."""
     V = 5000
-    filters = [SamplingParams(top_p=0.98), SamplingParams(top_k=2), SamplingParams(min_p=0.05),
-               SamplingParams(top_k=3, top_p=0.9)]
-    lane = lambda w: [w ^ 2048]                                             # noqa: E731
-    next_lane = lambda w: [w + 1, w - 1, w + 2, w - 2]                      # noqa: E731
-    places = {"w's lane": (lane, next_lane), "the next lane": (next_lane, lane),
-              "the last chunk": (lambda w: range(4096, V), lambda w: range(0, 4096)),
-              "refused too": (lambda w: range(4096, V), lambda w: range(0, 4096))}
-    rows, params, counters, want = [], [], [], []
-    for place, (r_near, d_near) in places.items():
-        for counter in range(100):
-            g = ref.gumbel(row_keys(torch.tensor([0]), torch.tensor([counter])), V)[0]
-            w = int(g[:4096].argmax())
-            low = [i for i in range(V) if g[i] < g[w] - 5]
-            r = next((i for i in r_near(w) if i in low), None)
-            d = next((i for i in d_near(w) if i in low and i != r and abs(float(g[i] - g[r])) < 1.5), None) \
-                if r is not None else None
-            if d is None:
-                continue
-            x = -g.clone()
-            x[w] = 20.0 - g[w]
-            if place == "refused too":           # the runner-up: the second-largest noise, a low logit
-                t, r = r, int(g.argsort(descending=True)[1])
-                x[r], x[t], x[d] = 19.0 - g[r], 18.0 - g[t], 17.5 - g[d]
-            else:
-                t = None
-                x[r], x[d] = 19.0 - g[r], 18.5 - g[d]
-            for f in filters:
-                rows.append(x)
-                params.append(f)
-                counters.append(counter)
-                want.append(r if t is None else t)
-            break
+    x = torch.zeros(V)
+    heavy = [17, 2100, 2101, 4999]
+    x[heavy] = math.log(V / 4)
+    rows = 160
+    batch = build([SamplingParams(top_p=0.5)] * rows, range(rows), vocab_size=V)
+    xs = x.expand(rows, -1).contiguous()
+    masses = ref.sample_masses(xs, batch.inv_temperature, torch.ones(rows, V, dtype=torch.bool))
+    words = ref.draw_words(row_keys(batch.seeds, batch.counters), CANDIDATES)
+    want = reference_tokens(xs, batch)
+    firsts = []
+    for i in range(rows):
+        m = masses[i].tolist()
+        total = sum(m)
+        draws = []
+        for r in range(CANDIDATES):
+            u = ((int(words[i, r]) & MASK64) * total) >> 64
+            running, t = 0, 0
+            while running + m[t] <= u:
+                running += m[t]
+                t += 1
+            draws.append(t)
+        kept = [r for r, t in enumerate(draws) if t in heavy]
+        firsts.append(kept[0] if kept else CANDIDATES)
+        if kept:
+            assert want[i].item() == draws[kept[0]]
         else:
-            raise AssertionError(f"no row with the runner-up in {place}")
-    x = torch.stack(rows)
-    batch = build(params, counters, vocab_size=V)
-    assert sample_reference(x, batch).token_ids.tolist() == want
-    for chunks, rounds in ((1, ROUNDS), (2, ROUNDS), (3, ROUNDS), (3, 0), (2, 1)):
-        assert torch.equal(kernel_tokens(x, batch, chunks, rounds), torch.tensor(want)), (chunks, rounds)
+            assert want[i].item() in heavy
+    assert set(firsts) == set(range(CANDIDATES + 1)), sorted(firsts)
+    for chunks in (1, 2, 3):
+        assert torch.equal(kernel_tokens(xs, batch, chunks), want)
 
 
 def test_chunks_combine_to_the_lowest_id_of_equal_maxima():
@@ -359,28 +352,38 @@ def splitmix64(seed: int, counter: int) -> int:
     return z - (1 << 64) if z >= 1 << 63 else z
 
 
-def lowbias32(h: int) -> int:
-    h ^= h >> 16
-    h = (h * 0x7FEB352D) & 0xFFFFFFFF
-    h ^= h >> 15
-    h = (h * 0x846CA68B) & 0xFFFFFFFF
-    return h ^ (h >> 16)
-
-
-def test_row_keys_are_splitmix64_and_the_noise_is_their_hash():
+def test_row_keys_and_words_are_splitmix64():
     seeds = [0, 1, -1, 42, 2**63 - 1, -2**63, 123456789123]
     counters = [0, 1, 2, 7, 10**6, 2**40]
     s, c = torch.tensor([a for a in seeds for _ in counters]), torch.tensor(counters * len(seeds))
     keys = row_keys(s, c)
     assert keys.tolist() == [splitmix64(a, b) for a in seeds for b in counters]
-    g = ref.gumbel(keys, 300)
+    words = ref.draw_words(keys, 5)
     for row in (0, 5, 17, 41):
         key = keys[row].item() & MASK64
-        for tok in (0, 1, 299):
-            h = lowbias32(lowbias32((tok + (key & 0xFFFFFFFF)) & 0xFFFFFFFF) ^ (key >> 32))
-            u = ((h >> 8) + 0.5) / 2.0**24
-            assert g[row, tok].item() == pytest.approx(-math.log(-math.log(u)), rel=1e-6)
-    assert -2.86 < g.min() and g.max() < 17.33
+        for r in range(5):      # the stream continues: mix(key + (r + 1) gamma)
+            z = (key + (r + 1) * (GOLDEN_GAMMA & MASK64)) & MASK64
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+            assert words[row, r].item() & MASK64 == z ^ (z >> 31)
+
+
+def test_the_drawn_integer_and_token_are_pythons():
+    """mulhi64 against Python's integers at the edges of its range, and draw_by_mass against a loop."""
+    g = torch.Generator().manual_seed(4)
+    w = [0, 1, 2**32 - 1, 2**32, 2**63, 2**64 - 1] + torch.randint(0, 2**62, (40,), generator=g).tolist()
+    t = [1, 2, 2**32 - 1, 2**32 + 1, 2**40, 2**57 + 12345, 2**62 - 1] + \
+        torch.randint(1, 2**61, (40,), generator=g).tolist()
+    words = torch.tensor([a - (1 << 64) if a >= 1 << 63 else a for a in w for _ in t])
+    totals = torch.tensor([b for _ in w for b in t])
+    assert ref.mulhi64(words, totals).tolist() == [(a * b) >> 64 for a in w for b in t]
+    masses = torch.tensor([[0, 3, 0, 5, 1], [7, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
+    words = torch.tensor([[0, -1, 1 << 62], [0, -1, 1 << 62], [0, -1, 5]])
+    drawn = ref.draw_by_mass(masses, words)
+    for row, (m, ws) in enumerate(zip(masses.tolist(), words.tolist())):
+        for col, word in enumerate(ws):
+            u = ((word & MASK64) * sum(m)) >> 64
+            assert drawn[row, col].item() == next((i for i in range(5) if sum(m[:i + 1]) > u), 5)
 
 
 def test_seed_gives_the_same_tokens_in_any_batch():

@@ -4,7 +4,7 @@
 `runtime.sampler.sample_reference` (PyTorch: the kept set found by sorting each row) at V4's vocabulary; issue 39's
 target is <= 50 us a step at batch 64.
 
-    python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--passes 5,8] [--out DIR]
+    python bench/lab/sampler.py [--batches 1,8,64,256] [--vocab 129280] [--rounds 3] [--candidates 2,8] [--out DIR]
     python bench/lab/sampler.py --toy                                                             # CPU dry run
     python bench/lab/sampler.py --logits equal --batches 64         # every logit equal: top-k's worst case
     python bench/lab/sampler.py --batches 64 --profile                  # + each launch's time (torch.profiler)
@@ -17,9 +17,9 @@ bit, which can move a token only at a near-tie (expect 0 rows in thousands); mor
 On CUDA the calls are captured in one CUDA graph (`common.Timer`), which also checks that they can be; a capture
 that fails is reported and the calls are then timed without a graph. Mixes: "plain" (temperature 1, no filter),
 "top-p 0.95", "top-k 50, top-p 0.95" (temperature 0.8), and "mixed, all filters" (rows with and without seeds,
-greedy and filtered, built with all_filters=True: the batch a CUDA graph of the decode step holds). `--passes`
-also times the kernel with other counts of rejection passes over chunks (`kernels.sampling.sample_tokens(rounds=)`,
-default `sampling.ROUNDS`) as "kernel, N passes", their tokens checked against the reference's too. `--profile` (CUDA)
+greedy and filtered, built with all_filters=True: the batch a CUDA graph of the decode step holds). `--candidates`
+also times the kernel with other counts of draws a top-p row checks (`kernels.sampling.sample_tokens(candidates=)`,
+default `sampling.CANDIDATES`) as "kernel, N candidates", their tokens checked against the reference's with as many. `--profile` (CUDA)
 also runs the kernel sampler 16 times, eagerly, under torch.profiler and prints each of a call's launches in order
 with its mean time (the JSON row's "launches").
 """
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
 from common import Timer, lab_parser  # noqa: E402
 
-from dsv4.kernels import sampling  # noqa: E402
+from dsv4.kernels import ref, sampling  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
 from dsv4.runtime.sampler import SamplerOutput, SamplingBatch, sample, sample_reference  # noqa: E402
 
@@ -61,7 +61,7 @@ def main():
     ap = lab_parser("CPU dry run at a small vocabulary (checks the script)")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--passes", default="", help="other counts of chunked rejection passes to time, e.g. 5,8")
+    ap.add_argument("--candidates", default="", help="other counts of draws a top-p row checks, to time, e.g. 2,8")
     ap.add_argument("--logits", choices=("normal", "equal"), default="normal", help="N(0, 3^2) logits, or all 0")
     ap.add_argument("--profile", action="store_true", help="each launch's mean time under torch.profiler (CUDA)")
     args = ap.parse_args()
@@ -80,10 +80,11 @@ def main():
         for name, (params, all_filters) in mixes(b).items():
             batch = SamplingBatch.build(params, range(b), args.vocab, dev, unseeded_seed=7, all_filters=all_filters)
             samplers = dict(SAMPLERS)
-            for n in map(int, filter(None, args.passes.split(","))) if dev.type == "cuda" else ():
-                samplers[f"kernel, {n} passes"] = lambda x, batch, n=n: _kernel_draw(x, batch, n)
-            expected = sample_reference(logits[0], batch).token_ids
-            differ = {sampler_name: int((fn(logits[0], batch).token_ids != expected).sum())
+            expected = {"kernel": sample_reference(logits[0], batch).token_ids}
+            for n in map(int, filter(None, args.candidates.split(","))) if dev.type == "cuda" else ():
+                samplers[f"kernel, {n} candidates"] = lambda x, batch, n=n: _kernel_draw(x, batch, n)
+                expected[f"kernel, {n} candidates"] = _reference_draw(logits[0], batch, n)
+            differ = {sampler_name: int((fn(logits[0], batch).token_ids != expected[sampler_name]).sum())
                       for sampler_name, fn in samplers.items() if sampler_name != "reference"}
             row = dict(mix=name, B=b, V=args.vocab, logits=args.logits, rows_differ=max(differ.values()),
                        rows_differ_by=differ, graph=dev.type == "cuda")
@@ -139,11 +140,17 @@ def launch_profile(fn, logits: list[torch.Tensor], calls: int = 16) -> list[tupl
             for i in range(per_call)]
 
 
-def _kernel_draw(logits, batch, passes: int):
-    """`sample`'s kernel path with `passes` rejection passes over chunks (no logprobs: the lab asks for none)."""
+def _kernel_draw(logits, batch, candidates: int):
+    """`sample`'s kernel path with `candidates` draws checked a top-p row (no logprobs: the lab asks for none)."""
     return SamplerOutput(sampling.sample_tokens(logits, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k,
-                                                batch.drop_share, batch.seeds, batch.counters, rounds=passes),
+                                                batch.drop_share, batch.seeds, batch.counters, candidates=candidates),
                          None, None, None)
+
+
+def _reference_draw(logits, batch, candidates: int):
+    """The reference's tokens with `candidates` draws checked a top-p row."""
+    return ref.sample_tokens(logits, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
+                             batch.seeds, batch.counters, candidates=candidates)
 
 
 if __name__ == "__main__":

@@ -162,30 +162,32 @@ def loop_counts(cubin: bytes):
     return ops, sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL"))), regs[0] if regs else "?"
 
 
-SAMPLER_TYPES = dict(logits="*fp32", stat_x="*fp32", stat_i="*i32", hist="*i32", state="*i64", mass="*i64",
-                     out="*i64", P=sampling.Rows("*fp32", "*i1", "*fp32", "*i64", "*fp64", "*i64", "*i64"))
+SAMPLER_TYPES = dict(logits="*fp32", stat_x="*fp32", stat_i="*i32", hist="*i32", state="*i64", sums="*i64",
+                     cand="*i32", over="*i64", cnt="*i32", out="*i64",
+                     P=sampling.Rows("*fp32", "*i1", "*fp32", "*i64", "*fp64", "*i64", "*i64"))
+_DRAWS = dict(D=sampling.CANDIDATES, NS_PAD=256, CHUNKS_PAD=16, SUB=sampling.SUB)
 SAMPLER_CASES = [   # (what, kernel, filters (min-p, top-k, top-p), its constexprs besides F and BLOCK)
-    ("first pass, top-p", "_chunk_kernel", (False, False, True), dict(SLOTS=9, RUNNER_UP=True)),
-    ("first pass, every filter", "_chunk_kernel", (True, True, True), dict(SLOTS=9, RUNNER_UP=True)),
-    ("round 0, top-p (a check)", "_pass_kernel", (False, False, True), dict(ROUND=0)),
-    ("round 1, top-p (a search)", "_pass_kernel", (False, False, True), dict(ROUND=1)),
-    ("round 0, every filter (check; search)", "_pass_kernel", (True, True, True), dict(ROUND=0)),
-    ("radix pass 2 (counted; votes)", "_radix_kernel", None, dict(PASS=2, COUNTED_KEYS=sampling.COUNTED_KEYS)),
+    ("max pass", "_max_kernel", (False, False, False), {}),
+    ("max pass, every filter", "_max_kernel", (True, True, True), {}),
+    ("mass pass, top-p (the pass; the draws)", "_mass_kernel", (False, False, True), _DRAWS),
+    ("mass pass, every filter", "_mass_kernel", (True, True, True), _DRAWS),
+    ("check, top-p (the pass; the bracket; its draw)", "_check_kernel", (False, False, True),
+     dict(_DRAWS, CHECK_BLOCK=sampling.CHECK_BLOCK, MAX_PASSES=sampling.MAX_PASSES)),
+    ("check, every filter", "_check_kernel", (True, True, True),
+     dict(_DRAWS, CHECK_BLOCK=sampling.CHECK_BLOCK, MAX_PASSES=sampling.MAX_PASSES)),
+    ("radix pass 2 (counted; votes)", "_radix_kernel", None, dict(PASS=2, COUNTED_KEYS=sampling.COUNTED_KEYS,
+                                                                  CHUNKS_PAD=16)),
 ]
 
 
 def sampler_counts() -> None:
     """The SASS instructions a logit of each loop of the sampler's passes (`kernels/sampling.py`: BLOCK logits an
-    iteration on 8 warps), as the docs quote them."""
+    iteration on 8 warps; the check's first loop CHECK_BLOCK), as the docs quote them."""
     for what, name, filters, consts in SAMPLER_CASES:
         fn = getattr(sampling, name)
-        consts = dict(consts, BLOCK=sampling.BLOCK)
+        consts = {n: v for n, v in dict(consts, BLOCK=sampling.BLOCK).items() if n in fn.arg_names}
         if filters is not None:
             consts["F"] = sampling.Filters(*filters)
-        if name == "_pass_kernel":
-            consts.update(ROUNDS=sampling.ROUNDS, SLOTS=3 + 2 * sampling.ROUNDS, CHUNKS_PAD=4, G_SPAN=sampling.G_SPAN)
-        if name == "_radix_kernel":
-            consts["CHUNKS_PAD"] = 4
         sig = {n: "constexpr" if n in consts else SAMPLER_TYPES.get(n, "i32") for n in fn.arg_names}
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ins, usage = dump(k.asm["cubin"])
@@ -193,8 +195,9 @@ def sampler_counts() -> None:
                  if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
         per_logit = sampling.BLOCK / (8 * 32)
         regs = re.findall(r"REG:(\d+)", usage)
+        spills = sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL")))
         print(f"{what}: instructions a logit in its loops {[round(n / per_logit, 1) for n in loops]}; registers "
-              f"{regs[0] if regs else '?'}")
+              f"{regs[0] if regs else '?'}; spill instructions {spills}")
 
 
 def main():

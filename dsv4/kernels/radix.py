@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 
-def chunks_for(rows: int, width: int, block: int, sms: int) -> int:
-    """Chunks each row's passes split into: enough (row, chunk) programs for two a streaming multiprocessor, each
-    chunk at least one block of the row."""
-    return max(1, min(triton.cdiv(width, block), triton.cdiv(2 * sms, rows)))
+def chunks_for(rows: int, width: int, block: int, sms: int, per_sm: int = 2) -> int:
+    """Chunks each row's passes split into: enough (row, chunk) programs for `per_sm` a streaming multiprocessor,
+    each chunk at least one block of the row."""
+    return max(1, min(triton.cdiv(width, block), triton.cdiv(per_sm * sms, rows)))
 
 
 @triton.jit

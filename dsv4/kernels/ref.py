@@ -566,8 +566,8 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
 
 
 # ------------------------------------------------------------------ token sampling (kernels/sampling.py)
-SAMPLE_MASS_BITS = 40        # top-p masses are integers: ceil(exp(x - max x) * 2^SAMPLE_MASS_BITS)
-LOWBIAS32 = (0x7FEB352D, 0x846CA68B)   # the multipliers of Wellons' lowbias32 integer hash
+SAMPLE_MASS_BITS = 40        # a token's mass: the integer ceil(exp(x - max x) * 2^SAMPLE_MASS_BITS)
+SAMPLE_CANDIDATES = 4        # draws over what min-p and top-k allow before a top-p row draws from its kept set
 SPLITMIX64 = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)   # splitmix64's increment and mixers
 _U32 = 0xFFFFFFFF
 
@@ -580,8 +580,8 @@ GOLDEN_GAMMA, _MIX_1, _MIX_2 = map(_as_int64, SPLITMIX64)
 
 
 def row_keys(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """int64 per (seed, counter) pair, the key of a row's Gumbel noise: splitmix64's output for the counter-th step of
-    the stream that starts at mix(seed)."""
+    """int64 per (seed, counter) pair, the key of a row's draws: splitmix64's output for the counter-th step of the
+    stream that starts at mix(seed)."""
     return _mix64(_mix64(seeds) + counters * GOLDEN_GAMMA)
 
 
@@ -592,23 +592,41 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
     return z ^ ((z >> 31) & ((1 << 33) - 1))
 
 
-def _lowbias32(h: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on uint32 values held in int64 (products wrap; the low 32 bits are kept)."""
-    h = h ^ (h >> 16)
-    h = (h * LOWBIAS32[0]) & _U32
-    h = h ^ (h >> 15)
-    h = (h * LOWBIAS32[1]) & _U32
-    return h ^ (h >> 16)
+def draw_words(row_keys: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [B, n]: a row's random 64-bit words (bit patterns), word r = mix(row key + (r + 1) * golden gamma), the
+    splitmix64 stream that continues from the row key."""
+    r = torch.arange(1, n + 1, dtype=torch.int64, device=row_keys.device)
+    return _mix64(row_keys[:, None] + r[None] * GOLDEN_GAMMA)
 
 
-def gumbel(row_keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """fp32 [B, vocab] Gumbel noise: g = -log(-log(u)), u = (hash(row key, token id) >> 8 + 1/2) 2^-24 in (0, 1),
-    the hash two rounds of lowbias32 keyed by the 64-bit row key's low and high halves. g lies in [-2.86, 17.33]."""
-    ids = torch.arange(vocab, dtype=torch.int64, device=row_keys.device)[None]
-    low, high = (row_keys & _U32)[:, None], ((row_keys >> 32) & _U32)[:, None]
-    h = _lowbias32(_lowbias32((ids + low) & _U32) ^ high)
-    u = ((h >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(-torch.log(u))
+def mulhi64(word: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """floor(word * total / 2^64) for 64-bit words (int64 bit patterns) and 0 <= total < 2^62: a uniform integer in
+    [0, total) for a uniform word, each value drawn by floor or ceil of 2^64 / total words. By 32-bit halves; the
+    products of two halves wrap to int64 and keep their bits."""
+    w0, w1 = word & _U32, (word >> 32) & _U32
+    t0, t1 = total & _U32, total >> 32
+    low = w0 * t0
+    mid_a = w1 * t0
+    mid_b = w0 * t1
+    carry = ((low >> 32) & _U32) + (mid_a & _U32) + (mid_b & _U32)
+    return w1 * t1 + ((mid_a >> 32) & _U32) + (mid_b >> 32) + (carry >> 32)
+
+
+def sample_masses(logits: torch.Tensor, inv_temperature: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """int64 [B, V]: the kept tokens' masses ceil(exp(x - max x) 2^SAMPLE_MASS_BITS), x = logits * inv_temperature; 0
+    for the others and for -inf logits (a row of only -inf weighs nothing)."""
+    x = logits * inv_temperature[:, None]
+    e = torch.exp(x - x.amax(dim=-1, keepdim=True))
+    return torch.where(kept & (x > float("-inf")), torch.ceil(e * 2.0**SAMPLE_MASS_BITS), 0.0).long()
+
+
+def draw_by_mass(masses: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """int64 [B, n]: for each word, the token whose mass holds mulhi64(word, T) on the row's masses laid end to end in
+    token order (T their sum): the first token whose running sum exceeds it, which is token i with probability
+    masses_i / T; V where T is 0."""
+    running = masses.cumsum(dim=-1)
+    u = mulhi64(words, running[:, -1:].expand_as(words))
+    return torch.searchsorted(running, u, right=True)
 
 
 def sample_kept(logits: torch.Tensor, inv_temperature: torch.Tensor, min_p: torch.Tensor | None,
@@ -640,12 +658,22 @@ def sample_kept(logits: torch.Tensor, inv_temperature: torch.Tensor, min_p: torc
 
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
-                  seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """One token per row of fp32 logits [B, V] -> int64 [B]: greedy rows argmax(logits), the others the Gumbel-max
-    argmax(x + gumbel(row_keys(seeds, counters))) over `sample_kept`'s tokens; ties to the lowest id. Per row:
-    inv_temperature fp32, greedy bool, min_p fp32, top_k int64 (>= V: off), drop_share fp64 (1 - top_p), seeds and
-    counters int64; a filter's tensor may be None when no row uses it."""
-    x = logits * inv_temperature[:, None]
+                  seeds: torch.Tensor, counters: torch.Tensor, candidates: int = SAMPLE_CANDIDATES) -> torch.Tensor:
+    """One token per row of fp32 logits [B, V] -> int64 [B]: greedy rows argmax(logits) (ties to the lowest id); the
+    others draw by mass (`draw_by_mass`) with the words of `draw_words(row_keys(seeds, counters))`. Word r < candidates
+    draws over the tokens min-p and top-k allow, and the first of these draws that `sample_kept` keeps is the token (a
+    rejection sampler: exact for the kept set); where none is kept, word `candidates` draws over the kept tokens. A
+    row of only -inf draws token 0. Per row: inv_temperature fp32, greedy bool, min_p fp32, top_k int64 (>= V: off),
+    drop_share fp64 (1 - top_p), seeds and counters int64; a filter's tensor may be None when no row uses it."""
+    V = logits.shape[-1]
+    allowed = sample_kept(logits, inv_temperature, min_p, top_k, None)
     kept = sample_kept(logits, inv_temperature, min_p, top_k, drop_share)
-    score = torch.where(kept, x + gumbel(row_keys(seeds, counters), logits.shape[-1]), float("-inf"))
-    return torch.where(greedy, logits.argmax(dim=-1), score.argmax(dim=-1))
+    words = draw_words(row_keys(seeds, counters), candidates + 1)
+    drawn = draw_by_mass(sample_masses(logits, inv_temperature, allowed), words[:, :candidates])
+    ok = kept.gather(1, drawn.clamp(max=V - 1)) & (drawn < V)
+    first = torch.where(ok, torch.arange(candidates, device=ok.device), candidates).amin(dim=-1, keepdim=True)
+    token = drawn.gather(1, first.clamp(max=candidates - 1))[:, 0]
+    last = draw_by_mass(sample_masses(logits, inv_temperature, kept), words[:, candidates:])[:, 0]
+    token = torch.where(first[:, 0] < candidates, token, last)
+    token = torch.where(token < V, token, 0)
+    return torch.where(greedy, logits.argmax(dim=-1), token)

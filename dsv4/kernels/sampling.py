@@ -1,36 +1,32 @@
-"""One token per row of a batch of logits (`ref.sample_tokens`'s contract): passes over chunks of every row, then
-one program per row; two launches without filters, up to eight with every filter.
+"""One token per row of a batch of logits (`ref.sample_tokens`'s contract): passes over chunks of every row; two
+launches without filters, three with top-p, six with every filter.
 
 The rules (`ref.sample_kept`): with x = logits * inv_temperature, a row may draw the tokens that pass min-p
 (exp(x - max x) >= min_p), top-k (x >= the top_k-th largest x, ties kept) and top-p (with integer masses
 m = ceil(exp(x - max x) 2^SAMPLE_MASS_BITS) on what is left and T their sum, a token stays iff the tokens with a
 larger x weigh less than T - floor(T * drop_share), drop_share = 1 - top_p). Each filter keeps an upper set of x,
-and so do all three. The token is the Gumbel-max over that set, argmax(x + g) with `ref.gumbel`'s noise g of (row
-key, token id), which draws from softmax(x) restricted to the set; greedy rows take argmax(logits). Ties go to the
-lowest id.
+and so do all three. The draw (`ref.draw_by_mass`) lays the masses end to end in token order and takes the token
+that holds a uniform integer in [0, T): a 64-bit word of the row's key times T, the top 64 bits of the product.
+Integer sums do not depend on their order, so the chunks' programs, the reference and any GPU draw the same token
+(up to the last bit of exp). Greedy rows take argmax(logits), ties to the lowest id.
 
-Passes over a row run in blocks of BLOCK logits; each lane keeps its own sums and maxima, reduced after the pass.
-1. `_chunk_kernel`, one program per (row, chunk of whole blocks; `plan_chunks`): argmax of the logits, max x, and
-   the Gumbel winner over every token, the first candidate; with a filter also the runner-up (the winner over every
-   token but the winner); a top-k row also histograms the top byte of the ordered keys of x. `_sample_kernel` (one
-   program per row) combines the chunks; a greedy row stops here.
-2. A top-k row: three more passes over chunks (`_radix_kernel`) finish the radix select of the top_k-th largest key
+Every pass runs one program per (row, chunk of whole blocks; `plan_chunks`: enough programs to keep the loads in
+flight); the last program of a row to finish a pass (a per-row counter, release / acquire) does the row's work
+that needs the whole row.
+1. `_max_kernel`: the largest logit and its lowest id; a top-k row also histograms the top byte of the ordered keys
+   of x.
+2. A top-k row: three more passes (`_radix_kernel`) finish the radix select of the top_k-th largest key
    (`radix.radix_state`: each program redoes the bytes so far from the summed histograms).
-3. Rejection (FlashInfer's sampling design): a candidate in the kept set is the answer, because the winner over a
-   set that holds the kept set is, when it lies in the kept set, the winner over the kept set. A rejected candidate
-   takes every token with an x at most its own out (the kept set is an upper set), and the next candidate is the
-   winner over the tokens above it. The runner-up stands in for a winner that min-p or top-k refuses, and without
-   top-p a candidate that passes them is the answer. With top-p the first pass is a check: it sums T and the masses
-   above the candidate and above the runner-up, and takes the first of them that is kept (the top-p share keeps
-   the winner with probability about top_p, and one of the two with about 1 - (1 - top_p)^2). A search pass after
-   it sums T and the candidate's mass above it, finds the next candidate, and weighs three pivot keys between lo
-   (nothing at or below it can be drawn) and hi (everything above it is kept): the bracket narrows fourfold a pass,
-   so a row ends within about 18 passes whatever its logits, and a candidate above hi is taken without a pass. No
-   token with x <= max x - G_SPAN can win (g lies in [-2.86, 17.33]), which is where lo starts. The first ROUNDS
-   passes run over chunks (`_pass_kernel`: every program replays the rounds before from their integer sums and
-   lowest-id maxima, which combine exactly); a row not done after them makes its own passes in `_sample_kernel`.
-A row reads its logits once without filters, twice with top-p (the check nearly always ends it), four or five times
-with top-k. A check pass costs about a quarter of a search pass's instructions a logit (no noise, no pivots).
+3. `_mass_kernel`: the masses of the tokens min-p and top-k allow, summed per SUB tokens. The row's last program
+   makes its draws (`CANDIDATES` with top-p, else one): a draw finds its SUB tokens from the running sums and its
+   token from the running masses of those, recomputed. Without top-p the first draw is the token.
+4. With top-p, a rejection sampler (FlashInfer's design), `_check_kernel`: the masses above each draw; the row's
+   last program takes the first draw the top-p rule keeps. A draw over a set that holds the kept set, taken when
+   it lies in the kept set, draws from the kept set; a row keeps one of four draws unless all four fall in the
+   dropped tail (about (1 - top_p)^4 of the rows). Such a row's last program finds the kept set itself: a bracket
+   (lo, hi) of keys, nothing kept at or below lo and everything above hi kept, narrowed fourfold a pass over the row
+   by three pivots until no allowed token lies inside it (at most 16 passes), then one more draw over the kept
+   tokens' masses.
 Nothing is read back to the host; the launches are the same for any rows, as a CUDA graph needs.
 """
 
@@ -44,18 +40,15 @@ import triton.language as tl
 
 from .host import num_sms
 from .radix import byte_of, chunks_for, clear_hists, count_bytes, pass_prefix, radix_state, shares_prefix, store_hist
-from .ref import LOWBIAS32, SAMPLE_MASS_BITS, SPLITMIX64
+from .ref import SAMPLE_CANDIDATES, SAMPLE_MASS_BITS, SPLITMIX64
 
 BLOCK = 2048                  # logits per iteration of a pass
-G_SPAN = 21.0                 # x + g of a token with x <= max x - G_SPAN is below the top token's: it never wins
-MAX_PASSES = 48               # rejection passes: a safety bound, above the ~18 the bracket needs
+SUB = 512                     # tokens per mass sum a draw searches (BLOCK is a multiple)
+CHECK_BLOCK = 1024            # logits per iteration of the check pass: its per-draw sums fit in registers
+CANDIDATES = SAMPLE_CANDIDATES   # draws over the allowed tokens a top-p row checks before drawing from its kept set
+MAX_PASSES = 20               # a row's own bracket passes: a safety bound above the 16 that narrow 2^32 keys to one
 COUNTED_KEYS = 16384          # a radix pass counts key by key up to this many keys of a row sharing the bytes so far
                               # (docs/tuning.md#sampler-rounds)
-ROUNDS = 3                    # rejection passes run over chunks before a row's own: a rejected candidate's successor
-                              # is nearly always kept, and a step waits for its slowest row
-                              # (docs/tuning.md#sampler-rounds)
-_HASH_1 = tl.constexpr(LOWBIAS32[0])
-_HASH_2 = tl.constexpr(LOWBIAS32[1])
 _MASS_SCALE = tl.constexpr(2.0**SAMPLE_MASS_BITS)
 _GOLDEN = tl.constexpr(SPLITMIX64[0])
 _MIX_1 = tl.constexpr(SPLITMIX64[1])
@@ -63,27 +56,17 @@ _MIX_2 = tl.constexpr(SPLITMIX64[2])
 
 
 @triton.jit
-def _lowbias32(h):
-    h = h ^ (h >> 16)
-    h = h * tl.full([], _HASH_1, tl.uint32)
-    h = h ^ (h >> 15)
-    h = h * tl.full([], _HASH_2, tl.uint32)
-    return h ^ (h >> 16)
-
-
-@triton.jit
-def _gumbel(j, low, high):
-    """`ref.gumbel` at token ids j (int32) of the row whose key halves are low, high (uint32)."""
-    h = _lowbias32(_lowbias32(j.to(tl.uint32) + low) ^ high)
-    u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
-    return -tl.log(-tl.log(u))
-
-
-@triton.jit
 def _key(x):
     """fp32 -> int64 keys in [0, 2^32) ordered as the values (-0.0 and 0.0 equal)."""
     u = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return tl.where(u < 0, u ^ 0x7FFFFFFF, u).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _key32(x):
+    """fp32 -> int32 keys ordered as the values (-0.0 and 0.0 equal): `_key` less 2^31."""
+    u = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return tl.where(u < 0, u ^ 0x7FFFFFFF, u)
 
 
 @triton.jit
@@ -96,10 +79,29 @@ def _mix64(z):
 
 @triton.jit
 def _row_key(seed, counter):
-    """`ref.row_keys` of one row -> its low and high halves (uint32)."""
-    z = _mix64(_mix64(seed.to(tl.uint64, bitcast=True))
-               + counter.to(tl.uint64, bitcast=True) * tl.full([], _GOLDEN, tl.uint64))
-    return (z & 0xFFFFFFFF).to(tl.uint32), (z >> 32).to(tl.uint32)
+    """`ref.row_keys` of one row (uint64)."""
+    return _mix64(_mix64(seed.to(tl.uint64, bitcast=True))
+                  + counter.to(tl.uint64, bitcast=True) * tl.full([], _GOLDEN, tl.uint64))
+
+
+@triton.jit
+def _words(key, first, n: tl.constexpr):
+    """`ref.draw_words`' words first .. first + n - 1 of the row with this key (uint64 [n])."""
+    r = (first + 1 + tl.arange(0, n)).to(tl.uint64)
+    return _mix64(key + r * tl.full([], _GOLDEN, tl.uint64))
+
+
+@triton.jit
+def _mulhi(word, total):
+    """`ref.mulhi64`: floor(word * total / 2^64) on uint64, 0 <= total < 2^62, by 32-bit halves."""
+    w0 = word & 0xFFFFFFFF
+    w1 = word >> 32
+    t0 = total & 0xFFFFFFFF
+    t1 = total >> 32
+    mid_a = w1 * t0
+    mid_b = w0 * t1
+    carry = ((w0 * t0) >> 32) + (mid_a & 0xFFFFFFFF) + (mid_b & 0xFFFFFFFF)
+    return w1 * t1 + (mid_a >> 32) + (mid_b >> 32) + (carry >> 32)
 
 
 class Rows(NamedTuple):
@@ -120,18 +122,21 @@ class Filters(NamedTuple):
     TOP_P: bool
 
 
+PROGRAMS_PER_SM = 8           # a pass reads little per logit: many programs keep enough loads in flight
+
+
 def plan_chunks(rows: int, vocab: int, sms: int) -> int:
-    """Chunks each row's chunked passes split into (`radix.chunks_for`: chunks of at least one BLOCK of logits)."""
-    return chunks_for(rows, vocab, BLOCK, sms)
+    """Chunks each row's passes split into (`radix.chunks_for`: chunks of at least one BLOCK of logits, about
+    PROGRAMS_PER_SM programs an SM)."""
+    return chunks_for(rows, vocab, BLOCK, sms, PROGRAMS_PER_SM)
 
 
 @triton.jit
 def _row_params(b, V, P, F: tl.constexpr):
-    """Row b's (1 / temperature, sampled (not greedy), row key halves, k (V: off), min-p, drop share (0: off)) from
-    the `Rows` P under the `Filters` F."""
+    """Row b's (1 / temperature, sampled (not greedy), k (V: off), min-p, drop share (0: off)) from the `Rows` P
+    under the `Filters` F."""
     r = tl.load(P.inv_temperature + b)
     sampled = tl.load(P.greedy + b) == 0
-    low, high = _row_key(tl.load(P.seeds + b), tl.load(P.counters + b))
     k = V
     if F.TOP_K:
         k = tl.minimum(tl.load(P.top_k + b), V).to(tl.int32)
@@ -141,106 +146,65 @@ def _row_params(b, V, P, F: tl.constexpr):
     drop = tl.zeros([], tl.float64)
     if F.TOP_P:
         drop = tl.load(P.drop_share + b)
-    return r, sampled, low, high, k, floor_e, drop
+    return r, sampled, k, floor_e, drop
 
 
 @triton.jit
-def _combined(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Over row b's chunks, the largest value at `slot` of stat_x [B, S, SLOTS] and the lowest id stat_i holds for
-    it (V: none)."""
+def _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, HAS_TOP_K: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """From the chunks' stats: (max x, the smallest `_key32` top-k allows (the least: every key), argmax of the logits
+    with the lowest id (V: none))."""
     c = tl.arange(0, CHUNKS_PAD)
-    at = (b * chunks + c) * SLOTS + slot
-    v = tl.load(stat_x + at, mask=c < chunks, other=float("-inf"))
-    m = tl.max(v, axis=0)
-    return m, tl.min(tl.where(v == m, tl.load(stat_i + at, mask=c < chunks, other=V), V), axis=0)
+    v = tl.load(stat_x + b * chunks + c, mask=c < chunks, other=float("-inf"))
+    max_l = tl.max(v, axis=0)
+    top_id = tl.min(tl.where(v == max_l, tl.load(stat_i + b * chunks + c, mask=c < chunks, other=V), V), axis=0)
+    kth = tl.zeros([], tl.int64)
+    if HAS_TOP_K:
+        if k < V:
+            kth, need = radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
+    return max_l * r, (kth - 2147483648).to(tl.int32), top_id
 
 
 @triton.jit
-def _track(score, j, win_s, win_j, run_s, run_j):
-    """Each lane's winner and runner-up (score, id) after tokens j of scores `score` (ids rising lane by lane)."""
-    up = score > win_s
-    second = (up == 0) & (score > run_s)
-    run_j = tl.where(up, win_j, tl.where(second, j, run_j))
-    run_s = tl.where(up, win_s, tl.where(second, score, run_s))
-    return tl.where(up, score, win_s), tl.where(up, j, win_j), run_s, run_j
+def _masses(x, valid, m_x, kth32, floor_e):
+    """The masses (int64) of tokens of x that min-p and top-k allow (0 for the others and for -inf), and their
+    `_key32` keys; kth32: the smallest key32 top-k allows."""
+    key = _key32(x)
+    e = tl.exp(x - m_x)
+    ok = valid & (key >= kth32) & (e >= floor_e) & (x > float("-inf"))
+    return tl.where(ok, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64), key
 
 
 @triton.jit
-def _top_two(win_s, win_j, run_s, run_j, V):
-    """The lanes' winner (score, lowest id) and runner-up: the best of the other lanes' winners and the winning
-    lane's runner-up (ids V: none)."""
-    w = tl.max(win_s, axis=0)
-    w_j = tl.min(tl.where(win_s == w, win_j, V), axis=0)
-    alt_s = tl.where(win_j == w_j, run_s, win_s)
-    alt_j = tl.where(win_j == w_j, run_j, win_j)
-    r = tl.max(alt_s, axis=0)
-    return w, w_j, r, tl.min(tl.where(alt_s == r, alt_j, V), axis=0)
-
-
-@triton.jit
-def _combined_two(stat_x, stat_i, b, chunks, V, slot: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Over row b's chunks, the winner (slot) and runner-up (slot + 1) of stat_x / stat_i [B, S, SLOTS] -> (winner's
-    score, id, runner-up's score, id; V: none)."""
-    q = tl.arange(0, CHUNKS_PAD)
-    at = (b * chunks + q) * SLOTS + slot
-    w_x = tl.load(stat_x + at, mask=q < chunks, other=float("-inf"))
-    w_i = tl.load(stat_i + at, mask=q < chunks, other=V)
-    r_x = tl.load(stat_x + at + 1, mask=q < chunks, other=float("-inf"))
-    r_i = tl.load(stat_i + at + 1, mask=q < chunks, other=V)
-    return _top_two(w_x, w_i, r_x, r_i, V)
-
-
-@triton.jit
-def _chunk_kernel(logits, stat_x, stat_i, hist, V, stride, chunk, P, F: tl.constexpr, SLOTS: tl.constexpr,
-                  RUNNER_UP: tl.constexpr, BLOCK: tl.constexpr):
-    """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id,
-    and (a sampled row) the Gumbel winner over every token (score, lowest id), with RUNNER_UP the runner-up (the
-    winner over the chunk's other tokens), and, for top-k, the histogram of the keys' top byte. stat_x fp32 / stat_i
-    int32 [B, S, SLOTS]: slots 0, 1 and 2 (max logit, winner's score, runner-up's score) / their ids (V where the
-    chunk holds only -inf); hist int32 [B, 4, S, 256], pass 1."""
+def _max_kernel(logits, stat_x, stat_i, hist, cnt, V, stride, chunk, P, F: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id
+    (stat_x fp32 / stat_i int32 [B, S]; V where the chunk holds only -inf) and, for a sampled top-k row, the histogram
+    of the keys' top byte (hist int32 [B, 4, S, 256], pass 1). Chunk 0 zeroes the row's pass counters (cnt int32
+    [B, 2]) for the passes after."""
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row = logits + b * stride
     offs = tl.arange(0, BLOCK)
-    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
+    r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
     radix = sampled & (k < V)
     top_l = tl.full([BLOCK], float("-inf"), tl.float32)
     top_j = tl.full([BLOCK], V, tl.int32)
-    win_s = tl.full([BLOCK], float("-inf"), tl.float32)
-    win_j = tl.full([BLOCK], V, tl.int32)
-    run_s = tl.full([BLOCK], float("-inf"), tl.float32)
-    run_j = tl.full([BLOCK], V, tl.int32)
     h = tl.zeros([256], tl.int32)
     start = s * chunk
     end = tl.minimum(start + chunk, V)
     for j0 in range(start, end, BLOCK):
         j = j0 + offs
-        valid = j < end
-        lg = tl.load(row + j, mask=valid, other=float("-inf"))
+        lg = tl.load(row + j, mask=j < end, other=float("-inf"))
         up = lg > top_l
         top_j = tl.where(up, j, top_j)
         top_l = tl.where(up, lg, top_l)
-        if sampled:
-            x = lg * r
-            score = tl.where(valid, x + _gumbel(j, low, high), float("-inf"))
-            if RUNNER_UP:
-                win_s, win_j, run_s, run_j = _track(score, j, win_s, win_j, run_s, run_j)
-            else:
-                up = score > win_s
-                win_j = tl.where(up, j, win_j)
-                win_s = tl.where(up, score, win_s)
+        if F.TOP_K:
             if radix:
-                h += tl.histogram(byte_of(_key(x), 1), 256, mask=valid)
+                h += tl.histogram(byte_of(_key(lg * r), 1), 256, mask=j < end)
     m = tl.max(top_l, axis=0)
-    at = (b * tl.num_programs(1) + s) * SLOTS
-    tl.store(stat_x + at, m)
-    tl.store(stat_i + at, tl.min(tl.where(top_l == m, top_j, V), axis=0))
-    w, w_j, r_s, r_j = _top_two(win_s, win_j, run_s, run_j, V)
-    tl.store(stat_x + at + 1, w)
-    tl.store(stat_i + at + 1, w_j)
-    if RUNNER_UP:
-        tl.store(stat_x + at + 2, r_s)
-        tl.store(stat_i + at + 2, r_j)
+    tl.store(stat_x + b * tl.num_programs(1) + s, m)
+    tl.store(stat_i + b * tl.num_programs(1) + s, tl.min(tl.where(top_l == m, top_j, V), axis=0))
+    if s == 0:
+        tl.store(cnt + 2 * b + tl.arange(0, 2), tl.zeros([2], tl.int32))
     if F.TOP_K:
         store_hist(hist, b, h, 1)
         clear_hists(hist, b, 2)
@@ -286,88 +250,131 @@ def _sharing_keys(row, j0, end, r, prefix, PASS: tl.constexpr, BLOCK: tl.constex
 
 
 @triton.jit
-def _allowed(x, m_x, kth, floor_e):
-    """Whether x passes min-p and top-k, its key and exp(x - max x)."""
-    key = _key(x)
-    e = tl.exp(x - m_x)
-    return (key >= kth) & (e >= floor_e), key, e
+def _last_of_row(cnt, chunks):
+    """Whether this program is the last of its row's chunks to get here (cnt: the row's counter for this pass): a
+    barrier so that every thread's stores come first, then an acquire / release add, so that the last one sees the
+    stores of all."""
+    tl.debug_barrier()
+    return tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == chunks - 1
 
 
 @triton.jit
-def _pair(c, c_key, c_ok, s, s_key, s_ok):
-    """A candidate and a runner-up (ids, keys, whether each may be drawn) -> the same, the runner-up standing in for
-    a candidate that may not be."""
-    promote = (c_ok == 0) & s_ok
-    return (tl.where(promote, s, c), tl.where(promote, s_key, c_key), c_ok | s_ok, s, s_key,
-            s_ok & (promote == 0))
+def _mass_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, cnt, V, stride, chunk, NS, P, F: tl.constexpr,
+                 D: tl.constexpr, NS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                 SUB: tl.constexpr):
+    """Step 3 for program (row b, chunk s): a sampled row's masses that min-p and top-k allow, summed per SUB tokens
+    (sums int64 [B, NS]); the row's last program makes its D draws (cand int32 [B, D]) or, without top-p, stores its
+    token in out (a greedy row's: its argmax)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
+    m_x, kth, token = _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, F.TOP_K, CHUNKS_PAD)
+    row = logits + b * stride
+    if sampled:
+        start = s * chunk
+        end = tl.minimum(start + chunk, V)
+        for j0 in range(start, end, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            m, key = _masses(tl.load(row + j, mask=j < end, other=float("-inf")) * r, j < end, m_x, kth, floor_e)
+            q = j0 // SUB + tl.arange(0, BLOCK // SUB)
+            tl.store(sums + b * NS + q, tl.sum(tl.reshape(m, (BLOCK // SUB, SUB)), axis=1), mask=q < NS)
+    if _last_of_row(cnt + 2 * b, chunks):
+        if sampled:
+            key = _row_key(tl.load(P.seeds + b), tl.load(P.counters + b))
+            c = _draws(row, r, m_x, kth, floor_e, sums + b * NS, NS, _words(key, 0, D), V, D, NS_PAD, SUB)
+            if F.TOP_P:
+                tl.store(cand + b * D + tl.arange(0, D), c.to(tl.int32))
+            token = tl.sum(tl.where(tl.arange(0, D) == 0, c, 0), axis=0)
+        if not F.TOP_P:
+            tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
 
 
 @triton.jit
-def _x_at(row, r, i, V):
-    """Token i's x (i clamped to 0 where it is V: none), and the clamped id."""
-    i = tl.where(i < V, i, 0)
-    return tl.load(row + i) * r, i
+def _draws(row, r, m_x, kth, floor_e, sums_row, NS, words, V, D: tl.constexpr, NS_PAD: tl.constexpr,
+           SUB: tl.constexpr):
+    """The tokens [D] that `ref.draw_by_mass` draws with words [D] (uint64) over the allowed masses whose sums per SUB
+    tokens start at sums_row (V: the row weighs nothing): each word's SUB tokens from the running sums, its token
+    from the running masses of those."""
+    q = tl.arange(0, NS_PAD)
+    sums = tl.load(sums_row + q, mask=q < NS, other=0)
+    running = tl.cumsum(sums, axis=0)
+    total = tl.sum(sums, axis=0)
+    u = _mulhi(words, total.to(tl.uint64)).to(tl.int64)                                  # [D]
+    at = tl.sum((running[None, :] <= u[:, None]).to(tl.int32), axis=1)                   # [D] the sums holding u
+    base = tl.sum(tl.where(q[None, :] < at[:, None], sums[None, :], 0), axis=1)
+    j = at[:, None] * SUB + tl.arange(0, SUB)[None, :]
+    m, key = _masses(tl.load(row + j, mask=j < V, other=float("-inf")) * r, j < V, m_x, kth, floor_e)
+    inside = tl.sum((tl.cumsum(m, axis=1) <= (u - base)[:, None]).to(tl.int32), axis=1)
+    return tl.where(total > 0, at * SUB + inside, V)
 
 
 @triton.jit
-def _pivots(c_ok, c_key, lo, hi):
-    """A search pass's floor (a token at or below it is not the next candidate) and its three pivot keys."""
-    return tl.where(c_ok, tl.maximum(lo, c_key), lo), lo + (hi - lo) // 4, lo + (hi - lo) // 2, hi - (hi - lo) // 4
+def _cand_keys(row, r, cand_row, V, D: tl.constexpr):
+    """A row's D draws (V: none) and the `_key32` keys of their x (the largest int32, above every key of a value,
+    where a draw is none)."""
+    c = tl.load(cand_row + tl.arange(0, D))
+    c = tl.where((c >= 0) & (c < V), c, V)
+    x = tl.load(row + tl.where(c < V, c, 0)) * r
+    return tl.where(c < V, _key32(x), 2147483647), c
 
 
 @triton.jit
-def _check_pass(row, start, end, r, m_x, kth, floor_e, c_key, s_key, BLOCK: tl.constexpr):
-    """A check pass over the tokens [start, end): (T, the masses above c_key, the masses above s_key)."""
-    offs = tl.arange(0, BLOCK)
-    lane_total = tl.zeros([BLOCK], tl.int64)
-    lane_c = tl.zeros([BLOCK], tl.int64)
-    lane_s = tl.zeros([BLOCK], tl.int64)
-    for j0 in range(start, end, BLOCK):
-        j = j0 + offs
-        x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
-        ok, key, e = _allowed(x, m_x, kth, floor_e)
-        m = tl.where(ok & (j < end), tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
-        lane_total += m
-        lane_c += tl.where(key > c_key, m, 0)
-        lane_s += tl.where(key > s_key, m, 0)
-    return tl.sum(lane_total, axis=0), tl.sum(lane_c, axis=0), tl.sum(lane_s, axis=0)
+def _check_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, over, cnt, V, stride, chunk, NS, P,
+                  F: tl.constexpr, D: tl.constexpr, NS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+                  CHECK_BLOCK: tl.constexpr, SUB: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """Step 4 for program (row b, chunk s) (a batch with top-p): a sampled top-p row's allowed masses above each of
+    its D draws (over int64 [B, S, D]); the row's last program stores the row's token in out (`_take`)."""
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
+    m_x, kth, token = _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, F.TOP_K, CHUNKS_PAD)
+    row = logits + b * stride
+    if sampled & (drop > 0.0):
+        c_key, c = _cand_keys(row, r, cand + b * D, V, D)
+        lanes = tl.zeros([D, CHECK_BLOCK], tl.int64)
+        start = s * chunk
+        end = tl.minimum(start + chunk, V)
+        for j0 in range(start, end, CHECK_BLOCK):
+            j = j0 + tl.arange(0, CHECK_BLOCK)
+            m, key = _masses(tl.load(row + j, mask=j < end, other=float("-inf")) * r, j < end, m_x, kth, floor_e)
+            lanes += tl.where(key[None, :] > c_key[:, None], m[None, :], 0)
+        tl.store(over + (b * chunks + s) * D + tl.arange(0, D), tl.sum(lanes, axis=1))
+    if _last_of_row(cnt + 2 * b + 1, chunks):
+        if sampled:
+            token = _take(row, r, m_x, kth, floor_e, drop, sums + b * NS, NS, cand + b * D, over + b * chunks * D,
+                          chunks, P, b, V, D, NS_PAD, CHUNKS_PAD, SUB, MAX_PASSES)
+        tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
 
 
 @triton.jit
-def _search_pass(row, start, end, r, low, high, m_x, kth, floor_e, topp, c_key, floor_key, p1, p2, p3, V,
-                 BLOCK: tl.constexpr):
-    """A search pass over the tokens [start, end): (T, the masses above c_key, p1, p2, p3, and the next candidate
-    and its runner-up: the Gumbel winner above floor_key and the winner over the rest (score, lowest id; V: none)).
-    Each lane sums its own masses and keeps its own best scores, reduced once after the pass."""
-    offs = tl.arange(0, BLOCK)
-    lane_total = tl.zeros([BLOCK], tl.int64)
-    lane_c = tl.zeros([BLOCK], tl.int64)
-    lane_1 = tl.zeros([BLOCK], tl.int64)
-    lane_2 = tl.zeros([BLOCK], tl.int64)
-    lane_3 = tl.zeros([BLOCK], tl.int64)
-    win_s = tl.full([BLOCK], float("-inf"), tl.float32)
-    win_j = tl.full([BLOCK], V, tl.int32)
-    run_s = tl.full([BLOCK], float("-inf"), tl.float32)
-    run_j = tl.full([BLOCK], V, tl.int32)
-    for j0 in range(start, end, BLOCK):
-        j = j0 + offs
-        x = tl.load(row + j, mask=j < end, other=float("-inf")) * r
-        allowed, key, e = _allowed(x, m_x, kth, floor_e)
-        allowed = allowed & (j < end)
-        if topp:
-            m = tl.where(allowed, tl.math.ceil(e * _MASS_SCALE), 0.0).to(tl.int64)
-            lane_total += m
-            lane_c += tl.where(key > c_key, m, 0)
-            lane_1 += tl.where(key > p1, m, 0)
-            lane_2 += tl.where(key > p2, m, 0)
-            lane_3 += tl.where(key > p3, m, 0)
-        drawable = allowed & (key > floor_key)
-        if tl.max(drawable.to(tl.int32), axis=0) > 0:
-            score = tl.where(drawable, x + _gumbel(j, low, high), float("-inf"))
-            win_s, win_j, run_s, run_j = _track(score, j, win_s, win_j, run_s, run_j)
-    w, w_j, r_s, r_j = _top_two(win_s, win_j, run_s, run_j, V)
-    return (tl.sum(lane_total, axis=0), tl.sum(lane_c, axis=0), tl.sum(lane_1, axis=0), tl.sum(lane_2, axis=0),
-            tl.sum(lane_3, axis=0), w, w_j, r_s, r_j)
+def _take(row, r, m_x, kth, floor_e, drop, sums_row, NS, cand_row, over_row, chunks, P, b, V, D: tl.constexpr,
+          NS_PAD: tl.constexpr, CHUNKS_PAD: tl.constexpr, SUB: tl.constexpr, MAX_PASSES: tl.constexpr):
+    """A sampled row's token: without top-p its first draw; with top-p the first of its draws the rule keeps, else
+    (none kept) a draw over its kept set found by the bracket (`_kept_floor`, SUB logits an iteration: few registers
+    for a path that is seldom taken)."""
+    c_key, c = _cand_keys(row, r, cand_row, V, D)
+    d = tl.arange(0, D)
+    token = tl.sum(tl.where(d == 0, c, 0), axis=0)
+    if drop > 0.0:
+        q = tl.arange(0, NS_PAD)
+        total = tl.sum(tl.load(sums_row + q, mask=q < NS, other=0), axis=0)
+        limit = _limit(total, drop)
+        w = tl.arange(0, CHUNKS_PAD)
+        above = tl.sum(tl.load(over_row + w[:, None] * D + d[None, :], mask=(w < chunks)[:, None], other=0),
+                       axis=0)                                                                     # [D]
+        first = tl.min(tl.where((above < limit) & (c < V), d, D), axis=0)
+        token = tl.sum(tl.where(d == first, c, 0), axis=0)
+        if (first == D) & (total > 0):
+            # every draw fell in the dropped tail: nothing at or below the highest of them is kept
+            lo = tl.max(tl.where(c < V, c_key, -2147483648), axis=0).to(tl.int64)
+            mass_lo = tl.min(tl.where(c < V, above, total), axis=0)         # the masses above lo: the least above
+            lo, mass_lo = _kept_floor(row, r, m_x, kth, floor_e, lo, mass_lo, _key32(m_x).to(tl.int64), limit, V,
+                                      SUB, MAX_PASSES)
+            key = _row_key(tl.load(P.seeds + b), tl.load(P.counters + b))
+            token = _draw_above(row, r, m_x, kth, floor_e, lo, mass_lo, tl.sum(_words(key, D, 1), axis=0), V, SUB)
+    return token
 
 
 @triton.jit
@@ -377,224 +384,113 @@ def _limit(total, drop):
 
 
 @triton.jit
-def _after_check(c, c_key, s, s_key, s_ok, lo, drop, total, over_c, over_s):
-    """After a check pass: take the candidate, else the runner-up, else no candidate, the bracket's floor above both
-    (the kept set is an upper set) -> (c, c_ok, c_key, lo, done)."""
-    limit = _limit(total, drop)
-    take_c = over_c < limit
-    take_s = (take_c == 0) & s_ok & (over_s < limit)
-    done = take_c | take_s
-    lo = tl.where(done, lo, tl.maximum(lo, c_key))
-    lo = tl.where(done | (s_ok == 0), lo, tl.maximum(lo, s_key))
-    return tl.where(take_s, s, c), done, tl.where(take_s, s_key, c_key), lo, done
+def _bracket_pass(row, r, m_x, kth, floor_e, lo, hi, V, BLOCK: tl.constexpr):
+    """One pass over the row for `_kept_floor`: its pivots p1 <= p2 <= p3 in [lo, hi], the allowed masses above each
+    [3] and how many allowed tokens of mass lie strictly inside each of (lo, p1), (p1, p2), (p2, p3), (p3, hi) [4]."""
+    i3 = tl.arange(0, 4)
+    span = hi - lo
+    ends = tl.where(i3 == 0, lo, tl.where(i3 == 1, lo + span // 4, tl.where(i3 == 2, lo + span // 2,
+                                                                           hi - span // 4)))   # lo, p1, p2, p3
+    tops = tl.where(i3 == 3, hi, tl.where(i3 == 0, lo + span // 4, tl.where(i3 == 1, lo + span // 2, hi - span // 4)))
+    above = tl.zeros([4, BLOCK], tl.int64)
+    inside = tl.zeros([4, BLOCK], tl.int32)
+    for j0 in range(0, V, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        m, key = _masses(tl.load(row + j, mask=j < V, other=float("-inf")) * r, j < V, m_x, kth, floor_e)
+        key = key.to(tl.int64)[None, :]
+        above += tl.where(key > ends[:, None], m[None, :], 0)
+        inside += ((key > ends[:, None]) & (key < tops[:, None]) & (m[None, :] > 0)).to(tl.int32)
+    return ends, tl.sum(above, axis=1), tl.sum(inside, axis=1)
 
 
 @triton.jit
-def _after_search(row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s,
-                  next_i, run_s, run_i, V):
-    """After a search pass: take the candidate, or narrow the bracket (top-p rows) and take the next candidate and
-    its runner-up -> (c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, check: the next pass is a check)."""
-    topp = drop > 0.0
-    limit = _limit(total, drop)
-    accept = c_ok & ((topp == 0) | (c_key > hi) | (over_c < limit))
-    move = (accept == 0) & topp
-    lo = tl.where(move & c_ok, tl.maximum(lo, c_key), lo)
-    lo = tl.where(move & (over_1 >= limit), tl.maximum(lo, p1), lo)
-    lo = tl.where(move & (over_2 >= limit), tl.maximum(lo, p2), lo)
-    lo = tl.where(move & (over_3 >= limit), tl.maximum(lo, p3), lo)
-    hi = tl.where(move & (over_3 < limit), tl.minimum(hi, p3), hi)
-    hi = tl.where(move & (over_2 < limit), tl.minimum(hi, p2), hi)
-    hi = tl.where(move & (over_1 < limit), tl.minimum(hi, p1), hi)
-    n_x, n = _x_at(row, r, next_i, V)
-    s_x, s = _x_at(row, r, run_i, V)
-    n_key = _key(n_x)
-    s_key = _key(s_x)
-    n, n_key, n_ok, s, s_key, s_ok = _pair(n, n_key, (next_s > float("-inf")) & (n_key > lo), s, s_key,
-                                           (run_s > float("-inf")) & (s_key > lo))
-    s_ok = s_ok & (accept == 0)
-    c = tl.where(accept, c, n)
-    c_key = tl.where(accept, c_key, n_key)
-    c_ok = tl.where(accept, c_ok, n_ok)
-    done = accept | (c_ok & ((topp == 0) | (c_key > hi)))
-    return c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, (done == 0) & c_ok & topp
+def _kept_floor(row, r, m_x, kth, floor_e, lo, mass_lo, hi, limit, V, BLOCK: tl.constexpr,
+                MAX_PASSES: tl.constexpr):
+    """A top-p row's kept set, the allowed tokens with a key above the returned lo, and their mass: from the bracket
+    (lo, hi), the masses above lo at least the limit (nothing at or below lo kept) and those above hi below it
+    (everything above hi kept), narrowed until no allowed token of mass lies strictly inside it."""
+    undecided = tl.full([], 1, tl.int32)
+    passes = tl.zeros([], tl.int32)
+    i3 = tl.arange(0, 4)
+    while (undecided > 0) & (passes < MAX_PASSES):
+        ends, above, inside = _bracket_pass(row, r, m_x, kth, floor_e, lo, hi, V, BLOCK)
+        above = tl.where(i3 == 0, mass_lo, above)
+        # the masses above a key fall as the key rises: the pivots at or above the limit are a prefix of (lo, p1..p3)
+        n = tl.sum((above >= limit).to(tl.int32), axis=0) - 1                 # the new lo's place in (lo, p1..p3)
+        new_lo = tl.sum(tl.where(i3 == n, ends, 0), axis=0)
+        mass_lo = tl.sum(tl.where(i3 == n, above, 0), axis=0)
+        hi = tl.where(n == 3, hi, tl.sum(tl.where(i3 == n + 1, ends, 0), axis=0))
+        lo = new_lo
+        undecided = tl.sum(tl.where(i3 == n, inside, 0), axis=0)
+        passes += 1
+    return lo, mass_lo
 
 
 @triton.jit
-def _first_candidate(row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor_e, drop, HAS_TOP_K: tl.constexpr,
-                     SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, G_SPAN: tl.constexpr):
-    """Step 3's start from the chunks' stats: (c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi). With
-    top-p the first pass checks an allowed candidate and runner-up."""
-    max_l, top_id = _combined(stat_x, stat_i, b, chunks, V, 0, SLOTS, CHUNKS_PAD)
-    best, c, s_score, s = _combined_two(stat_x, stat_i, b, chunks, V, 1, SLOTS, CHUNKS_PAD)
-    m_x = max_l * r
-    kth = tl.zeros([], tl.int64)                        # keys >= kth pass top-k
-    if HAS_TOP_K:
-        if k < V:
-            kth, need = radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
-    c_x, c = _x_at(row, r, c, V)
-    s_x, s = _x_at(row, r, s, V)
-    c_ok, c_key, c_e = _allowed(c_x, m_x, kth, floor_e)
-    s_ok, s_key, s_e = _allowed(s_x, m_x, kth, floor_e)
-    c, c_key, c_ok, s, s_key, s_ok = _pair(c, c_key, c_ok, s, s_key, s_ok & (s_score > float("-inf")))
-    topp = drop > 0.0
-    lo = _key(m_x - G_SPAN)             # keys <= lo: not drawn; keys > hi: kept
-    return c, m_x, kth, c_key, c_ok, s, s_key, s_ok, c_ok & topp, c_ok & (topp == 0), lo, _key(m_x)
-
-
-@triton.jit
-def _replay(row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi,
-            TAKE: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Step 3's first TAKE rounds from their chunks' sums (mass int64 [B, ROUNDS, S, 5]) and a search's next
-    candidates (stat slots 3 + 2 round, its runner-up the slot after) -> the state after them and the rounds a row
-    not yet done took."""
-    taken = tl.zeros([], tl.int32)
-    q = tl.arange(0, CHUNKS_PAD)
-    for rnd in tl.static_range(TAKE):
-        if done == 0:
-            at = ((b * ROUNDS + rnd) * chunks + q) * 5
-            total = tl.sum(tl.load(mass + at, mask=q < chunks, other=0), axis=0)
-            over_c = tl.sum(tl.load(mass + at + 1, mask=q < chunks, other=0), axis=0)
-            over_1 = tl.sum(tl.load(mass + at + 2, mask=q < chunks, other=0), axis=0)
-            if check:
-                c, c_ok, c_key, lo, done = _after_check(c, c_key, s, s_key, s_ok, lo, drop, total, over_c, over_1)
-                check = tl.zeros([], tl.int1)
-            else:
-                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
-                over_2 = tl.sum(tl.load(mass + at + 3, mask=q < chunks, other=0), axis=0)
-                over_3 = tl.sum(tl.load(mass + at + 4, mask=q < chunks, other=0), axis=0)
-                next_s, next_i, run_s, run_i = _combined_two(stat_x, stat_i, b, chunks, V, 3 + 2 * rnd, SLOTS,
-                                                             CHUNKS_PAD)
-                c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, check = _after_search(
-                    row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s,
-                    next_i, run_s, run_i, V)
-            taken += 1
-    return c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi, taken
-
-
-@triton.jit
-def _row_state(row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, TOP_K: tl.constexpr,
-               TAKE: tl.constexpr, ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr,
-               G_SPAN: tl.constexpr):
-    """A sampled row's step 3 after its first TAKE rounds over chunks: (c, m_x, kth, c_key, c_ok, s, s_key, s_ok,
-    check, done, lo, hi, the rounds it took)."""
-    c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi = _first_candidate(
-        row, stat_x, stat_i, hist, state, b, chunks, V, r, k, floor_e, drop, TOP_K, SLOTS, CHUNKS_PAD, G_SPAN)
-    c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi, taken = _replay(
-        row, mass, stat_x, stat_i, b, chunks, V, r, drop, c, c_ok, c_key, s, s_key, s_ok, check, done, lo, hi, TAKE,
-        ROUNDS, SLOTS, CHUNKS_PAD)
-    return c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi, taken
-
-
-@triton.jit
-def _pass_kernel(logits, stat_x, stat_i, hist, state, mass, V, stride, chunk, P, F: tl.constexpr, ROUND: tl.constexpr,
-                 ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                 G_SPAN: tl.constexpr):
-    """Step 3's pass ROUND over chunks, program (row b, chunk s) of a sampled row not done after the rounds before
-    (replayed from their sums): the chunk's sums (mass [b, ROUND, s]) and, for a search, its next candidate and
-    runner-up (stat slots 3 + 2 ROUND and the one after)."""
-    b = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)
-    chunks = tl.num_programs(1)
-    row = logits + b * stride
-    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
-    if sampled:
-        c, m_x, kth, c_key, c_ok, spare, s_key, s_ok, check, done, lo, hi, taken = _row_state(
-            row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, F.TOP_K, ROUND, ROUNDS, SLOTS,
-            CHUNKS_PAD, G_SPAN)
-        if done == 0:
-            start = s * chunk
-            end = tl.minimum(start + chunk, V)
-            at = ((b * ROUNDS + ROUND) * chunks + s) * 5
-            if check:
-                total, over_c, over_s = _check_pass(row, start, end, r, m_x, kth, floor_e, c_key, s_key, BLOCK)
-                tl.store(mass + at, total)
-                tl.store(mass + at + 1, over_c)
-                tl.store(mass + at + 2, over_s)
-            else:
-                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
-                sums = _search_pass(row, start, end, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key,
-                                    p1, p2, p3, V, BLOCK)
-                for q in tl.static_range(5):
-                    tl.store(mass + at + q, sums[q])
-                slot = (b * chunks + s) * SLOTS + 3 + 2 * ROUND
-                tl.store(stat_x + slot, sums[5])
-                tl.store(stat_i + slot, sums[6])
-                tl.store(stat_x + slot + 1, sums[7])
-                tl.store(stat_i + slot + 1, sums[8])
-
-
-@triton.jit
-def _sample_kernel(logits, out, stat_x, stat_i, hist, state, mass, V, stride, chunks, P, F: tl.constexpr,
-                   ROUNDS: tl.constexpr, SLOTS: tl.constexpr, CHUNKS_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                   G_SPAN: tl.constexpr, MAX_PASSES: tl.constexpr):
-    """Row b: a greedy row's argmax from the chunks; a sampled row's step 3 from the chunks' winner and runner-up,
-    its first ROUNDS rounds taken from `_pass_kernel`'s chunks, any later one over the whole row."""
-    b = tl.program_id(0).to(tl.int64)
-    row = logits + b * stride
-    r, sampled, low, high, k, floor_e, drop = _row_params(b, V, P, F)
-    if sampled:
-        c, m_x, kth, c_key, c_ok, s, s_key, s_ok, check, done, lo, hi, passes = _row_state(
-            row, stat_x, stat_i, hist, state, mass, b, chunks, V, r, k, floor_e, drop, F.TOP_K, ROUNDS, ROUNDS,
-            SLOTS, CHUNKS_PAD, G_SPAN)
-        while (done == 0) & (passes < MAX_PASSES):
-            if check:
-                total, over_c, over_s = _check_pass(row, 0, V, r, m_x, kth, floor_e, c_key, s_key, BLOCK)
-                c, c_ok, c_key, lo, done = _after_check(c, c_key, s, s_key, s_ok, lo, drop, total, over_c, over_s)
-                check = tl.zeros([], tl.int1)
-            else:
-                floor_key, p1, p2, p3 = _pivots(c_ok, c_key, lo, hi)
-                total, over_c, over_1, over_2, over_3, next_s, next_i, run_s, run_i = _search_pass(
-                    row, 0, V, r, low, high, m_x, kth, floor_e, drop > 0.0, c_key, floor_key, p1, p2, p3, V, BLOCK)
-                c, c_ok, c_key, s, s_key, s_ok, lo, hi, done, check = _after_search(
-                    row, r, drop, c, c_ok, c_key, lo, hi, p1, p2, p3, total, over_c, over_1, over_2, over_3, next_s,
-                    next_i, run_s, run_i, V)
-            passes += 1
-        token = c
-    else:
-        max_l, token = _combined(stat_x, stat_i, b, chunks, V, 0, SLOTS, CHUNKS_PAD)
-    tl.store(out + b, tl.where(token < V, token, 0).to(tl.int64))
+def _draw_above(row, r, m_x, kth, floor_e, lo, total, word, V, BLOCK: tl.constexpr):
+    """`ref.draw_by_mass` with one word over the allowed masses of keys above lo (their sum: total), block by block
+    in token order until the running sum passes the drawn integer (V: total 0)."""
+    u = _mulhi(word, total.to(tl.uint64)).to(tl.int64)
+    acc = tl.zeros([], tl.int64)
+    token = tl.full([], V, tl.int32)
+    j0 = tl.zeros([], tl.int32)
+    while (j0 < V) & (token == V) & (total > 0):
+        j = j0 + tl.arange(0, BLOCK)
+        m, key = _masses(tl.load(row + j, mask=j < V, other=float("-inf")) * r, j < V, m_x, kth, floor_e)
+        m = tl.where(key.to(tl.int64) > lo, m, 0)
+        here = tl.sum(m, axis=0)
+        if acc + here > u:
+            token = j0 + tl.sum((tl.cumsum(m, axis=0) <= u - acc).to(tl.int32), axis=0)
+        acc += here
+        j0 += BLOCK
+    return token
 
 
 def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
                   seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None,
-                  rounds: int = ROUNDS, counted_keys: int = COUNTED_KEYS) -> torch.Tensor:
+                  candidates: int = CANDIDATES, counted_keys: int = COUNTED_KEYS) -> torch.Tensor:
     """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
-    programs take each row's chunked passes (by default `plan_chunks`'); rounds: rejection passes over chunks
-    before a row's own (with a filter); counted_keys: `_radix_kernel`'s bound on counting key by key."""
+    programs take each row's chunked passes (by default `plan_chunks`'); candidates: draws a top-p row checks before
+    its own bracket (a power of two; `ref.sample_tokens` must be given the same); counted_keys: `_radix_kernel`'s
+    bound on counting key by key."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:
         return out
+    if candidates < 1 or candidates & (candidates - 1):
+        raise ValueError(f"sample_tokens: candidates must be a power of two, got {candidates}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     if chunks is None:
         chunks = plan_chunks(B, V, num_sms(logits.device))
     chunk = BLOCK * triton.cdiv(triton.cdiv(V, BLOCK), chunks)    # whole blocks; the last chunk may be shorter
     chunks = triton.cdiv(V, chunk)
+    ns = triton.cdiv(V, SUB)
     dev = logits.device
     F = Filters(min_p is not None, top_k is not None, drop_share is not None)
-    filtered = F.MIN_P or F.TOP_K or F.TOP_P
-    rounds = rounds if filtered else 0
-    slots = 3 + 2 * rounds if filtered else 2   # max logit, winner, runner-up; a search's next two
-    stat_x = torch.empty(B, chunks, slots, dtype=torch.float32, device=dev)
-    stat_i = torch.empty(B, chunks, slots, dtype=torch.int32, device=dev)
-    hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if top_k is not None else stat_i
-    state = torch.empty(B, 4, 2, dtype=torch.int64, device=dev) if top_k is not None else out
-    mass = torch.empty(B, rounds, chunks, 5, dtype=torch.int64, device=dev) if rounds else out
+    D = candidates if F.TOP_P else 1
+    stat_x = torch.empty(B, chunks, dtype=torch.float32, device=dev)
+    stat_i = torch.empty(B, chunks, dtype=torch.int32, device=dev)
+    cnt = torch.empty(B, 2, dtype=torch.int32, device=dev)
+    hist = torch.empty(B, 4, chunks, 256, dtype=torch.int32, device=dev) if F.TOP_K else stat_i
+    state = torch.empty(B, 4, 2, dtype=torch.int64, device=dev) if F.TOP_K else out
+    sums = torch.empty(B, ns, dtype=torch.int64, device=dev)
+    cand = torch.empty(B, D, dtype=torch.int32, device=dev) if F.TOP_P else stat_i
+    over = torch.empty(B, chunks, D, dtype=torch.int64, device=dev) if F.TOP_P else sums
     dummy = inv_temperature
     P = Rows(inv_temperature, greedy, dummy if min_p is None else min_p, dummy if top_k is None else top_k,
              dummy if drop_share is None else drop_share, seeds, counters)
-    pad = triton.next_power_of_2(chunks)
-    _chunk_kernel[(B, chunks)](logits, stat_x, stat_i, hist, V, logits.stride(0), chunk, P, F, slots, filtered,
-                               BLOCK, num_warps=8)
+    pad, ns_pad = triton.next_power_of_2(chunks), triton.next_power_of_2(ns)
+    stride = logits.stride(0)
+    _max_kernel[(B, chunks)](logits, stat_x, stat_i, hist, cnt, V, stride, chunk, P, F, BLOCK, num_warps=8)
     if F.TOP_K:
         for p in (2, 3, 4):
-            _radix_kernel[(B, chunks)](logits, hist, state, V, logits.stride(0), chunk, P, p, counted_keys, pad, BLOCK,
+            _radix_kernel[(B, chunks)](logits, hist, state, V, stride, chunk, P, p, counted_keys, pad, BLOCK,
                                        num_warps=8)
-    for rnd in range(rounds):
-        _pass_kernel[(B, chunks)](logits, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunk, P, F, rnd,
-                                  rounds, slots, pad, BLOCK, G_SPAN, num_warps=8)
-    _sample_kernel[(B,)](logits, out, stat_x, stat_i, hist, state, mass, V, logits.stride(0), chunks, P, F, rounds,
-                         slots, pad, BLOCK, G_SPAN, MAX_PASSES, num_warps=8)
+    _mass_kernel[(B, chunks)](logits, out, stat_x, stat_i, hist, state, sums, cand, cnt, V, stride, chunk, ns, P, F,
+                              D, ns_pad, pad, BLOCK, SUB, num_warps=8)
+    if F.TOP_P:
+        _check_kernel[(B, chunks)](logits, out, stat_x, stat_i, hist, state, sums, cand, over, cnt, V, stride, chunk,
+                                   ns, P, F, D, ns_pad, pad, CHECK_BLOCK, SUB, MAX_PASSES, num_warps=8)
     return out

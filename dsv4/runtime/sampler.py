@@ -16,17 +16,21 @@ constant), and a token stays iff the tokens with a larger x weigh less than T - 
 weight of all the tokens min-p and top-k leave. Tokens of equal x are dropped or kept together (vLLM's sort may
 split such a group at the boundary), and the tokens of the largest x always stay.
 
-The draw is the Gumbel-max: argmax(x + g) over the kept tokens, with g = -log(-log(u)) and u a hash of (the row's key,
-the token id) (`kernels.ref.gumbel`), which draws from softmax(x) restricted to those tokens. The row key is splitmix64
-of (seed, counter) (`kernels.ref.row_keys`): a request with a seed draws its n-th token with (its seed, n), so its
+The draw is by mass: the tokens' masses (those of the top-p rule, over the tokens min-p and top-k leave) laid end
+to end in token order, the row's random 64-bit word w picks the token that holds floor(w T / 2^64), T the masses'
+sum (`kernels.ref.draw_by_mass`): token i with probability m_i / T, softmax(x) to within 2^-40 of the largest
+probability per token. A top-p row draws over what min-p and top-k leave and takes the first of four draws that
+top-p keeps, else one draw over the kept tokens (rejection sampling: the same distribution as drawing over the kept
+tokens). The words are the splitmix64 stream of the row key (`kernels.ref.draw_words`); the row key is splitmix64 of
+(seed, counter) (`kernels.ref.row_keys`): a request with a seed draws its n-th token with (its seed, n), so its
 tokens depend neither on the other rows nor on its own row's position, and are the same in every run; rows without a
 seed draw with the caller's `unseeded_seed` and distinct counters the caller gives them.
 
 `sample` runs Triton kernels on CUDA (`kernels/sampling.py`: the kept set found by rejection, no sort) and the
 PyTorch reference elsewhere (`kernels.ref.sample_tokens`: the kept set found by sorting each row), which
 `sample_reference` runs everywhere; they keep the same tokens and draw the same token up to the last bit of exp
-and log. Nothing in `sample` reads a device value back to the host, and a batch built with `all_filters=True`
-launches the same kernels whatever its rows ask for, as a CUDA graph needs.
+(sums of integers do not depend on their order). Nothing in `sample` reads a device value back to the host, and a
+batch built with `all_filters=True` launches the same kernels whatever its rows ask for, as a CUDA graph needs.
 """
 from __future__ import annotations
 
