@@ -166,24 +166,25 @@ SAMPLER_TYPES = dict(logits="*fp32", stat_x="*fp32", stat_i="*i32", hist="*i32",
                      cand="*i32", over="*i64", cnt="*i32", out="*i64",
                      P=sampling.Rows("*fp32", "*i1", "*fp32", "*i64", "*fp64", "*i64", "*i64"))
 _DRAWS = dict(D=sampling.CANDIDATES, NS_PAD=256, CHUNKS_PAD=16, SUB=sampling.SUB)
-SAMPLER_CASES = [   # (what, kernel, filters (min-p, top-k, top-p), its constexprs besides F and BLOCK)
-    ("max pass", "_max_kernel", (False, False, False), {}),
-    ("max pass, every filter", "_max_kernel", (True, True, True), {}),
-    ("mass pass, top-p (the pass; the draws)", "_mass_kernel", (False, False, True), _DRAWS),
-    ("mass pass, every filter", "_mass_kernel", (True, True, True), _DRAWS),
+SAMPLER_CASES = [   # (what, kernel, filters (min-p, top-k, top-p), its constexprs besides F and BLOCK, the logits
+                    # an iteration of each of its loops takes, in order)
+    ("max pass", "_max_kernel", (False, False, False), {}, ("BLOCK",)),
+    ("max pass, every filter", "_max_kernel", (True, True, True), {}, ("BLOCK",)),
+    ("mass pass, top-p", "_mass_kernel", (False, False, True), _DRAWS, ("BLOCK",)),
+    ("mass pass, every filter", "_mass_kernel", (True, True, True), _DRAWS, ("BLOCK",)),
     ("check, top-p (the pass; the bracket; its draw)", "_check_kernel", (False, False, True),
-     dict(_DRAWS, CHECK_BLOCK=sampling.CHECK_BLOCK, MAX_PASSES=sampling.MAX_PASSES)),
+     dict(_DRAWS, CHECK_BLOCK=sampling.CHECK_BLOCK, MAX_PASSES=sampling.MAX_PASSES), ("CHECK_BLOCK", "SUB", "SUB")),
     ("check, every filter", "_check_kernel", (True, True, True),
-     dict(_DRAWS, CHECK_BLOCK=sampling.CHECK_BLOCK, MAX_PASSES=sampling.MAX_PASSES)),
+     dict(_DRAWS, CHECK_BLOCK=sampling.CHECK_BLOCK, MAX_PASSES=sampling.MAX_PASSES), ("CHECK_BLOCK", "SUB", "SUB")),
     ("radix pass 2 (counted; votes)", "_radix_kernel", None, dict(PASS=2, COUNTED_KEYS=sampling.COUNTED_KEYS,
-                                                                  CHUNKS_PAD=16)),
+                                                                  CHUNKS_PAD=16), ("BLOCK", "BLOCK")),
 ]
 
 
 def sampler_counts() -> None:
-    """The SASS instructions a logit of each loop of the sampler's passes (`kernels/sampling.py`: BLOCK logits an
-    iteration on 8 warps; the check's first loop CHECK_BLOCK), as the docs quote them."""
-    for what, name, filters, consts in SAMPLER_CASES:
+    """The SASS instructions a logit of each loop of the sampler's passes (`kernels/sampling.py`, 8 warps; each loop
+    takes the logits its case names an iteration), as the docs quote them."""
+    for what, name, filters, consts, widths in SAMPLER_CASES:
         fn = getattr(sampling, name)
         consts = {n: v for n, v in dict(consts, BLOCK=sampling.BLOCK).items() if n in fn.arg_names}
         if filters is not None:
@@ -193,10 +194,10 @@ def sampler_counts() -> None:
         ins, usage = dump(k.asm["cubin"])
         loops = [sum(1 for a, _ in ins if int(m.group(1), 16) <= a <= addr) for addr, t in ins
                  if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
-        per_logit = sampling.BLOCK / (8 * 32)
+        per_logit = [n * 8 * 32 / getattr(sampling, w) for n, w in zip(loops, widths)]
         regs = re.findall(r"REG:(\d+)", usage)
         spills = sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL")))
-        print(f"{what}: instructions a logit in its loops {[round(n / per_logit, 1) for n in loops]}; registers "
+        print(f"{what}: instructions a logit in its loops {[round(n, 1) for n in per_logit]}; registers "
               f"{regs[0] if regs else '?'}; spill instructions {spills}")
 
 
