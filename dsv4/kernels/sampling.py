@@ -48,7 +48,7 @@ CHECK_BLOCK = 1024            # logits per iteration of the check pass: its per-
 CANDIDATES = SAMPLE_CANDIDATES   # draws over the allowed tokens a top-p row checks before drawing from its kept set
 MAX_PASSES = 20               # a row's own bracket passes: a safety bound above the 16 that narrow 2^32 keys to one
 COUNTED_KEYS = 16384          # a radix pass counts key by key up to this many keys of a row sharing the bytes so far
-                              # (docs/tuning.md#sampler-rounds)
+                              # (docs/tuning.md#sampler)
 _MASS_SCALE = tl.constexpr(2.0**SAMPLE_MASS_BITS)
 _GOLDEN = tl.constexpr(SPLITMIX64[0])
 _MIX_1 = tl.constexpr(SPLITMIX64[1])
