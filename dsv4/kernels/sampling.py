@@ -175,14 +175,6 @@ def _masses(x, valid, m_x, kth32, floor_e):
 
 
 @triton.jit
-def _load_block(row, j0, end, BLOCK: tl.constexpr):
-    """The logits [j0, j0 + BLOCK) below end (-inf past it) and their ids. The passes load the next block before
-    working on this one, so that its read is in flight meanwhile."""
-    j = j0 + tl.arange(0, BLOCK)
-    return tl.load(row + j, mask=j < end, other=float("-inf")), j
-
-
-@triton.jit
 def _max_kernel(logits, stat_x, stat_i, hist, cnt, V, stride, chunk, P, F: tl.constexpr, BLOCK: tl.constexpr):
     """Step 1 for program (row b, chunk s), the tokens [s chunk, (s + 1) chunk): the largest logit and its lowest id
     (stat_x fp32 / stat_i int32 [B, S]; V where the chunk holds only -inf) and, for a sampled top-k row, the histogram
@@ -199,10 +191,9 @@ def _max_kernel(logits, stat_x, stat_i, hist, cnt, V, stride, chunk, P, F: tl.co
     h = tl.zeros([256], tl.int32)
     start = s * chunk
     end = tl.minimum(start + chunk, V)
-    ahead, j = _load_block(row, start, end, BLOCK)
     for j0 in range(start, end, BLOCK):
-        lg, j = ahead, j0 + offs
-        ahead, _ = _load_block(row, j0 + BLOCK, end, BLOCK)
+        j = j0 + offs
+        lg = tl.load(row + j, mask=j < end, other=float("-inf"))
         up = lg > top_l
         top_j = tl.where(up, j, top_j)
         top_l = tl.where(up, lg, top_l)
@@ -278,16 +269,14 @@ def _mass_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, cnt, V, s
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
     r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
-    row = logits + b * stride
-    start = s * chunk
-    end = tl.minimum(start + chunk, V)
-    ahead, j = _load_block(row, start, tl.where(sampled, end, start), BLOCK)   # a greedy row reads nothing
     m_x, kth, token = _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, F.TOP_K, CHUNKS_PAD)
+    row = logits + b * stride
     if sampled:
+        start = s * chunk
+        end = tl.minimum(start + chunk, V)
         for j0 in range(start, end, BLOCK):
-            lg, j = ahead, j0 + tl.arange(0, BLOCK)
-            ahead, _ = _load_block(row, j0 + BLOCK, end, BLOCK)
-            m, key = _masses(lg * r, j < end, m_x, kth, floor_e)
+            j = j0 + tl.arange(0, BLOCK)
+            m, key = _masses(tl.load(row + j, mask=j < end, other=float("-inf")) * r, j < end, m_x, kth, floor_e)
             q = j0 // SUB + tl.arange(0, BLOCK // SUB)
             tl.store(sums + b * NS + q, tl.sum(tl.reshape(m, (BLOCK // SUB, SUB)), axis=1), mask=q < NS)
     if _last_of_row(cnt + 2 * b, chunks):
@@ -340,19 +329,16 @@ def _check_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, over, cn
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
     r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
-    row = logits + b * stride
-    start = s * chunk
-    end = tl.minimum(start + chunk, V)
-    checked = sampled & (drop > 0.0)
-    ahead, j = _load_block(row, start, tl.where(checked, end, start), CHECK_BLOCK)
     m_x, kth, token = _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, F.TOP_K, CHUNKS_PAD)
-    if checked:
+    row = logits + b * stride
+    if sampled & (drop > 0.0):
         c_key, c = _cand_keys(row, r, cand + b * D, V, D)
         lanes = tl.zeros([D, CHECK_BLOCK], tl.int64)
+        start = s * chunk
+        end = tl.minimum(start + chunk, V)
         for j0 in range(start, end, CHECK_BLOCK):
-            lg, j = ahead, j0 + tl.arange(0, CHECK_BLOCK)
-            ahead, _ = _load_block(row, j0 + CHECK_BLOCK, end, CHECK_BLOCK)
-            m, key = _masses(lg * r, j < end, m_x, kth, floor_e)
+            j = j0 + tl.arange(0, CHECK_BLOCK)
+            m, key = _masses(tl.load(row + j, mask=j < end, other=float("-inf")) * r, j < end, m_x, kth, floor_e)
             lanes += tl.where(key[None, :] > c_key[:, None], m[None, :], 0)
         tl.store(over + (b * chunks + s) * D + tl.arange(0, D), tl.sum(lanes, axis=1))
     if _last_of_row(cnt + 2 * b + 1, chunks):
