@@ -669,11 +669,12 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
     allowed = sample_kept(logits, inv_temperature, min_p, top_k, None)
     kept = sample_kept(logits, inv_temperature, min_p, top_k, drop_share)
     words = draw_words(row_keys(seeds, counters), candidates + 1)
-    drawn = draw_by_mass(sample_masses(logits, inv_temperature, allowed), words[:, :candidates])
+    masses = sample_masses(logits, inv_temperature, allowed)
+    drawn = draw_by_mass(masses, words[:, :candidates])
     ok = kept.gather(1, drawn.clamp(max=V - 1)) & (drawn < V)
     first = torch.where(ok, torch.arange(candidates, device=ok.device), candidates).amin(dim=-1, keepdim=True)
     token = drawn.gather(1, first.clamp(max=candidates - 1))[:, 0]
-    last = draw_by_mass(sample_masses(logits, inv_temperature, kept), words[:, candidates:])[:, 0]
+    last = draw_by_mass(torch.where(kept, masses, 0), words[:, candidates:])[:, 0]   # the kept set is allowed
     token = torch.where(first[:, 0] < candidates, token, last)
     token = torch.where(token < V, token, 0)
     return torch.where(greedy, logits.argmax(dim=-1), token)

@@ -165,9 +165,11 @@ def _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, HAS_TOP_K: tl.const
 
 
 @triton.jit
-def _masses(x, valid, m_x, kth32, floor_e):
-    """The masses (int64) of tokens of x that min-p and top-k allow (0 for the others and for -inf), and their
-    `_key32` keys; kth32: the smallest key32 top-k allows."""
+def _masses(row, j, end, r, m_x, kth32, floor_e):
+    """The masses (int64) of a row's tokens j (ids below end; any shape) that min-p and top-k allow (0 for the others,
+    for -inf and past end), and the `_key32` keys of their x = logits * r; kth32: the smallest key32 top-k allows."""
+    valid = j < end
+    x = tl.load(row + j, mask=valid, other=float("-inf")) * r
     key = _key32(x)
     e = tl.exp(x - m_x)
     ok = valid & (key >= kth32) & (e >= floor_e) & (x > float("-inf"))
@@ -276,7 +278,7 @@ def _mass_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, cnt, V, s
         end = tl.minimum(start + chunk, V)
         for j0 in range(start, end, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            m, key = _masses(tl.load(row + j, mask=j < end, other=float("-inf")) * r, j < end, m_x, kth, floor_e)
+            m, key = _masses(row, j, end, r, m_x, kth, floor_e)
             q = j0 // SUB + tl.arange(0, BLOCK // SUB)
             tl.store(sums + b * NS + q, tl.sum(tl.reshape(m, (BLOCK // SUB, SUB)), axis=1), mask=q < NS)
     if _last_of_row(cnt + 2 * b, chunks):
@@ -304,7 +306,7 @@ def _draws(row, r, m_x, kth, floor_e, sums_row, NS, words, V, D: tl.constexpr, N
     at = tl.sum((running[None, :] <= u[:, None]).to(tl.int32), axis=1)                   # [D] the sums holding u
     base = tl.sum(tl.where(q[None, :] < at[:, None], sums[None, :], 0), axis=1)
     j = at[:, None] * SUB + tl.arange(0, SUB)[None, :]
-    m, key = _masses(tl.load(row + j, mask=j < V, other=float("-inf")) * r, j < V, m_x, kth, floor_e)
+    m, key = _masses(row, j, V, r, m_x, kth, floor_e)
     inside = tl.sum((tl.cumsum(m, axis=1) <= (u - base)[:, None]).to(tl.int32), axis=1)
     return tl.where(total > 0, at * SUB + inside, V)
 
@@ -338,7 +340,7 @@ def _check_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, over, cn
         end = tl.minimum(start + chunk, V)
         for j0 in range(start, end, CHECK_BLOCK):
             j = j0 + tl.arange(0, CHECK_BLOCK)
-            m, key = _masses(tl.load(row + j, mask=j < end, other=float("-inf")) * r, j < end, m_x, kth, floor_e)
+            m, key = _masses(row, j, end, r, m_x, kth, floor_e)
             lanes += tl.where(key[None, :] > c_key[:, None], m[None, :], 0)
         tl.store(over + (b * chunks + s) * D + tl.arange(0, D), tl.sum(lanes, axis=1))
     if _last_of_row(cnt + 2 * b + 1, chunks):
@@ -396,7 +398,7 @@ def _bracket_pass(row, r, m_x, kth, floor_e, lo, hi, V, BLOCK: tl.constexpr):
     inside = tl.zeros([4, BLOCK], tl.int32)
     for j0 in range(0, V, BLOCK):
         j = j0 + tl.arange(0, BLOCK)
-        m, key = _masses(tl.load(row + j, mask=j < V, other=float("-inf")) * r, j < V, m_x, kth, floor_e)
+        m, key = _masses(row, j, V, r, m_x, kth, floor_e)
         key = key.to(tl.int64)[None, :]
         above += tl.where(key > ends[:, None], m[None, :], 0)
         inside += ((key > ends[:, None]) & (key < tops[:, None]) & (m[None, :] > 0)).to(tl.int32)
@@ -436,7 +438,7 @@ def _draw_above(row, r, m_x, kth, floor_e, lo, total, word, V, BLOCK: tl.constex
     j0 = tl.zeros([], tl.int32)
     while (j0 < V) & (token == V) & (total > 0):
         j = j0 + tl.arange(0, BLOCK)
-        m, key = _masses(tl.load(row + j, mask=j < V, other=float("-inf")) * r, j < V, m_x, kth, floor_e)
+        m, key = _masses(row, j, V, r, m_x, kth, floor_e)
         m = tl.where(key.to(tl.int64) > lo, m, 0)
         here = tl.sum(m, axis=0)
         if acc + here > u:
