@@ -1,6 +1,6 @@
-"""The MoE benchmark scripts, the fused-tile sweep, the W4A4 table, the sampler's, mHC's and top-k's timings, the
-engine's host time, a CSA layer's attention part and the persistent chain of products run end to end at toy shapes
-on the CPU (`--toy`, Triton's interpreter).
+"""The MoE benchmark scripts, the fused-tile sweep, the W4A4 table, the sampler's, mHC's, top-k's and the router's
+timings, the engine's host time, a CSA layer's attention part and the persistent chain of products run end to end at
+toy shapes on the CPU (`--toy`, Triton's interpreter).
 
 They run on the GPU only a few times a session, so an API change in `dsv4.kernels` could otherwise break one unseen
 until a device run fails and costs device time. Toy token counts cover both the GEMV pair over (token, slot) pairs
@@ -32,6 +32,7 @@ SCRIPTS = {
     "topk": ["bench/lab/topk.py"],
     "csa_part": ["bench/lab/csa_part.py"],
     "persistent_chain": ["bench/lab/persistent_chain.py", "--layers", "1"],
+    "router": ["bench/lab/router.py"],
 }
 
 # `python SCRIPT ARGS` with the interpreter speed-up the suite has (tests/interpreter_speedup.py)
@@ -49,7 +50,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_bench_script_runs_at_toy_shapes(name, tmp_path):
     args = SCRIPTS[name] + ["--toy"]
-    if name in ("moe_blocks", "run_all_moe", "sampler", "engine_host_time", "mhc", "topk", "persistent_chain"):
+    if name in ("moe_blocks", "run_all_moe", "sampler", "engine_host_time", "mhc", "topk", "persistent_chain",
+                "router"):
         args += ["--out", str(tmp_path)]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", RUN_SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,

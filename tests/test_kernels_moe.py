@@ -24,8 +24,8 @@ def ops():
     return strict_ops()
 
 
-@pytest.mark.parametrize("T", [1, 3, 16, 17])            # 17: past ROUTER_TOKENS, the reference's GEMM
-@pytest.mark.parametrize("K", [256, 200])
+@pytest.mark.parametrize("T", [1, 3, 16, 17, 70])        # past ROUTER_TOKENS, the tensor-core launch (K = 200:
+@pytest.mark.parametrize("K", [1536, 200])                 # no multiple of its block, the reference's GEMM)
 def test_router_logits_match_the_fp32_product(ops, T, K):
     """The router's logits from bf16 x and a bf16-valued fp32 weight (exact products, fp32 sums) against
     F.linear in fp64; an expert count no program size divides; x's dtype read as it is."""
@@ -39,8 +39,21 @@ def test_router_logits_match_the_fp32_product(ops, T, K):
     assert rel_err(got, want) < 1e-6
     assert torch.equal(ops.router_logits(x[None], w)[0], got)          # leading dims kept
     assert torch.equal(ops.router_logits(x, w.bfloat16()), got)         # a bf16 weight: the same products
-    if T > tmoe.ROUTER_TOKENS:
+    if T > tmoe.ROUTER_TOKENS and K % tmoe.ROUTER_BLOCK:
         assert torch.equal(got, ref.router_logits(x, w))
+
+
+def test_router_logits_of_an_fp32_weight_on_the_tensor_cores(ops):
+    """Past ROUTER_TOKENS an fp32 weight multiplies bf16 x as three exact bf16 pieces (`kernels.pieces`): the fp32
+    product within fp32 rounding (a missing piece moves the logits by about 2^-16 of their size); fp32 x takes the
+    reference's fp32 GEMM."""
+    T, K, E = 40, 1536, 70
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    w = torch.randn(E, K, generator=g) * 0.05
+    got = ops.router_logits(x, w)
+    assert rel_err(got, torch.nn.functional.linear(x.double(), w.double())) < 1e-6
+    assert torch.equal(ops.router_logits(x.float(), w), ref.router_logits(x.float(), w))
 
 
 def test_route_biased_topk(ops):

@@ -34,9 +34,13 @@ FLASH = dict(streams=4, hidden=4096, iters=20)
 TOY = dict(streams=4, hidden=256, iters=3)
 VARIANTS = {                        # name -> HcPlan fields replaced in the default plan
     "default": {},
+    "ieee, 32 tokens": dict(precision="ieee", block_tokens=32),     # rounds 37-54's default above 16 tokens
+    "bf16x3": dict(precision="bf16x3"),
+    "bf16x3, 32 tokens": dict(precision="bf16x3", block_tokens=32),
+    "bf16x3, 128 tok, 8 w": dict(precision="bf16x3", block_tokens=128, warps=8),
+    "bf16x3, 64 tok, 8 w": dict(precision="bf16x3", block_tokens=64, warps=8),
     "tf32x3": dict(precision="tf32x3"),
     "8 warps": dict(warps=8),
-    "8 warps, tf32x3": dict(warps=8, precision="tf32x3"),
     "16 tokens": dict(block_tokens=16),
     "64 tokens, 8 warps": dict(block_tokens=64, warps=8),
     "chunk / 2": "half",
@@ -105,7 +109,7 @@ def main():
     rows = []
     for T in map(int, args.tokens.split(",")):
         cases = [case(T, shape, dev, gen) for _ in range(4 if dev.type == "cuda" else 1)]
-        default = mhc.plan_hc(T, n, d, (2 + n) * n)
+        default = mhc.plan_hc(T, n, d, (2 + n) * n, bf16=True)      # the cases' streams are bf16
         base_out = run(cases[0], iters, default)
         oracle = [rel_err(a, b) for a, b in zip(base_out, reference(cases[0], iters))]
         print(f"{label:5s} {T:6d} {'default vs ref':20s} | u / post / comb / streams: "

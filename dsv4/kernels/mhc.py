@@ -12,7 +12,9 @@ writes per-chunk partial products (tl.dot in fp32) and sums of squares; `_finish
 the chunks as one tile (a fixed order), normalises, runs the sigmoids and the Sinkhorn iterations in registers, and
 collapses the streams; given the block's norm weight it holds the whole row and applies that RMSNorm too
 (`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished
-dot product instead of every input: the same value within fp32 rounding. `hc_post` is one launch,
+dot product instead of every input: the same value within fp32 rounding. Above MIX_TOKENS tokens, bf16 streams
+multiply fn as three exact bf16 pieces on the tensor cores (`HcPlan.precision` "bf16x3", `pieces.dot_pieces`): the
+same sums within fp32 rounding as fp32 FMAs, without the FMA product's instructions. `hc_post` is one launch,
 X'[k] = post[k] out + sum_j comb[j, k] X[j], accumulated in fp32 and rounded once to the stream dtype.
 `hc_post_pre` (a sub-block's update, then the next sub-block's collapse) computes X' inside the mixing launch
 (`_post_mix_kernel`: each program makes the columns of X' it multiplies, from the same columns of every stream, as
@@ -32,6 +34,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from .host import has_pdl
 from .norm_rope import norm_rope_row
+from .pieces import dot_pieces
 from .policy import cdiv, next_pow2
 
 MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most)
@@ -39,10 +42,14 @@ MIX_BK = 64           # columns per inner step of a chunk (and the fewest a chun
 MIX_TOKENS = 16       # tokens per `_mix_kernel` program up to this many tokens: the rows of its fp32 products
                       # (tl.dot's least M)
 MIX_TOKENS_MANY = 32  # tokens per program above MIX_TOKENS tokens (docs/tuning.md#mhc-mixing)
+MIX_TOKENS_BF16 = 64  # the same for bf16 streams, whose products then run on the tensor cores (MIX_PRECISION_BF16):
+                      # a warp group's 64 rows
 MIX_PROGRAMS = 256    # chunks halve (down to MIX_BK columns) until a launch has this many programs: a decode step's
                       # few tokens then read fn (1.5 MB for V4-Flash) over the whole GPU, not 32 SMs
 COLLAPSE_BD = 512     # hidden columns per step of the collapse and of `hc_post`
-MIX_PRECISION = "ieee"  # the mixing product's tl.dot: fp32 FMAs (bench/lab/mhc.py times "tf32x3" against it)
+MIX_PRECISION = "ieee"  # the mixing product's tl.dot for fp32 streams: fp32 FMAs (bench/lab/mhc.py times others)
+MIX_PRECISION_BF16 = "bf16x3"  # for bf16 streams above MIX_TOKENS tokens: fn as three bf16 pieces on the tensor
+                               # cores (module docstring)
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class HcPlan:
     chunk: int            # columns of n d per `_mix_kernel` program
     chunks: int           # programs per token block
     block_tokens: int = MIX_TOKENS       # tokens per mixing program (MIX_TOKENS or MIX_TOKENS_MANY)
-    precision: str = MIX_PRECISION       # the mixing product's tl.dot input precision
+    precision: str = MIX_PRECISION       # the mixing product: "bf16x3" (bf16 streams) or a tl.dot input precision
     warps: int = 4                       # of a mixing program
 
     @property
@@ -76,34 +83,45 @@ def takes_shape(streams: int, hidden: int) -> bool:
 
 
 @lru_cache(maxsize=None)
-def plan_hc(tokens: int, streams: int, hidden: int, rows: int) -> HcPlan:
-    """The geometry of one shape (pure, cached): MIX_TOKENS tokens a mixing program, MIX_TOKENS_MANY above that many
-    tokens; the mixing product's chunks are MIX_CHUNK columns, or the largest divisor of n d below it that is a
-    multiple of MIX_BK (a power of two), halved while the launch has fewer than MIX_PROGRAMS programs and a chunk
-    more than MIX_BK columns."""
+def plan_hc(tokens: int, streams: int, hidden: int, rows: int, bf16: bool = False) -> HcPlan:
+    """The geometry of one shape (pure, cached; bf16: the streams are bf16): MIX_TOKENS tokens a mixing program in
+    MIX_PRECISION up to that many tokens; above, MIX_TOKENS_BF16 tokens in MIX_PRECISION_BF16 for bf16 streams, else
+    MIX_TOKENS_MANY in MIX_PRECISION. The mixing product's chunks are MIX_CHUNK columns, or the largest divisor of
+    n d below it that is a multiple of MIX_BK (a power of two), halved while the launch has fewer than MIX_PROGRAMS
+    programs and a chunk more than MIX_BK columns."""
     width = streams * hidden
     chunk = math.gcd(width, MIX_CHUNK)
     if not takes_shape(streams, hidden):
         raise ValueError(f"hc kernels need a power-of-two hc_mult and hc_mult * hidden divisible by {MIX_BK}, "
                          f"got {streams} x {hidden}")
-    block_tokens = MIX_TOKENS if tokens <= MIX_TOKENS else MIX_TOKENS_MANY
+    pieces = bf16 and tokens > MIX_TOKENS
+    block_tokens = MIX_TOKENS if tokens <= MIX_TOKENS else MIX_TOKENS_BF16 if pieces else MIX_TOKENS_MANY
     blocks = cdiv(tokens, block_tokens)
     while chunk > MIX_BK and blocks * (width // chunk) < MIX_PROGRAMS:
         chunk //= 2
-    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk, block_tokens)
+    return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk, block_tokens,
+                  MIX_PRECISION_BF16 if pieces else MIX_PRECISION)
 
 
 @triton.jit
-def _mix_block(acc, ss, x, fn_ptr, r, rmask, k, K, PRECISION: tl.constexpr):
-    """One block of the flattened streams x fp32 [BT, BK] (columns k) into the partial products acc [BT, RP] and the
-    sums of squares ss [BT], in PRECISION (`MIX_PRECISION`)."""
+def _mix_block(acc, sq, x, fn_ptr, r, rmask, k, K, PRECISION: tl.constexpr, DOT: tl.constexpr):
+    """One block of the flattened streams x [BT, BK] (columns k, the streams' dtype) into the partial products acc
+    [BT, RP] and the squares sq [BT, BK] (summed over the blocks column by column; the caller sums their columns
+    once, after the last block). PRECISION "bf16x3" (bf16 streams): fn's block as three bf16 pieces on the tensor
+    cores in DOT (`pieces.dot_pieces`), its block sum added to acc once. Else one tl.dot in that input precision."""
     w = tl.load(fn_ptr + r[:, None] * K + k[None, :], mask=rmask[:, None], other=0.0)
-    return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION), ss + tl.sum(x * x, axis=1)
+    xf = x.to(tl.float32)
+    if PRECISION == "bf16x3":
+        acc += dot_pieces(x, tl.trans(w), DOT)
+    else:
+        acc = tl.dot(xf, tl.trans(w), acc, input_precision=PRECISION)
+    return acc, sq + xf * xf
 
 
 @triton.jit
-def _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP: tl.constexpr):
-    """Chunk c's partials of tokens t: part[c, t, :RP] = acc, part[c, t, RP] = ss."""
+def _store_partials(part_ptr, acc, sq, c, t, tmask, r, stride_pc, stride_pt, RP: tl.constexpr):
+    """Chunk c's partials of tokens t: part[c, t, :RP] = acc, part[c, t, RP] = the sum of the squares sq [BT, BK]."""
+    ss = tl.sum(sq, axis=1)
     base = part_ptr + c * stride_pc + t[:, None] * stride_pt
     tl.store(base + r[None, :], acc, mask=tmask[:, None])
     tl.store(part_ptr + c * stride_pc + t * stride_pt + RP, ss, mask=tmask)
@@ -111,7 +129,8 @@ def _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP:
 
 @triton.jit
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_pt,
-                RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+                DOT: tl.constexpr):
     """Partial products of chunk c: part[c, t, r] = sum_{k in chunk} fn[r, k] x[t, k] for r < R, and
     part[c, t, RP] = sum_{k in chunk} x[t, k]^2 (x = the flattened streams, fp32)."""
     tb, c = tl.program_id(0), tl.program_id(1)
@@ -119,18 +138,18 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_p
     r = tl.arange(0, RP)
     tmask, rmask = t < T, r < R
     acc = tl.zeros([BT, RP], tl.float32)
-    ss = tl.zeros([BT], tl.float32)
+    sq = tl.zeros([BT, BK], tl.float32)
     for k0 in range(c * CHUNK, (c + 1) * CHUNK, BK):
         k = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=tmask[:, None], other=0.0)
-        acc, ss = _mix_block(acc, ss, x.to(tl.float32), fn_ptr, r, rmask, k, K, PRECISION)
-    _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP)
+        acc, sq = _mix_block(acc, sq, x, fn_ptr, r, rmask, k, K, PRECISION, DOT)
+    _store_partials(part_ptr, acc, sq, c, t, tmask, r, stride_pc, stride_pt, RP)
 
 
 @triton.jit
 def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, K, R, D, stride_ot, stride_xt,
                      stride_yt, stride_pc, stride_pt, N: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
-                     CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr):
+                     CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr):
     """`_mix_kernel` of the updated streams y = X' (stored in y's dtype as they are made, `_post_kernel`'s sum order):
     column k of the flattened y is stream s = k // D, y[s, col] = post[s] out[col] + sum_j comb[j, s] X[j, col]
     (D a multiple of BK: a BK block lies in one stream)."""
@@ -141,7 +160,7 @@ def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr
     t64 = t.to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     acc = tl.zeros([BT, RP], tl.float32)
-    ss = tl.zeros([BT], tl.float32)
+    sq = tl.zeros([BT, BK], tl.float32)
     for k0 in range(c * CHUNK, (c + 1) * CHUNK, BK):
         s = k0 // D
         col = k0 - s * D + tl.arange(0, BK)
@@ -153,8 +172,8 @@ def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr
         k = k0 + tl.arange(0, BK)
         y = y.to(dtype)
         tl.store(y_ptr + t64[:, None] * stride_yt + k[None, :], y, mask=tmask[:, None])
-        acc, ss = _mix_block(acc, ss, y.to(tl.float32), fn_ptr, r, rmask, k, K, PRECISION)
-    _store_partials(part_ptr, acc, ss, c, t, tmask, r, stride_pc, stride_pt, RP)
+        acc, sq = _mix_block(acc, sq, y, fn_ptr, r, rmask, k, K, PRECISION, DOT)
+    _store_partials(part_ptr, acc, sq, c, t, tmask, r, stride_pc, stride_pt, RP)
 
 
 @triton.jit
@@ -243,8 +262,9 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     if update is not None:
         xt = torch.empty_like(src)
     T, R = xt.shape[0], fn.shape[0]
-    plan = plan or plan_hc(T, n, d, R)
+    plan = plan or plan_hc(T, n, d, R, x.dtype == torch.bfloat16)
     dev = x.device
+    dot = tl.bfloat16 if dev.type == "cuda" else tl.float32
     part = torch.empty(plan.chunks, T, plan.rows_p2 + 1, dtype=torch.float32, device=dev)
     u = torch.empty(T, d, dtype=x.dtype, device=dev)
     post = torch.empty(T, n, dtype=torch.float32, device=dev)
@@ -258,11 +278,11 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
             o, src, post_in.reshape(T, n).float().contiguous(), comb_in.reshape(T, n, n).float().contiguous(), xt,
             fn.float().contiguous(), part, T, n * d, R, d, o.stride(0), src.stride(0), xt.stride(0), part.stride(0),
             part.stride(1), N=n, RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=plan.chunk, BK=MIX_BK,
-            PRECISION=plan.precision, num_warps=plan.warps)
+            PRECISION=plan.precision, DOT=dot, num_warps=plan.warps)
     elif T:
         _mix_kernel[(plan.token_blocks, plan.chunks)](
             xt, fn.float().contiguous(), part, T, n * d, R, xt.stride(0), part.stride(0), part.stride(1),
-            RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=plan.chunk, BK=MIX_BK, PRECISION=plan.precision,
+            RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=plan.chunk, BK=MIX_BK, PRECISION=plan.precision, DOT=dot,
             num_warps=plan.warps)
     if T:
         _finish_kernel[(T,)](

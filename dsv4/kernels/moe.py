@@ -7,6 +7,8 @@ Which of the MoE's paths runs, and how its stages are launched, is `dispatch.moe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -14,12 +16,15 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import ref
 from .host import has_pdl
+from .pieces import dot_pieces
 from .policy import ROUTE_WARPS, mma_n, next_pow2
 
 EXPERT_BLOCKS_CHUNK = 64     # pairs a program of the expert-block table places (its rank is a CHUNK x CHUNK compare)
 ROUTER_TOKENS = 16           # the router's logits in one launch up to this many tokens (`router_logits`)
 ROUTER_EXPERTS = 2           # experts a router program (V4-Flash: 128 programs of 32 KB of fp32 weight)
 ROUTER_PRODUCTS = 16384      # products a router program's K step holds (64 registers a thread on 8 warps)
+ROUTER_BLOCK = 64            # above ROUTER_TOKENS: tokens, experts and K columns of a tensor-core step (`_router_gemm`)
+ROUTER_CHUNK = 512           # K columns a program of that launch sums (its split of K: V4-Flash 8 chunks)
 
 # --------------------------------------------------------------------------------------------- routing
 
@@ -89,20 +94,46 @@ def _router_kernel(x_ptr, w_ptr, out_ptr, T, E, K, stride_xt, stride_we, stride_
     tl.store(out_ptr + t[:, None] * stride_ot + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
 
 
+@triton.jit
+def _router_gemm(x_ptr, w_ptr, part_ptr, T, E, stride_xt, stride_we, stride_pc, stride_pt, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr, DOT: tl.constexpr):
+    """Program (token block, chunk c, expert block): part[c, t, e] = sum_{k in chunk c} x[t, k] w[e, k] for BLOCK
+    tokens and experts, x bf16, w fp32 or bf16, on the tensor cores (`pieces.dot_pieces`: exact products, fp32 sums)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1)
+    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    tmask, emask = t < T, e < E
+    acc = tl.zeros([BLOCK, BLOCK], tl.float32)
+    for k0 in range(c * CHUNK, (c + 1) * CHUNK, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + t[:, None].to(tl.int64) * stride_xt + k[None, :], mask=tmask[:, None], other=0.0)
+        w = tl.load(w_ptr + e[None, :].to(tl.int64) * stride_we + k[:, None], mask=emask[None, :], other=0.0)
+        acc += dot_pieces(x, w.to(tl.float32), DOT)
+    tl.store(part_ptr + c * stride_pc + t[:, None] * stride_pt + e[None, :], acc, mask=tmask[:, None] & emask[None, :])
+
+
 def router_logits(x: torch.Tensor, weight: torch.Tensor, *, fallback=None) -> torch.Tensor:
     """Same contract as `ref.router_logits`. Up to ROUTER_TOKENS tokens one launch (`_router_kernel`, ROUTER_EXPERTS
     experts a program) reads x and the weight (fp32 or bf16) in their own dtypes: no fp32 copy of x, no cuBLAS fp32
-    GEMV; more tokens take `ref.router_logits`' product (a GEMM, where the kernel would read the weight once per token
-    block)."""
+    GEMV. More tokens of bf16 x (K a multiple of ROUTER_BLOCK): `_router_gemm` on the tensor cores, K split in chunks
+    of up to ROUTER_CHUNK columns whose sums one `sum` adds in a fixed order; other x, `ref.router_logits`' fp32
+    GEMM."""
     lead, K = x.shape[:-1], x.shape[-1]
     E = weight.shape[0]
     rows = x.reshape(-1, K)
     T = rows.shape[0]
-    if T > ROUTER_TOKENS:
-        return ref.router_logits(x, weight)
     if weight.dtype not in (torch.float32, torch.bfloat16) or weight.shape[1] != K or weight.stride(-1) != 1 \
             or rows.stride(-1) != 1:
         return fallback(x, weight)
+    if T > ROUTER_TOKENS:
+        if x.dtype != torch.bfloat16 or K % ROUTER_BLOCK:
+            return ref.router_logits(x, weight)
+        chunk = math.gcd(K, ROUTER_CHUNK)
+        part = torch.empty(K // chunk, T, E, dtype=torch.float32, device=x.device)
+        _router_gemm[(triton.cdiv(T, ROUTER_BLOCK), K // chunk, triton.cdiv(E, ROUTER_BLOCK))](
+            rows, weight, part, T, E, rows.stride(0), weight.stride(0), part.stride(0), part.stride(1), chunk,
+            ROUTER_BLOCK, tl.bfloat16 if x.device.type == "cuda" else tl.float32, num_warps=4)
+        return part.sum(0).view(*lead, E)
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         tp = next_pow2(T)      # K in one step up to 16K products a program (one round of loads at batch 1 and 2)
