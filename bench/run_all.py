@@ -211,14 +211,20 @@ def attention_and_mhc(run: Run, record) -> None:
             record(f"attention {kind} + q norm / rope, plan {tuple(plan) if plan else 'planned'} steps {lengths}",
                    rel_err(got, want), 1e-2, written=bool(torch.isfinite(got).all()))
     n, T = 4, (3 if run.toy else 8)
-    x = torch.randn(1, T, n, d, device=dev, generator=gen).bfloat16()
     fn = torch.randn((2 + n) * n, n * d, device=dev, generator=gen) * 0.5 / (n * d) ** 0.5
     base = torch.randn((2 + n) * n, device=dev, generator=gen) * 0.5
     scale = torch.rand(3, device=dev, generator=gen) + 0.5
-    got = run.ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
-    want = ref.hc_pre(x.float(), fn, base, scale, 20, 1e-6, 1e-6)
-    for name, a, b in zip(("collapse", "post", "comb"), got, want):
-        record(f"mhc hc_pre {name} T={T} d={d}", rel_err(a, b), 1e-2, written=bool(torch.isfinite(a).all()))
+    for many in (40, T):   # 40 tokens: the products on the tensor cores (`kernels.pieces`); T: fp32 FMAs
+        x = torch.randn(1, many, n, d, device=dev, generator=gen).bfloat16()
+        got = run.ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
+        want = ref.hc_pre(x.float(), fn, base, scale, 20, 1e-6, 1e-6)
+        for name, a, b, tol in zip(("collapse", "post", "comb"), got, want, (1e-2, 1e-5, 1e-5)):
+            record(f"mhc hc_pre {name} T={many} d={d}", rel_err(a, b), tol, written=bool(torch.isfinite(a).all()))
+    xr = torch.randn(40, d, device=dev, generator=gen).bfloat16()     # the router past ROUTER_TOKENS: the pieces
+    wr = torch.randn(64, d, device=dev, generator=gen) * d ** -0.5
+    lg = run.ops.router_logits(xr, wr)
+    record(f"router logits T=40 d={d}", rel_err(lg, torch.nn.functional.linear(xr.double(), wr.double())), 1e-5,
+           written=bool(torch.isfinite(lg).all()))
     out = torch.randn(1, T, d, device=dev, generator=gen).bfloat16()
     y = run.ops.hc_post(out, x, got[1], got[2])
     record(f"mhc hc_post T={T} d={d}", rel_err(y, ref.hc_post(out.float(), x.float(), got[1], got[2])), 1e-2,
