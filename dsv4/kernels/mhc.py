@@ -8,7 +8,7 @@ Per token, streams X [n, d] (n = hc_mult, R = (2 + n) n mixing rows, or n for th
     u = sum_j pre[j] X[j]
 `hc_pre` and `hc_head` are two launches: `_mix_kernel` splits n*d into chunks over programs (a decode step has a
 few tokens but fn is R x n d: 1.5 MB for V4-Flash; `plan_hc` sizes the chunks so that the launch fills the GPU) and
-writes per-chunk partial products (tl.dot in fp32) and sums of squares; `_finish_kernel` (one program per token) adds
+writes per-chunk partial products (fp32) and sums of squares; `_finish_kernel` (one program per token) adds
 the chunks as one tile (a fixed order), normalises, runs the sigmoids and the Sinkhorn iterations in registers, and
 collapses the streams; given the block's norm weight it holds the whole row and applies that RMSNorm too
 (`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished
@@ -62,7 +62,7 @@ class HcPlan:
     rows_p2: int          # R rounded up to a power of two, at least 16 (the products' N)
     chunk: int            # columns of n d per `_mix_kernel` program
     chunks: int           # programs per token block
-    block_tokens: int = MIX_TOKENS       # tokens per mixing program (MIX_TOKENS or MIX_TOKENS_MANY)
+    block_tokens: int = MIX_TOKENS       # tokens per mixing program (MIX_TOKENS, MIX_TOKENS_MANY or MIX_TOKENS_BF16)
     precision: str = MIX_PRECISION       # the mixing product: "bf16x3" (bf16 streams) or a tl.dot input precision
     warps: int = 4                       # of a mixing program
 
@@ -132,7 +132,7 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_p
                 RP: tl.constexpr, BT: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
                 DOT: tl.constexpr):
     """Partial products of chunk c: part[c, t, r] = sum_{k in chunk} fn[r, k] x[t, k] for r < R, and
-    part[c, t, RP] = sum_{k in chunk} x[t, k]^2 (x = the flattened streams, fp32)."""
+    part[c, t, RP] = sum_{k in chunk} x[t, k]^2 (x = the flattened streams, in fp32)."""
     tb, c = tl.program_id(0), tl.program_id(1)
     t = tb * BT + tl.arange(0, BT)
     r = tl.arange(0, RP)
