@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -206,6 +208,14 @@ def lab_parser(toy_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--toy", action="store_true", help=toy_help)
     return ap
+
+
+def write_record(out: str, name: str, record: dict) -> Path:
+    """A lab's record as JSON at out/name (the folder made if need be)."""
+    path = Path(out, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    return path
 
 
 def median_us(timer: "Timer", calls, rounds: int) -> float:

@@ -26,7 +26,6 @@ compile or run is reported, not fatal. Prints a table; writes attention_plans.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
@@ -37,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer  # noqa: E402
+from common import Timer, write_record  # noqa: E402
 
 from dsv4.kernels.attention import AttentionPlan, attention_split, plan_attention, sparse_attention  # noqa: E402
 from dsv4.kernels.host import num_sms  # noqa: E402
@@ -160,10 +159,7 @@ def main():
                 diff = f"{row['max_diff']:.1e}" if "max_diff" in row else row.get("error", "")[-80:]
                 print(f"{kind:5s} {batch:4d} {name:22s} {plan.heads:5d} {plan.warps:5d} {plan.split:5d} | {us} | "
                       f"{diff}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_plans.json").write_text(json.dumps(dict(device=str(dev), context=args.context, rows=rows),
-                                                         indent=1))
+    write_record(args.out, "attention_plans.json", dict(device=str(dev), context=args.context, rows=rows))
 
 
 if __name__ == "__main__":

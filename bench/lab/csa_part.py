@@ -25,7 +25,6 @@ Prints one line per (batch, context): us for the whole part and for each call; w
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us, record_failure  # noqa: E402
+from common import Timer, lab_parser, median_us, record_failure, write_record  # noqa: E402
 
 from dsv4.config import ModelConfig  # noqa: E402
 from dsv4.kernels import attention, compressor, indexer, norm_rope  # noqa: E402
@@ -138,9 +137,7 @@ def main():
                   + " ".join(f"{row['calls_us'][n]:14.1f}" for n in names), flush=True)
             rows.append(row)
             del main_state, index_state, ring, sets, picked
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "csa_part.json").write_text(json.dumps(dict(device=str(dev), rows=rows), indent=1))
+    write_record(args.out, "csa_part.json", dict(device=str(dev), rows=rows))
 
 
 if __name__ == "__main__":

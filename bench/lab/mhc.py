@@ -17,7 +17,6 @@ Prints one line per (tokens, variant): microseconds per call (CUDA graph of rota
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us, record_failure, rel_err  # noqa: E402
+from common import Timer, lab_parser, median_us, record_failure, rel_err, write_record  # noqa: E402
 
 from dsv4.kernels import mhc, ref  # noqa: E402
 
@@ -133,9 +132,7 @@ def main():
             errs = " / ".join(f"{e:.1e}" for e in row["rel_to_default"])
             print(f"{label:5s} {T:6d} {name:20s} | {row['us']:8.1f} {row['us'] / base_us:10.2f} | {errs}", flush=True)
             rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mhc.json").write_text(json.dumps(dict(device=str(dev), shape=shape, iters=iters, rows=rows), indent=1))
+    write_record(args.out, "mhc.json", dict(device=str(dev), shape=shape, iters=iters, rows=rows))
 
 
 if __name__ == "__main__":

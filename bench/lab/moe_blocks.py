@@ -16,7 +16,6 @@ measured copy bandwidth), their ratio and the blocks' error against the sorted p
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, rel_err  # noqa: E402
+from common import FLASH, PRO, TOY, bench_start, nbytes, random_qweight, rel_err, write_record  # noqa: E402
 
 from dsv4.kernels import dispatch, policy, ref, refuse_fallback  # noqa: E402
 from dsv4.kernels import moe as tmoe  # noqa: E402
@@ -87,9 +86,7 @@ def main():
                          f" | in moe's block range: {policy.in_block_range(t, policy.auto_block_tokens(s.E, s.k))}")
                 print(line, flush=True)
                 rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "moe_blocks.json").write_text(json.dumps(dict(copy_gbps=copy, rows=rows), indent=1))
+    write_record(args.out, "moe_blocks.json", dict(copy_gbps=copy, rows=rows))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ Prints one line per (layers, variant): us per chain, GB/s and share of the copy'
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from itertools import accumulate
@@ -43,7 +42,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, copy_bandwidth, lab_parser, median_us, record_failure  # noqa: E402
+from common import Timer, copy_bandwidth, lab_parser, median_us, record_failure, write_record  # noqa: E402
 
 # A V4-Flash layer's products at batch 1 as (N, K) with their bytes at one byte a weight: wq_a with wkv (6.3 MB),
 # wq_b, wo_a (eight groups as one product), wo_b (33.5 MB each), the MoE's gate/up (six NVFP4 experts and the FP8
@@ -318,9 +317,7 @@ def main():
             row["gb_s"] = gbs
             print(f"{head} | {row['us']:8.1f} {gbs:7.0f} {gbs / copy:7.1%} | {row['check']}", flush=True)
             rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "persistent_chain.json").write_text(json.dumps(dict(device=str(dev), copy_gb_s=copy, rows=rows), indent=1))
+    write_record(args.out, "persistent_chain.json", dict(device=str(dev), copy_gb_s=copy, rows=rows))
     bad = [f"{r['layers']} {r['variant']}: {r.get('check', r.get('error'))}" for r in rows
            if r.get("check", "ok") not in ("ok", "-")]
     if bad:

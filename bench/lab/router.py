@@ -11,7 +11,6 @@ and prints both products' relative error (`common.rel_err`) against the float64 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us, rel_err  # noqa: E402
+from common import Timer, lab_parser, median_us, rel_err, write_record  # noqa: E402
 
 from dsv4.kernels import moe, ref  # noqa: E402
 
@@ -47,9 +46,7 @@ def main():
         print(f"{label:5s} tokens {T:4d} | " + " | ".join(f"{n}: {r['us']:7.1f} us, rel {r['rel_to_fp64']:.1e}"
                                                           for n, r in row.items() if n != "tokens"), flush=True)
         rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "router.json").write_text(json.dumps(dict(device=str(dev), K=K, E=E, rows=rows), indent=1))
+    write_record(args.out, "router.json", dict(device=str(dev), K=K, E=E, rows=rows))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ with its mean time (the JSON row's "launches").
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser  # noqa: E402
+from common import Timer, lab_parser, write_record  # noqa: E402
 
 from dsv4.kernels import ref, sampling  # noqa: E402
 from dsv4.runtime.params import SamplingParams  # noqa: E402
@@ -114,9 +113,7 @@ def main():
                 print(f"{label:5s} {name:22s} {b:4d} launches: "
                       + ", ".join(f"{n} {us:.1f}" for n, us in row["launches"]), flush=True)
             rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sampler.json").write_text(json.dumps(dict(device=str(dev), rows=rows), indent=1))
+    write_record(args.out, "sampler.json", dict(device=str(dev), rows=rows))
     bad = [f"{r['mix']} B={r['B']}: {r['rows_differ']} rows" for r in rows if r["rows_differ"] > 0.01 * r["B"]]
     if bad:
         raise SystemExit(f"sample and sample_reference drew different tokens in more than 1 % of the rows: {bad}")

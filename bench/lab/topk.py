@@ -17,7 +17,6 @@ picks agree; writes topk.json.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository: dsv4
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # bench: common
 
-from common import Timer, lab_parser, median_us, record_failure  # noqa: E402
+from common import Timer, lab_parser, median_us, record_failure, write_record  # noqa: E402
 
 from dsv4.kernels import indexer  # noqa: E402
 
@@ -97,9 +96,7 @@ def main():
                       f"{agree}", flush=True)
                 row["default_is_sort"] = oracle_ok
                 rows.append(row)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "topk.json").write_text(json.dumps(dict(device=str(dev), rows=rows), indent=1))
+    write_record(args.out, "topk.json", dict(device=str(dev), rows=rows))
     bad = [f"{r['batch']}x{r['context']} {r['variant']}" for r in rows
            if not r.get("same_picks", True) or not r.get("default_is_sort", True)]
     if bad:
