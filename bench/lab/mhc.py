@@ -33,7 +33,7 @@ FLASH = dict(streams=4, hidden=4096, iters=20)
 TOY = dict(streams=4, hidden=256, iters=3)
 VARIANTS = {                        # name -> HcPlan fields replaced in the default plan
     "default": {},
-    "ieee, 32 tokens": dict(precision="ieee", block_tokens=32),     # rounds 37-54's default above 16 tokens
+    "ieee, 32 tokens": dict(precision="ieee", block_tokens=32),     # rounds 37-54's product (on these chunks)
     "bf16x3": dict(precision="bf16x3"),
     "bf16x3, 32 tokens": dict(precision="bf16x3", block_tokens=32),
     "bf16x3, 128 tok, 8 w": dict(precision="bf16x3", block_tokens=128, warps=8),
