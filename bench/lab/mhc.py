@@ -33,7 +33,8 @@ FLASH = dict(streams=4, hidden=4096, iters=20)
 TOY = dict(streams=4, hidden=256, iters=3)
 VARIANTS = {                        # name -> HcPlan fields replaced in the default plan
     "default": {},
-    "ieee, 32 tokens": dict(precision="ieee", block_tokens=32),     # rounds 37-54's product (on these chunks)
+    "FMA plan": "fmas",             # the plan of fp32 streams: bf16 streams' too before round 55
+    "ieee, 32 tokens": dict(precision="ieee", block_tokens=32),     # that product on the default's chunks
     "bf16x3": dict(precision="bf16x3"),
     "bf16x3, 32 tokens": dict(precision="bf16x3", block_tokens=32),
     "bf16x3, 128 tok, 8 w": dict(precision="bf16x3", block_tokens=128, warps=8),
@@ -48,8 +49,10 @@ VARIANTS = {                        # name -> HcPlan fields replaced in the defa
 
 
 def variant_plan(plan: mhc.HcPlan, change) -> mhc.HcPlan | None:
-    """The default plan with `change`; None where the variant does not exist (a chunk is at least MIX_BK and at most
-    MIX_CHUNK columns)."""
+    """The default plan with `change` ("fmas": the plan of fp32 streams, its own chunks); None where the variant does
+    not exist (a chunk is at least MIX_BK and at most MIX_CHUNK columns)."""
+    if change == "fmas":
+        return mhc.plan_hc(plan.tokens, plan.streams, plan.hidden, plan.rows)
     if change == "half":            # twice the programs, each over half the columns
         if plan.chunk // 2 < mhc.MIX_BK:
             return None
