@@ -150,18 +150,20 @@ def _row_params(b, V, P, F: tl.constexpr):
 
 
 @triton.jit
-def _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, HAS_TOP_K: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """From the chunks' stats: (max x, the smallest `_key32` top-k allows (the least: every key), argmax of the logits
-    with the lowest id (V: none))."""
+def _row_limits(stat_x, stat_i, hist, state, b, chunks, V, P, F: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """Row b's state for the passes after the largest logit's: its `_row_params` (1 / temperature, sampled, min-p,
+    drop share) and, from the chunks' stats, max x, the smallest `_key32` top-k allows (the least: every key) and the
+    argmax of the logits with the lowest id (V: none)."""
+    r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
     c = tl.arange(0, CHUNKS_PAD)
     v = tl.load(stat_x + b * chunks + c, mask=c < chunks, other=float("-inf"))
     max_l = tl.max(v, axis=0)
     top_id = tl.min(tl.where(v == max_l, tl.load(stat_i + b * chunks + c, mask=c < chunks, other=V), V), axis=0)
     kth = tl.zeros([], tl.int64)
-    if HAS_TOP_K:
+    if F.TOP_K:
         if k < V:
             kth, need = radix_state(hist, state, b, chunks, k, 4, CHUNKS_PAD)
-    return max_l * r, (kth - 2147483648).to(tl.int32), top_id
+    return r, sampled, floor_e, drop, max_l * r, (kth - 2147483648).to(tl.int32), top_id
 
 
 @triton.jit
@@ -270,8 +272,8 @@ def _mass_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, cnt, V, s
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
-    r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
-    m_x, kth, token = _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, F.TOP_K, CHUNKS_PAD)
+    r, sampled, floor_e, drop, m_x, kth, token = _row_limits(stat_x, stat_i, hist, state, b, chunks, V, P, F,
+                                                             CHUNKS_PAD)
     row = logits + b * stride
     if sampled:
         start = s * chunk
@@ -330,8 +332,8 @@ def _check_kernel(logits, out, stat_x, stat_i, hist, state, sums, cand, over, cn
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     chunks = tl.num_programs(1)
-    r, sampled, k, floor_e, drop = _row_params(b, V, P, F)
-    m_x, kth, token = _limits(stat_x, stat_i, hist, state, b, chunks, V, r, k, F.TOP_K, CHUNKS_PAD)
+    r, sampled, floor_e, drop, m_x, kth, token = _row_limits(stat_x, stat_i, hist, state, b, chunks, V, P, F,
+                                                             CHUNKS_PAD)
     row = logits + b * stride
     if sampled & (drop > 0.0):
         c_key, c = _cand_keys(row, r, cand + b * D, V, D)
