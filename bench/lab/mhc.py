@@ -7,7 +7,7 @@ tokens a program, tl.dot precision, warps, columns a program), and checks every 
 plan's (the same kernels: the difference is the product's rounding) and the default's against `ref.hc_post_pre` (the
 oracle).
 
-    python bench/lab/mhc.py [--tokens 1,64,256] [--iters 20] [--out DIR]     # on the GPU
+    python bench/lab/mhc.py [--tokens 1,64,256] [--variants "default;bf16x3"] [--iters 20] [--out DIR]   # on the GPU
     python bench/lab/mhc.py --toy                              # CPU dry run (interpreter)
 
 Prints one line per (tokens, variant): microseconds per call (CUDA graph of rotated inputs) and the relative error
@@ -97,6 +97,7 @@ def reference(args_of_case, iters: int):
 def main():
     ap = lab_parser("CPU dry run at a small hidden size (checks the script)")
     ap.add_argument("--tokens", default="1,64,256")
+    ap.add_argument("--variants", help="names of VARIANTS to time, separated by semicolons (default: all)")
     ap.add_argument("--iters", type=int, help="Sinkhorn iterations (default V4-Flash's 20; fewer time their share)")
     args = ap.parse_args()
     shape = FLASH
@@ -119,6 +120,8 @@ def main():
         rows.append(dict(tokens=T, variant="default against ref.hc_post_pre", rel_to_reference=oracle))
         base_us = None
         for name, change in VARIANTS.items():
+            if args.variants and name not in args.variants.split(";"):
+                continue
             plan = variant_plan(default, change)
             if plan is None:
                 continue
