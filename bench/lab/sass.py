@@ -5,6 +5,7 @@ Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in i
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 --pair --tiled --gcol --shared fp8
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py --sampler       # the sampler's passes, per logit
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py --mhc           # mHC's mixing launches, per K step
 
 Needs the Triton release the device runs (3.6: a wheel unpacked into a folder on PYTHONPATH; its bundled
 ptxas and cuobjdump do the rest). Prints instructions per weight element in the innermost loop that holds
@@ -30,7 +31,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from dsv4.kernels import gemv, moe_pair, policy, sampling  # noqa: E402
+from dsv4.kernels import gemv, mhc, moe_pair, policy, sampling  # noqa: E402
 from dsv4.kernels.gemv_launch import Io, Layout, Stored, Units  # noqa: E402
 from dsv4.kernels.host import Operand  # noqa: E402
 from dsv4.kernels.policy import GemvConfig  # noqa: E402
@@ -201,6 +202,39 @@ def sampler_counts() -> None:
               f"{regs[0] if regs else '?'}; spill instructions {spills}")
 
 
+MHC_TYPES = dict(out_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", y_ptr="*bf16", fn_ptr="*fp32",
+                 part_ptr="*fp32")
+MHC_UNALIGNED = {"R", "stride_pc", "stride_pt"}   # i32 arguments V4's shapes do not pass as multiples of 16
+
+
+def mhc_counts() -> None:
+    """mHC's mixing launches (`kernels/mhc.py`) for bf16 streams at V4-Flash's plans for 16 and 64 tokens, compiled
+    with MIX_CHUNK columns a program (V4-Flash's plans take fewer, a single step, which the compiler unrolls): the
+    instructions of one BK step (the K loop), its FFMAs, registers and spills."""
+    for tokens in (16, 64):
+        plan = mhc.plan_hc(tokens, 4, 4096, 24, bf16=True)
+        for fn in (mhc._post_mix_kernel, mhc._mix_kernel):
+            consts = dict(RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=mhc.MIX_CHUNK, BK=mhc.MIX_BK,
+                          PRECISION=plan.precision, DOT=tl.bfloat16)
+            if fn is mhc._post_mix_kernel:
+                consts.update(N=plan.streams)
+            sig = {n: "constexpr" if n in consts else MHC_TYPES.get(n, "i32") for n in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if n not in consts and n not in MHC_UNALIGNED}
+            k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": plan.warps})
+            ins, usage = dump(k.asm["cubin"])
+            loops = [(int(m.group(1), 16), addr) for addr, t in ins
+                     if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
+            lo, hi = max(loops, key=lambda b: b[1] - b[0])               # the K loop: the largest backward branch
+            body = Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for a, t in ins if lo <= a <= hi)
+            regs = re.findall(r"REG:(\d+)", usage)
+            spills = sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL")))
+            print(f"{tokens} tokens ({plan.precision}, {plan.block_tokens} a program) {fn.__name__}: "
+                  f"{sum(body.values())} instructions a K step, FFMA {body['FFMA']}; registers "
+                  f"{regs[0] if regs else '?'}; spill instructions {spills}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("formats", nargs="*", default=["nvfp4", "mxfp4", "fp8"])
@@ -221,9 +255,13 @@ def main():
     ap.add_argument("--qgemm", action="store_true", help="the fused tiles (`compile_qgemm`, aligned as at V4's "
                     "shapes; formats may include dense) at BM 16, --bn, BK 128, split-K, --warps, --stages")
     ap.add_argument("--sampler", action="store_true", help="the sampler's passes instead (`sampler_counts`)")
+    ap.add_argument("--mhc", action="store_true", help="mHC's mixing launches instead (`mhc_counts`)")
     args = ap.parse_args()
     if args.sampler:
         sampler_counts()
+        return
+    if args.mhc:
+        mhc_counts()
         return
     for fmt in args.formats:
         if args.qgemm:
