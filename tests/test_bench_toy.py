@@ -74,3 +74,14 @@ def test_run_all_correctness_section_passes_at_toy_shapes(tmp_path):
     assert len(checks) > 100 and [c["check"] for c in checks if not c["ok"]] == []
     assert any(c["check"].startswith("sampler") for c in checks) and any("fp8 keys" in c["check"] for c in checks)
     assert sum("packed fp8" in c["check"] or "fp8 rounding" in c["check"] for c in checks) == 5
+
+
+def test_mhc_lab_refuses_an_unknown_variant_by_name():
+    """`bench/lab/mhc.py --variants` takes VARIANTS' names (semicolons between them): a name it does not have stops
+    the run before any timing, naming it, rather than timing fewer variants than asked."""
+    args = ["bench/lab/mhc.py", "--toy", "--variants", "default;FMA plan;bf16x4"]
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", RUN_SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2 and "unknown variants ['bf16x4']" in proc.stderr, proc.stderr[-2000:]
+    assert not any(line.startswith("toy") for line in proc.stdout.splitlines())

@@ -7,7 +7,7 @@ tokens a program, tl.dot precision, warps, columns a program), and checks every 
 plan's (the same kernels: the difference is the product's rounding) and the default's against `ref.hc_post_pre` (the
 oracle).
 
-    python bench/lab/mhc.py [--tokens 1,64,256] [--variants "default;bf16x3"] [--iters 20] [--out DIR]   # on the GPU
+    python bench/lab/mhc.py [--tokens 1,64,256] [--variants "default;bf16x3"] [--iters 20] [--out DIR]  # GPU
     python bench/lab/mhc.py --toy                              # CPU dry run (interpreter)
 
 Prints one line per (tokens, variant): microseconds per call (CUDA graph of rotated inputs) and the relative error
@@ -100,6 +100,9 @@ def main():
     ap.add_argument("--variants", help="names of VARIANTS to time, separated by semicolons (default: all)")
     ap.add_argument("--iters", type=int, help="Sinkhorn iterations (default V4-Flash's 20; fewer time their share)")
     args = ap.parse_args()
+    chosen = args.variants.split(";") if args.variants else list(VARIANTS)
+    if unknown := [name for name in chosen if name not in VARIANTS]:
+        ap.error(f"unknown variants {unknown}; the lab has {list(VARIANTS)}")
     shape = FLASH
     if args.toy:
         args.device, args.tokens, args.rounds, shape = "cpu", "1,17", 1, TOY
@@ -120,7 +123,7 @@ def main():
         rows.append(dict(tokens=T, variant="default against ref.hc_post_pre", rel_to_reference=oracle))
         base_us = None
         for name, change in VARIANTS.items():
-            if args.variants and name not in args.variants.split(";"):
+            if name not in chosen:
                 continue
             plan = variant_plan(default, change)
             if plan is None:
