@@ -148,19 +148,30 @@ def dump(cubin: bytes) -> tuple[list[tuple[int, str]], str]:
             (re.match(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);", line) for line in sass.splitlines()) if m], usage
 
 
+def loops(ins) -> list[tuple[int, int]]:
+    """The (start, end) addresses of each loop of a `dump`: every backward branch and its target."""
+    return [(int(m.group(1), 16), addr) for addr, t in ins
+            if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
+
+
+def op_counts(ins, lo: int, hi: int) -> Counter:
+    """The instructions from address lo to hi, counted by opcode (predicate and modifiers dropped)."""
+    return Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for a, t in ins if lo <= a <= hi)
+
+
+def spills_and_registers(ins, usage: str) -> tuple[int, str]:
+    """A `dump`'s spill instructions (local loads and stores) and its registers a thread."""
+    regs = re.findall(r"REG:(\d+)", usage)
+    return sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL"))), regs[0] if regs else "?"
+
+
 def loop_counts(cubin: bytes):
     ins, usage = dump(cubin)
     best = None
-    for addr, text in ins:  # the innermost backward branch whose body holds an MMA
-        m = re.search(r"BRA (0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            lo = int(m.group(1), 16)
-            if any(lo <= a <= addr and "MMA" in t for a, t in ins) and (best is None or addr - lo < best[1] - best[0]):
-                best = (lo, addr)
-    ops = Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for a, t in ins
-                  if best and best[0] <= a <= best[1])
-    regs = re.findall(r"REG:(\d+)", usage)
-    return ops, sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL"))), regs[0] if regs else "?"
+    for lo, addr in loops(ins):  # the innermost loop whose body holds an MMA
+        if any(lo <= a <= addr and "MMA" in t for a, t in ins) and (best is None or addr - lo < best[1] - best[0]):
+            best = (lo, addr)
+    return (op_counts(ins, *best) if best else Counter()), *spills_and_registers(ins, usage)
 
 
 SAMPLER_TYPES = dict(logits="*fp32", stat_x="*fp32", stat_i="*i32", hist="*i32", state="*i64", sums="*i64",
@@ -193,13 +204,11 @@ def sampler_counts() -> None:
         sig = {n: "constexpr" if n in consts else SAMPLER_TYPES.get(n, "i32") for n in fn.arg_names}
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ins, usage = dump(k.asm["cubin"])
-        loops = [sum(1 for a, _ in ins if int(m.group(1), 16) <= a <= addr) for addr, t in ins
-                 if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
-        per_logit = [n * 8 * 32 / getattr(sampling, w) for n, w in zip(loops, widths)]
-        regs = re.findall(r"REG:(\d+)", usage)
-        spills = sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL")))
-        print(f"{what}: instructions a logit in its loops {[round(n, 1) for n in per_logit]}; registers "
-              f"{regs[0] if regs else '?'}; spill instructions {spills}")
+        sizes = [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in loops(ins)]
+        per_logit = [n * 8 * 32 / getattr(sampling, w) for n, w in zip(sizes, widths)]
+        spills, regs = spills_and_registers(ins, usage)
+        print(f"{what}: instructions a logit in its loops {[round(n, 1) for n in per_logit]}; registers {regs}; "
+              f"spill instructions {spills}")
 
 
 MHC_TYPES = dict(out_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", y_ptr="*bf16", fn_ptr="*fp32",
@@ -224,15 +233,11 @@ def mhc_counts() -> None:
             k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": plan.warps})
             ins, usage = dump(k.asm["cubin"])
-            loops = [(int(m.group(1), 16), addr) for addr, t in ins
-                     if (m := re.search(r"BRA (0x[0-9a-f]+)", t)) and int(m.group(1), 16) < addr]
-            lo, hi = max(loops, key=lambda b: b[1] - b[0])               # the K loop: the largest backward branch
-            body = Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0] for a, t in ins if lo <= a <= hi)
-            regs = re.findall(r"REG:(\d+)", usage)
-            spills = sum(1 for _, t in ins if t.split()[0].startswith(("LDL", "STL")))
+            body = op_counts(ins, *max(loops(ins), key=lambda b: b[1] - b[0]))   # the K loop: the largest
+            spills, regs = spills_and_registers(ins, usage)
             print(f"{tokens} tokens ({plan.precision}, {plan.block_tokens} a program) {fn.__name__}: "
-                  f"{sum(body.values())} instructions a K step, FFMA {body['FFMA']}; registers "
-                  f"{regs[0] if regs else '?'}; spill instructions {spills}")
+                  f"{sum(body.values())} instructions a K step, FFMA {body['FFMA']}; registers {regs}; spill "
+                  f"instructions {spills}")
 
 
 def main():
