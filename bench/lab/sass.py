@@ -219,14 +219,15 @@ MHC_UNALIGNED = {"R", "stride_pc", "stride_pt"}   # i32 arguments V4's shapes do
 def mhc_counts() -> None:
     """mHC's mixing launches (`kernels/mhc.py`) for bf16 streams at V4-Flash's plans for 16 and 64 tokens, compiled
     with MIX_CHUNK columns a program (V4-Flash's plans take fewer, a single step, which the compiler unrolls): the
-    instructions of one BK step (the K loop), its FFMAs, registers and spills."""
+    instructions of one BK step (the K loop), its FFMAs, registers and spills; the update's launch also with OPAQUE
+    off (the update then made a second time in the product's operand layout where the product is "bf16x3")."""
     for tokens in (16, 64):
         plan = mhc.plan_hc(tokens, 4, 4096, 24, bf16=True)
-        for fn in (mhc._post_mix_kernel, mhc._mix_kernel):
+        for fn, opaque in ((mhc._post_mix_kernel, True), (mhc._post_mix_kernel, False), (mhc._mix_kernel, None)):
             consts = dict(RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=mhc.MIX_CHUNK, BK=mhc.MIX_BK,
                           PRECISION=plan.precision, DOT=tl.bfloat16)
-            if fn is mhc._post_mix_kernel:
-                consts.update(N=plan.streams)
+            if opaque is not None:
+                consts.update(N=plan.streams, OPAQUE=opaque)
             sig = {n: "constexpr" if n in consts else MHC_TYPES.get(n, "i32") for n in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                      if n not in consts and n not in MHC_UNALIGNED}
@@ -235,9 +236,9 @@ def mhc_counts() -> None:
             ins, usage = dump(k.asm["cubin"])
             body = op_counts(ins, *max(loops(ins), key=lambda b: b[1] - b[0]))   # the K loop: the largest
             spills, regs = spills_and_registers(ins, usage)
-            print(f"{tokens} tokens ({plan.precision}, {plan.block_tokens} a program) {fn.__name__}: "
-                  f"{sum(body.values())} instructions a K step, FFMA {body['FFMA']}; registers {regs}; spill "
-                  f"instructions {spills}")
+            what = fn.__name__ + ("" if opaque is None else f", OPAQUE {opaque}")
+            print(f"{tokens} tokens ({plan.precision}, {plan.block_tokens} a program) {what}: {sum(body.values())} "
+                  f"instructions a K step, FFMA {body['FFMA']}; registers {regs}; spill instructions {spills}")
 
 
 def main():

@@ -12,9 +12,9 @@ writes per-chunk partial products (fp32) and sums of squares; `_finish_kernel` (
 the chunks as one tile (a fixed order), normalises, runs the sigmoids and the Sinkhorn iterations in registers, and
 collapses the streams; given the block's norm weight it holds the whole row and applies that RMSNorm too
 (`norm_rope_row`, the norm kernel's code: the next kernel's round trip saved). The RMS factor multiplies the finished
-dot product instead of every input: the same value within fp32 rounding. Above MIX_TOKENS tokens, bf16 streams
-multiply fn as three exact bf16 pieces on the tensor cores (`HcPlan.precision` "bf16x3", `pieces.dot_pieces`): the
-same sums within fp32 rounding as fp32 FMAs, without the FMA product's instructions. `hc_post` is one launch,
+dot product instead of every input: the same value within fp32 rounding. bf16 streams multiply fn as three exact
+bf16 pieces on the tensor cores (`HcPlan.precision` "bf16x3", `pieces.dot_pieces`): the same sums within fp32
+rounding as fp32 FMAs, without the FMA product's instructions. `hc_post` is one launch,
 X'[k] = post[k] out + sum_j comb[j, k] X[j], accumulated in fp32 and rounded once to the stream dtype.
 `hc_post_pre` (a sub-block's update, then the next sub-block's collapse) computes X' inside the mixing launch
 (`_post_mix_kernel`: each program makes the columns of X' it multiplies, from the same columns of every stream, as
@@ -39,17 +39,16 @@ from .policy import cdiv, next_pow2
 
 MIX_CHUNK = 512       # fn columns per `_mix_kernel` program (at most)
 MIX_BK = 64           # columns per inner step of a chunk (and the fewest a chunk has)
-MIX_TOKENS = 16       # tokens per `_mix_kernel` program up to this many tokens: the rows of its fp32 products
+MIX_TOKENS = 16       # tokens per `_mix_kernel` program up to this many tokens: the rows of its products
                       # (tl.dot's least M)
 MIX_TOKENS_MANY = 32  # tokens per program above MIX_TOKENS tokens (docs/tuning.md#mhc-mixing)
-MIX_TOKENS_BF16 = 64  # the same for bf16 streams, whose products then run on the tensor cores (MIX_PRECISION_BF16):
-                      # a warp group's 64 rows
+MIX_TOKENS_BF16 = 64  # the same for bf16 streams: a warp group's 64 rows of tensor-core products
 MIX_PROGRAMS = 256    # chunks halve (down to MIX_BK columns) until a launch has this many programs: a decode step's
                       # few tokens then read fn (1.5 MB for V4-Flash) over the whole GPU, not 32 SMs
 COLLAPSE_BD = 512     # hidden columns per step of the collapse and of `hc_post`
 MIX_PRECISION = "ieee"  # the mixing product's tl.dot for fp32 streams: fp32 FMAs (bench/lab/mhc.py times others)
-MIX_PRECISION_BF16 = "bf16x3"  # for bf16 streams above MIX_TOKENS tokens: fn as three bf16 pieces on the tensor
-                               # cores (module docstring)
+MIX_PRECISION_BF16 = "bf16x3"  # for bf16 streams: fn as three bf16 pieces on the tensor cores (module
+                               # docstring)
 
 
 @dataclass(frozen=True)
@@ -84,9 +83,9 @@ def takes_shape(streams: int, hidden: int) -> bool:
 
 @lru_cache(maxsize=None)
 def plan_hc(tokens: int, streams: int, hidden: int, rows: int, bf16: bool = False) -> HcPlan:
-    """The geometry of one shape (pure, cached; bf16: the streams are bf16): MIX_TOKENS tokens a mixing program in
-    MIX_PRECISION up to that many tokens; above, MIX_TOKENS_BF16 tokens in MIX_PRECISION_BF16 for bf16 streams, else
-    MIX_TOKENS_MANY in MIX_PRECISION. The mixing product's chunks are MIX_CHUNK columns, or the largest divisor of
+    """The geometry of one shape (pure, cached; bf16: the streams are bf16): the mixing product in MIX_PRECISION_BF16
+    for bf16 streams, else MIX_PRECISION; MIX_TOKENS tokens a mixing program up to that many tokens, above
+    MIX_TOKENS_BF16 for bf16 streams, else MIX_TOKENS_MANY. The mixing product's chunks are MIX_CHUNK columns, or the largest divisor of
     n d below it that is a multiple of MIX_BK (a power of two), halved while the launch has fewer than MIX_PROGRAMS
     programs and a chunk more than MIX_BK columns."""
     width = streams * hidden
@@ -94,13 +93,12 @@ def plan_hc(tokens: int, streams: int, hidden: int, rows: int, bf16: bool = Fals
     if not takes_shape(streams, hidden):
         raise ValueError(f"hc kernels need a power-of-two hc_mult and hc_mult * hidden divisible by {MIX_BK}, "
                          f"got {streams} x {hidden}")
-    pieces = bf16 and tokens > MIX_TOKENS
-    block_tokens = MIX_TOKENS if tokens <= MIX_TOKENS else MIX_TOKENS_BF16 if pieces else MIX_TOKENS_MANY
+    block_tokens = MIX_TOKENS if tokens <= MIX_TOKENS else MIX_TOKENS_BF16 if bf16 else MIX_TOKENS_MANY
     blocks = cdiv(tokens, block_tokens)
     while chunk > MIX_BK and blocks * (width // chunk) < MIX_PROGRAMS:
         chunk //= 2
     return HcPlan(tokens, streams, hidden, rows, max(16, next_pow2(rows)), chunk, width // chunk, block_tokens,
-                  MIX_PRECISION_BF16 if pieces else MIX_PRECISION)
+                  MIX_PRECISION_BF16 if bf16 else MIX_PRECISION)
 
 
 @triton.jit
@@ -149,10 +147,13 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, T, K, R, stride_xt, stride_pc, stride_p
 @triton.jit
 def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, T, K, R, D, stride_ot, stride_xt,
                      stride_yt, stride_pc, stride_pt, N: tl.constexpr, RP: tl.constexpr, BT: tl.constexpr,
-                     CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr):
+                     CHUNK: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr,
+                     OPAQUE: tl.constexpr):
     """`_mix_kernel` of the updated streams y = X' (stored in y's dtype as they are made, `_post_kernel`'s sum order):
     column k of the flattened y is stream s = k // D, y[s, col] = post[s] out[col] + sum_j comb[j, s] X[j, col]
-    (D a multiple of BK: a BK block lies in one stream)."""
+    (D a multiple of BK: a BK block lies in one stream). OPAQUE (a GPU build): each block of y passes an identity
+    the compiler may not copy, so y is made once and moved into the product's operand layout, not made a second
+    time in that layout beside the store's."""
     tb, c = tl.program_id(0), tl.program_id(1)
     t = tb * BT + tl.arange(0, BT)
     r = tl.arange(0, RP)
@@ -171,6 +172,9 @@ def _post_mix_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr
             y += tl.load(comb_ptr + t * N * N + j * N + s, mask=tmask, other=0.0)[:, None] * xj.to(tl.float32)
         k = k0 + tl.arange(0, BK)
         y = y.to(dtype)
+        if OPAQUE:
+            y = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [y], dtype=dtype, is_pure=False,
+                                          pack=32 // dtype.primitive_bitwidth)
         tl.store(y_ptr + t64[:, None] * stride_yt + k[None, :], y, mask=tmask[:, None])
         acc, sq = _mix_block(acc, sq, y, fn_ptr, r, rmask, k, K, PRECISION, DOT)
     _store_partials(part_ptr, acc, sq, c, t, tmask, r, stride_pc, stride_pt, RP)
@@ -278,7 +282,7 @@ def _collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
             o, src, post_in.reshape(T, n).float().contiguous(), comb_in.reshape(T, n, n).float().contiguous(), xt,
             fn.float().contiguous(), part, T, n * d, R, d, o.stride(0), src.stride(0), xt.stride(0), part.stride(0),
             part.stride(1), N=n, RP=plan.rows_p2, BT=plan.block_tokens, CHUNK=plan.chunk, BK=MIX_BK,
-            PRECISION=plan.precision, DOT=dot, num_warps=plan.warps)
+            PRECISION=plan.precision, DOT=dot, OPAQUE=dev.type == "cuda", num_warps=plan.warps)
     elif T:
         _mix_kernel[(plan.token_blocks, plan.chunks)](
             xt, fn.float().contiguous(), part, T, n * d, R, xt.stride(0), part.stride(0), part.stride(1),
