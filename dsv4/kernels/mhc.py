@@ -85,9 +85,9 @@ def takes_shape(streams: int, hidden: int) -> bool:
 def plan_hc(tokens: int, streams: int, hidden: int, rows: int, bf16: bool = False) -> HcPlan:
     """The geometry of one shape (pure, cached; bf16: the streams are bf16): the mixing product in MIX_PRECISION_BF16
     for bf16 streams, else MIX_PRECISION; MIX_TOKENS tokens a mixing program up to that many tokens, above
-    MIX_TOKENS_BF16 for bf16 streams, else MIX_TOKENS_MANY. The mixing product's chunks are MIX_CHUNK columns, or the largest divisor of
-    n d below it that is a multiple of MIX_BK (a power of two), halved while the launch has fewer than MIX_PROGRAMS
-    programs and a chunk more than MIX_BK columns."""
+    MIX_TOKENS_BF16 for bf16 streams, else MIX_TOKENS_MANY. The mixing product's chunks are MIX_CHUNK columns, or the
+    largest divisor of n d below it that is a multiple of MIX_BK (a power of two), halved while the launch has fewer
+    than MIX_PROGRAMS programs and a chunk more than MIX_BK columns."""
     width = streams * hidden
     chunk = math.gcd(width, MIX_CHUNK)
     if not takes_shape(streams, hidden):
