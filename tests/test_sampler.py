@@ -199,6 +199,29 @@ def test_random_rows_the_kernel_draws_the_references_tokens(vocab):
         assert set(kept[i].nonzero().flatten().tolist()) == brute_force_kept(x[i], params[i]), params[i]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_in_place_draw_what_their_fp32_copy_draws(dtype):
+    """The model's bf16 / fp16 logits, a slice of wider rows as the engine passes them (padded vocabulary rows left
+    out): the kernels read them in place and draw, token for token, what the fp32 copy draws, by the kernels and by
+    the reference; logprobs come from the same values."""
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 24, 3000
+    wide = (torch.randn(rows, vocab + 5, generator=g) * 3).to(dtype)
+    wide[:, 11] = wide[:, 12]                                      # a tie
+    x = wide[:, :vocab]
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_k=[0, 40][i % 2],
+                             top_p=[1.0, 0.9, 0.5][i % 3], min_p=[0.0, 0.05][i % 2], logprobs=2 if i % 5 == 0 else None)
+              for i in range(rows)]
+    for all_filters in (False, True):
+        batch = build(params, vocab_size=vocab, all_filters=all_filters)
+        want = sample_reference(x.float(), batch)
+        assert torch.equal(kernel_tokens(x, batch), want.token_ids)
+        assert torch.equal(kernel_tokens(x, batch, chunks=2), want.token_ids)
+        got = sample_reference(x, batch)
+        assert torch.equal(got.token_ids, want.token_ids)
+        assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.logprob_ids, want.logprob_ids)
+
+
 def test_flat_and_peaked_rows_give_the_references_tokens():
     """Rows whose draws fall in the dropped tail again and again (many near-equal logits, a small kept set: the
     bracket finds the kept set), and peaked rows (a spike of +40 in the first block, in the last)."""
@@ -480,8 +503,10 @@ def test_raw_logprobs_and_ranks():
 
 def test_bad_inputs():
     batch = build([SamplingParams()], vocab_size=4)
-    with pytest.raises(ValueError, match="float32"):
-        sample(torch.zeros(1, 4, dtype=torch.bfloat16), batch)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        sample(torch.zeros(1, 4, dtype=torch.float64), batch)
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        sample(torch.zeros(4), batch)
     with pytest.raises(ValueError, match="vocab"):
         sample(torch.zeros(1, 5), batch)
     with pytest.raises(ValueError, match="rows"):

@@ -8,8 +8,10 @@ target is <= 50 us a step at batch 64.
     python bench/lab/sampler.py --toy                                                             # CPU dry run
     python bench/lab/sampler.py --logits equal --batches 64         # every logit equal: top-k's worst case
     python bench/lab/sampler.py --batches 64 --profile                  # + each launch's time (torch.profiler)
+    python bench/lab/sampler.py --dtype fp32                     # fp32 logits (default bf16, as the engine's)
 
-For each mix of sampling parameters and batch size: random logits (N(0, 3^2), a new set per rotated call; with
+For each mix of sampling parameters and batch size: random logits (N(0, 3^2) in `--dtype`, bf16 by default: the model's
+logits, which the engine samples in place; a new set per rotated call; with
 `--logits equal` every logit 0, where every key shares every byte of top-k's radix select and every token is kept), one
 batch of parameters, and the two samplers timed in turn, `--rounds` times; the median of each is printed with
 their ratio and how many rows drew a different token. The kernel's exp and log may differ from torch's in the last
@@ -63,6 +65,8 @@ def main():
     ap.add_argument("--candidates", default="", help="other counts of draws a top-p row checks, to time, e.g. 2,8")
     ap.add_argument("--logits", choices=("normal", "equal"), default="normal", help="N(0, 3^2) logits, or all 0")
     ap.add_argument("--profile", action="store_true", help="each launch's mean time under torch.profiler (CUDA)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="the logits' dtype: bf16 as the engine hands the model's logits over, or fp32")
     args = ap.parse_args()
     if args.toy:
         args.device, args.batches, args.vocab, args.rounds = "cpu", "1,8", 1000, 1
@@ -74,8 +78,9 @@ def main():
           f"| rows differ | graph")
     rows = []
     for b in map(int, args.batches.split(",")):
-        logits = [torch.randn(b, args.vocab, device=dev, generator=gen) * (3 if args.logits == "normal" else 0)
-                  for _ in range(rot)]
+        dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        logits = [(torch.randn(b, args.vocab, device=dev, generator=gen) * (3 if args.logits == "normal" else 0))
+                  .to(dtype) for _ in range(rot)]
         for name, (params, all_filters) in mixes(b).items():
             batch = SamplingBatch.build(params, range(b), args.vocab, dev, unseeded_seed=7, all_filters=all_filters)
             samplers = dict(SAMPLERS)
@@ -85,8 +90,8 @@ def main():
                 expected[f"kernel, {n} candidates"] = _reference_draw(logits[0], batch, n)
             differ = {sampler_name: int((fn(logits[0], batch).token_ids != expected[sampler_name]).sum())
                       for sampler_name, fn in samplers.items() if sampler_name != "reference"}
-            row = dict(mix=name, B=b, V=args.vocab, logits=args.logits, rows_differ=max(differ.values()),
-                       rows_differ_by=differ, graph=dev.type == "cuda")
+            row = dict(mix=name, B=b, V=args.vocab, logits=args.logits, dtype=args.dtype,
+                       rows_differ=max(differ.values()), rows_differ_by=differ, graph=dev.type == "cuda")
             calls = {sampler_name: [lambda x=x, fn=fn, batch=batch: fn(x, batch) for x in logits]
                      for sampler_name, fn in samplers.items()}
             for sampler_name in samplers if row["graph"] else ():
@@ -146,8 +151,8 @@ def _kernel_draw(logits, batch, candidates: int):
 
 def _reference_draw(logits, batch, candidates: int):
     """The reference's tokens with `candidates` draws checked a top-p row."""
-    return ref.sample_tokens(logits, batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k, batch.drop_share,
-                             batch.seeds, batch.counters, candidates=candidates)
+    return ref.sample_tokens(logits.float(), batch.inv_temperature, batch.greedy, batch.min_p, batch.top_k,
+                             batch.drop_share, batch.seeds, batch.counters, candidates=candidates)
 
 
 if __name__ == "__main__":

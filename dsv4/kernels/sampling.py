@@ -8,7 +8,9 @@ larger x weigh less than T - floor(T * drop_share), drop_share = 1 - top_p). Eac
 and so do all three. The draw (`ref.draw_by_mass`) lays the masses end to end in token order and takes the token
 that holds a uniform integer in [0, T): a 64-bit word of the row's key times T, the top 64 bits of the product.
 Integer sums do not depend on their order, so the chunks' programs, the reference and any GPU draw the same token
-(up to the last bit of exp). Greedy rows take argmax(logits), ties to the lowest id.
+(up to the last bit of exp). Greedy rows take argmax(logits), ties to the lowest id. Logits may be fp32, bf16 or fp16:
+every load widens them to fp32, so a bf16 row draws what its fp32 copy would, without the copy (twice the bytes to
+write and then to read in each pass).
 
 Every pass runs one program per (row, chunk of whole blocks; `plan_chunks`: enough programs to keep the loads in
 flight); the last program of a row to finish a pass (a per-row counter, release / acquire) does the row's work
@@ -171,7 +173,7 @@ def _masses(row, j, end, r, m_x, kth32, floor_e):
     """The masses (int64) of a row's tokens j (ids below end; any shape) that min-p and top-k allow (0 for the others,
     for -inf and past end), and the `_key32` keys of their x = logits * r; kth32: the smallest key32 top-k allows."""
     valid = j < end
-    x = tl.load(row + j, mask=valid, other=float("-inf")) * r
+    x = tl.load(row + j, mask=valid, other=float("-inf")).to(tl.float32) * r
     key = _key32(x)
     e = tl.exp(x - m_x)
     ok = valid & (key >= kth32) & (e >= floor_e) & (x > float("-inf"))
@@ -197,7 +199,7 @@ def _max_kernel(logits, stat_x, stat_i, hist, cnt, V, stride, chunk, P, F: tl.co
     end = tl.minimum(start + chunk, V)
     for j0 in range(start, end, BLOCK):
         j = j0 + offs
-        lg = tl.load(row + j, mask=j < end, other=float("-inf"))
+        lg = tl.load(row + j, mask=j < end, other=float("-inf")).to(tl.float32)
         up = lg > top_l
         top_j = tl.where(up, j, top_j)
         top_l = tl.where(up, lg, top_l)
@@ -249,7 +251,7 @@ def _sharing_keys(row, j0, end, r, prefix, PASS: tl.constexpr, BLOCK: tl.constex
     """The keys of x at tokens [j0, j0 + BLOCK) and which of them (below end) share the prefix's bytes before byte
     PASS."""
     j = j0 + tl.arange(0, BLOCK)
-    key = _key(tl.load(row + j, mask=j < end, other=float("-inf")) * r)
+    key = _key(tl.load(row + j, mask=j < end, other=float("-inf")).to(tl.float32) * r)
     return key, (j < end) & shares_prefix(key, prefix, PASS)
 
 
@@ -319,7 +321,7 @@ def _cand_keys(row, r, cand_row, V, D: tl.constexpr):
     where a draw is none)."""
     c = tl.load(cand_row + tl.arange(0, D))
     c = tl.where((c >= 0) & (c < V), c, V)
-    x = tl.load(row + tl.where(c < V, c, 0)) * r
+    x = tl.load(row + tl.where(c < V, c, 0)).to(tl.float32) * r
     return tl.where(c < V, _key32(x), 2147483647), c
 
 
@@ -454,10 +456,10 @@ def sample_tokens(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: t
                   min_p: torch.Tensor | None, top_k: torch.Tensor | None, drop_share: torch.Tensor | None,
                   seeds: torch.Tensor, counters: torch.Tensor, chunks: int | None = None,
                   candidates: int = CANDIDATES, counted_keys: int = COUNTED_KEYS) -> torch.Tensor:
-    """int64 [B]: one token per row of fp32 logits [B, V] (module docstring; `ref.sample_tokens`). chunks: how many
-    programs take each row's chunked passes (by default `plan_chunks`'); candidates: draws a top-p row checks before
-    its own bracket (a power of two; `ref.sample_tokens` must be given the same); counted_keys: `_radix_kernel`'s
-    bound on counting key by key."""
+    """int64 [B]: one token per row of logits [B, V] (fp32, bf16 or fp16; module docstring; `ref.sample_tokens`).
+    chunks: how many programs take each row's chunked passes (by default `plan_chunks`'); candidates: draws a top-p
+    row checks before its own bracket (a power of two; `ref.sample_tokens` must be given the same); counted_keys:
+    `_radix_kernel`'s bound on counting key by key."""
     B, V = logits.shape
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B == 0:

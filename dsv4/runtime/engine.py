@@ -357,7 +357,7 @@ class Engine:
                     logits = self.model.head_logits(streams[:, rows])[0]
                 except Exception as e:
                     return self._end_all(seqs, uncommitted, e)
-            out, logits, counters = self._launch_sampling(seqs, logits[:, :self.vocab_size].float())
+            out, logits, counters = self._launch_sampling(seqs, logits[:, :self.vocab_size])
             ahead = decode_runner and self.async_scheduling and len(seqs) == len(plan)
             host = self._host_copy(out) if ahead else out   # queued before the step ahead, which would hold it
             draws = (host, logits, counters)

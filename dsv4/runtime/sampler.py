@@ -1,7 +1,8 @@
 """Batched token sampling with per-row parameters, in vLLM's order and semantics, without a sort or a host sync.
 
-For logits [B, V] fp32 (one row per sequence, V = the tokenizer's vocab; slice off padded embedding rows
-first), each row is processed as vLLM's V1 sampler does:
+For logits [B, V] (one row per sequence, V = the tokenizer's vocab; a slice that leaves out padded embedding rows
+is read in place), fp32 or the model's bf16 / fp16 (their values, widened to fp32: no copy is made on CUDA), each row
+is processed as vLLM's V1 sampler does:
 
 1. logprobs, when requested, are the *raw* model distribution log_softmax(logits), before temperature or
    any truncation (vLLM's default logprobs_mode "raw_logprobs"), with the row's top-n by `topk`;
@@ -42,6 +43,8 @@ import torch
 from dsv4.kernels import ref
 from dsv4.kernels.ref import GOLDEN_GAMMA, SAMPLE_MASS_BITS, row_keys  # noqa: F401  (re-exported)
 from dsv4.runtime.params import Logprob, SamplingParams
+
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)   # what `sample` takes; fp32 values all
 
 
 def device_column(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -171,12 +174,15 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 # ------------------------------------------------------------------ internals
 def _sample(logits: torch.Tensor, batch: SamplingBatch, reference: bool) -> SamplerOutput:
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}")
+    if logits.dim() != 2 or logits.dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits must be [B, V] float32, bfloat16 or float16, got {tuple(logits.shape)} "
+                         f"{logits.dtype}")
     if logits.shape[0] != batch.temperature.shape[0]:
         raise ValueError(f"logits have {logits.shape[0]} rows but the batch has {batch.temperature.shape[0]}")
     if logits.shape[1] != batch.vocab_size:
         raise ValueError(f"logits have {logits.shape[1]} columns but the batch was built for vocab {batch.vocab_size}")
+    if reference:                   # the reference takes fp32; the kernels widen each load (the same values)
+        logits = logits.float()
     if reference and batch.all_greedy:
         token_ids = logits.argmax(dim=-1)    # first maximum: ties go to the lowest id
     else:                           # on CUDA greedy batches too: the kernels' argmax splits each row over programs
@@ -192,7 +198,7 @@ def _sample(logits: torch.Tensor, batch: SamplingBatch, reference: bool) -> Samp
 def _with_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int | None) -> SamplerOutput:
     if n is None:
         return SamplerOutput(token_ids, None, None, None)
-    raw = logits.log_softmax(dim=-1)
+    raw = logits.float().log_softmax(dim=-1)
     sampled = raw.gather(1, token_ids[:, None])
     ranks = (raw >= sampled).sum(dim=-1)     # vLLM's convention: ties count against the token
     ids, lps = token_ids[:, None], sampled
