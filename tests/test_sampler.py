@@ -220,6 +220,7 @@ def test_half_logits_in_place_draw_what_their_fp32_copy_draws(dtype):
         got = sample_reference(x, batch)
         assert torch.equal(got.token_ids, want.token_ids)
         assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.logprob_ids, want.logprob_ids)
+        assert torch.equal(sampling_probs(x, batch), sampling_probs(x.float(), batch))
 
 
 def test_flat_and_peaked_rows_give_the_references_tokens():

@@ -166,7 +166,8 @@ def sample_reference(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutpu
 
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] fp32: what each row draws from, softmax(logits / temperature) on the tokens the filters keep, 0 elsewhere
-    (the reference's kept set; greedy rows as if sampled at temperature 1)."""
+    (the reference's kept set; greedy rows as if sampled at temperature 1); logits as `sample` takes them."""
+    logits = logits.float()
     kept = ref.sample_kept(logits, batch.inv_temperature, batch.min_p, batch.top_k, batch.drop_share)
     x = (logits * batch.inv_temperature[:, None]).masked_fill(~kept, float("-inf"))
     return x.softmax(dim=-1)
