@@ -5,6 +5,7 @@ Compile the decode GEMV for sm_90 without a GPU and count SASS instructions in i
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 fp8 --warps 2 --bn 64 --stages 2
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py nvfp4 --pair --tiled --gcol --shared fp8
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py --sampler       # the sampler's passes, per logit
+    PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py --sampler --logits fp32      # on fp32 logits
     PYTHONPATH=/path/to/triton-3.6 python bench/lab/sass.py --mhc           # mHC's mixing launches, per K step
 
 Needs the Triton release the device runs (3.6: a wheel unpacked into a folder on PYTHONPATH; its bundled
@@ -174,7 +175,7 @@ def loop_counts(cubin: bytes):
     return (op_counts(ins, *best) if best else Counter()), *spills_and_registers(ins, usage)
 
 
-SAMPLER_TYPES = dict(logits="*fp32", stat_x="*fp32", stat_i="*i32", hist="*i32", state="*i64", sums="*i64",
+SAMPLER_TYPES = dict(stat_x="*fp32", stat_i="*i32", hist="*i32", state="*i64", sums="*i64",
                      cand="*i32", over="*i64", cnt="*i32", out="*i64",
                      P=sampling.Rows("*fp32", "*i1", "*fp32", "*i64", "*fp64", "*i64", "*i64"))
 _DRAWS = dict(D=sampling.CANDIDATES, NS_PAD=256, CHUNKS_PAD=16, SUB=sampling.SUB)
@@ -193,15 +194,17 @@ SAMPLER_CASES = [   # (what, kernel, filters (min-p, top-k, top-p), its constexp
 ]
 
 
-def sampler_counts() -> None:
+def sampler_counts(logits: str = "bf16") -> None:
     """The SASS instructions a logit of each loop of the sampler's passes (`kernels/sampling.py`, 8 warps; each loop
-    takes the logits its case names an iteration), as the docs quote them."""
+    takes the logits its case names an iteration) for logits of that dtype ("bf16": the engine's; "fp32"), as the docs
+    quote them."""
     for what, name, filters, consts, widths in SAMPLER_CASES:
         fn = getattr(sampling, name)
         consts = {n: v for n, v in dict(consts, BLOCK=sampling.BLOCK).items() if n in fn.arg_names}
         if filters is not None:
             consts["F"] = sampling.Filters(*filters)
-        sig = {n: "constexpr" if n in consts else SAMPLER_TYPES.get(n, "i32") for n in fn.arg_names}
+        types = dict(SAMPLER_TYPES, logits=f"*{logits}")
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ins, usage = dump(k.asm["cubin"])
         sizes = [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in loops(ins)]
@@ -261,10 +264,11 @@ def main():
     ap.add_argument("--qgemm", action="store_true", help="the fused tiles (`compile_qgemm`, aligned as at V4's "
                     "shapes; formats may include dense) at BM 16, --bn, BK 128, split-K, --warps, --stages")
     ap.add_argument("--sampler", action="store_true", help="the sampler's passes instead (`sampler_counts`)")
+    ap.add_argument("--logits", choices=("bf16", "fp32"), default="bf16", help="the sampler's logits (--sampler)")
     ap.add_argument("--mhc", action="store_true", help="mHC's mixing launches instead (`mhc_counts`)")
     args = ap.parse_args()
     if args.sampler:
-        sampler_counts()
+        sampler_counts(args.logits)
         return
     if args.mhc:
         mhc_counts()
