@@ -52,9 +52,10 @@ def with_defaults(fn, consts: dict) -> dict:
     return {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
 
 
-def signature(fn, consts: dict) -> tuple[dict, dict]:
-    """(signature, divisibility attributes) of `fn` for ASTSource: a bundle as its named tuple of types; a pointer,
-    or an i32 that is specialized and not in NO_DIVISIBILITY, divisible by 16."""
+def signature(fn, consts: dict, types: dict = TYPES, unaligned: set = NO_DIVISIBILITY) -> tuple[dict, dict]:
+    """(signature, divisibility attributes) of `fn` for ASTSource: an argument's type by name in `types` (i32 if
+    absent), a bundle as its named tuple of types; a pointer, or an i32 that is specialized and not in `unaligned`,
+    divisible by 16."""
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -62,10 +63,10 @@ def signature(fn, consts: dict) -> tuple[dict, dict]:
             continue
         bundle = BUNDLES.get(name.removeprefix("up_").removeprefix("dn_"))
         fields = bundle._fields if bundle else (name,)
-        types = [TYPES.get(f, "i32") for f in fields]
-        sig[name] = bundle(*types) if bundle else types[0]
-        for j, (f, t) in enumerate(zip(fields, types)):
-            if t.startswith("*") or (t == "i32" and name not in fn.do_not_specialize and f not in NO_DIVISIBILITY):
+        field_types = [types.get(f, "i32") for f in fields]
+        sig[name] = bundle(*field_types) if bundle else field_types[0]
+        for j, (f, t) in enumerate(zip(fields, field_types)):
+            if t.startswith("*") or (t == "i32" and name not in fn.do_not_specialize and f not in unaligned):
                 attrs[(i, j) if bundle else (i,)] = [["tt.divisibility", 16]]
     return sig, attrs
 
@@ -231,9 +232,7 @@ def mhc_counts() -> None:
                           PRECISION=plan.precision, DOT=tl.bfloat16)
             if opaque is not None:
                 consts.update(N=plan.streams, OPAQUE=opaque)
-            sig = {n: "constexpr" if n in consts else MHC_TYPES.get(n, "i32") for n in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                     if n not in consts and n not in MHC_UNALIGNED}
+            sig, attrs = signature(fn, consts, MHC_TYPES, MHC_UNALIGNED)
             k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": plan.warps})
             ins, usage = dump(k.asm["cubin"])
